@@ -1,0 +1,232 @@
+"""``fully_shard`` and ``FSDPModule``: the FSDP2-compatible front of fullshard."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from .core import hooks
+from .core.group import ParamGroup
+from .core.param import ParamRef, ShardedParam
+from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
+from .policies import MixedPrecisionPolicy, OffloadPolicy
+
+# Original (unsharded) parameter -> description of the unit that sharded it. A
+# parameter object still referenced by another module after its unit replaced it
+# with a DTensor is shared across units; see _collect_params.
+_SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the gather."""
+
+    def __init__(self, unit: UnitState):
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit.group is not None:
+            self._unit.group.wait_unshard()
+
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (``isinstance`` checks both)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Containers rebuild themselves with self.__class__(...) (nn.Sequential slicing):
+        # construct the original class then. mro: FSDP<Cls>, FSDPModule, Cls, ...
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    @property
+    def _unit(self) -> UnitState:
+        return self.__dict__["_fullshard_unit"]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now (e.g. to start the first gather before
+        forward). With ``async_op=True`` returns a handle whose ``wait()`` finishes it."""
+        unit = self._unit
+        hooks.ensure_root(unit)
+        unit.explicit_unshard = True
+        if unit.group is not None:
+            unit.group.unshard(async_op=async_op)
+        return UnshardHandle(unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters and register the sharded ones."""
+        unit = self._unit
+        unit.explicit_unshard = False
+        if unit.group is not None:
+            unit.group.reshard()
+
+    def _apply(self, *args, **kwargs):
+        # .to()/.cuda()/to_empty() replace the DTensor parameters; re-point them at the
+        # unit's flat shard so gathers read what the module holds.
+        self.reshard()
+        ret = super()._apply(*args, **kwargs)
+        group = self._unit.group
+        if group is not None:
+            with torch.no_grad():
+                group.readopt()
+        return ret
+
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = True,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+    """Shard ``module``'s parameters across ``mesh`` (data parallel, ZeRO-3 / ZeRO-2).
+
+    Apply it to submodules first (e.g. each transformer block), then to the root.
+    Every parameter not already managed by a sharded submodule becomes a DTensor
+    sharded on dim 0; before the module's forward (and backward) they are
+    all-gathered in one collective and freed afterwards; gradients are
+    reduce-scattered (averaged over ranks) into sharded DTensor gradients.
+
+    Args:
+        module: the module to shard; returned with its class swapped to a subclass of
+            both its class and :class:`FSDPModule`.
+        mesh: a 1-D DeviceMesh (default: every rank of the default process group).
+        reshard_after_forward: free parameters after forward and gather them again in
+            backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2).
+            The root module keeps them either way, since backward starts with it.
+        mp_policy, offload_policy: FSDP2's policies; only their defaults are supported
+            so far.
+        ignored_params: parameters to leave unsharded and unmanaged.
+    """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard: a list of modules as one unit is not supported "
+                                  "yet; wrap them in one nn.Module and shard that.")
+    label = type(module).__name__
+    _check_arguments(label, reshard_after_forward, mp_policy, offload_policy)
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {label}; apply it once per "
+                         "module (submodules first, then the root).")
+    mesh = _resolve_mesh(label, mesh)
+    pg = mesh.get_group()
+    device = _mesh_device(mesh)
+    refs_by_param = _collect_params(module, label, ignored_params or set())
+    group = None
+    if refs_by_param:
+        params = [ShardedParam(refs, p, mesh, mesh.get_local_rank(), mesh.size())
+                  for p, refs in refs_by_param.items()]
+        group = ParamGroup(params, pg, label)
+        group.shard(list(refs_by_param), device)
+        for original in refs_by_param:
+            _SHARDED_ORIGINALS[original] = label
+    _move_buffers(module, device)
+    unit = UnitState(module, label, mesh, group, reshard_after_forward is not False)
+    module.__dict__["_fullshard_unit"] = unit
+    module.__class__ = _fsdp_class(type(module))
+    hooks.install(unit)
+    _register_state_dict_hooks(unit)
+    return module
+
+
+def _check_arguments(label, reshard_after_forward, mp_policy, offload_policy) -> None:
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
+        raise NotImplementedError(
+            f"fully_shard({label}): reshard_after_forward={reshard_after_forward!r}; only True/"
+            "False are supported so far (an int, ZeRO++ hpZ-style resharding, is planned).")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard({label}): mp_policy must be a fullshard."
+                        f"MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError(
+            f"fully_shard({label}): mixed precision ({mp_policy}) is not implemented yet; "
+            "train in the parameters' dtype or use torch.autocast for now.")
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"fully_shard({label}): {type(offload_policy).__name__} is not implemented yet; "
+            "keep the default OffloadPolicy().")
+
+
+def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        default_process_group_or_raise(f"fully_shard({label})")
+        return init_device_mesh(mesh_device_type(), (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard({label}): mesh must be a torch DeviceMesh, got "
+                        f"{type(mesh).__name__}.")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard({label}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; "
+            "fullshard shards over a 1-D mesh. Pass the shard dimension, e.g. mesh['shard'] "
+            "(hybrid sharding over a 2-D (replicate, shard) mesh is planned).")
+    return mesh
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter]
+                    ) -> dict[nn.Parameter, list[ParamRef]]:
+    """The parameters this unit manages: those of ``module`` and its submodules that no
+    sharded submodule manages, each with every place it is registered (tied weights)."""
+    refs: dict[nn.Parameter, list[ParamRef]] = {}
+    for prefix, sub in _managed_modules(module):
+        for name, p in sub._parameters.items():
+            if p is None or p in ignored:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            owner = _SHARDED_ORIGINALS.get(p) if not isinstance(p, DTensor) else "another unit"
+            if isinstance(p, DTensor) or owner is not None:
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' is also managed by fully_shard"
+                    f"({owner}); a parameter shared between two units is not supported. Shard "
+                    "the modules that share it together: apply fully_shard to their common "
+                    "parent only (e.g. leave tied embeddings to the root).")
+            refs.setdefault(p, []).append(ParamRef(sub, name, fqn))
+    return refs
+
+
+def _managed_modules(module: nn.Module, prefix: str = ""):
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or isinstance(child, FSDPModule):
+            continue
+        yield from _managed_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for _, sub in _managed_modules(module):
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+def _register_state_dict_hooks(unit: UnitState) -> None:
+    """state_dict()/load_state_dict() always see the sharded DTensors; a load with
+    ``assign=True`` re-points the new DTensors at the unit's flat shard."""
+    group = unit.group
+    if group is None:
+        return
+
+    def to_sharded(*_args, **_kwargs) -> None:
+        group.reshard()
+
+    def readopt(*_args, **_kwargs) -> None:
+        with torch.no_grad():
+            group.readopt()
+
+    unit.module.register_state_dict_pre_hook(to_sharded)
+    unit.module.register_load_state_dict_pre_hook(to_sharded)
+    unit.module.register_load_state_dict_post_hook(readopt)

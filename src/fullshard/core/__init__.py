@@ -1,0 +1,1 @@
+"""fullshard's engine: sharded parameters, per-unit groups, collectives and hooks."""

@@ -1,0 +1,238 @@
+"""ParamGroup: one unit's parameters and their all-gather / reshard / reduce-scatter.
+
+A unit is what one ``fully_shard`` call manages. Its parameters share three flat
+buffers, so each transition is one collective and one copy:
+
+* ``flat_shard``   (S elements): this rank's padded shards, param after param. The
+  DTensor parameters' local tensors are views into it, so the optimizer updates it
+  in place and the all-gather sends it as is (no copy-in).
+* ``unsharded``    (world * S elements, param-major): the unsharded parameters are
+  persistent views into it; its storage is freed (resized to 0) while sharded.
+* all-gather output (world * S elements, rank-major): temporary; one
+  ``split_with_sizes_copy`` moves it into ``unsharded`` (the copy-out).
+
+Gradients go the other way: ``_chunk_cat`` lays the unsharded gradients out
+rank-major (one copy-in), one reduce-scatter sums them, and each rank wraps its
+slice of the result as DTensor gradients without copying.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Pending, all_gather, reduce_scatter_sum
+from .param import ShardedParam
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"        # only the shards exist; sharded DTensors are registered
+    GATHERING = "gathering"    # all-gather issued, not yet copied out
+    UNSHARDED = "unsharded"    # unsharded params registered and valid
+
+
+class ParamGroup:
+    """The parameters of one unit and the collectives that move them."""
+
+    def __init__(self, params: list[ShardedParam], pg: dist.ProcessGroup, unit_name: str):
+        self.params = params
+        self.pg = pg
+        self.world_size = pg.size()
+        self.unit_name = unit_name
+        self.state = GroupState.SHARDED
+        self.shard_sizes = [p.layout.shard_numel for p in params]
+        self.shard_numel = sum(self.shard_sizes)
+        self.flat_shard: torch.Tensor | None = None
+        self.unsharded: torch.Tensor | None = None
+        self._copy_out_targets: list[torch.Tensor] = []
+        self._gather: Pending | None = None
+        self.on_grads_ready: Callable[[], None] | None = None
+        self._grads_expected = 0
+        self._grads_seen = 0
+
+    # -- construction -------------------------------------------------------------------
+    def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
+        """Allocate the flat shard on ``device`` and copy each original's rows into it."""
+        dtypes = {t.dtype for t in originals}
+        if len(dtypes) > 1:
+            found = ", ".join(f"{p.fqn}: {t.dtype}" for p, t in zip(self.params, originals))
+            raise TypeError(
+                f"fully_shard({self.unit_name}): all parameters of one unit must share a dtype "
+                f"to be gathered in one collective; found {found}. Cast them to one dtype or "
+                "shard the differing submodules in their own fully_shard call.")
+        device = torch.device("meta") if any(t.is_meta for t in originals) else device
+        self.flat_shard = torch.empty(self.shard_numel, dtype=originals[0].dtype, device=device)
+        for p, full, view in zip(self.params, originals, self._shard_views(self.flat_shard)):
+            p.shard_from(full.to(device) if not full.is_meta else full, view,
+                         requires_grad=full.requires_grad)
+
+    def readopt(self) -> None:
+        """Re-point every DTensor at ``flat_shard`` after a module ``_apply`` or an
+        ``assign=True`` load replaced them; reallocate when device or dtype changed."""
+        self.reshard()
+        first = self.params[0].refs[0]
+        current = first.module._parameters[first.name]
+        local = getattr(current, "_local_tensor", current)
+        if self.flat_shard is None or (self.flat_shard.device, self.flat_shard.dtype) != (
+                local.device, local.dtype):
+            self.flat_shard = torch.empty(self.shard_numel, dtype=local.dtype, device=local.device)
+            self.unsharded = None
+            self._copy_out_targets = []
+        for p, view in zip(self.params, self._shard_views(self.flat_shard)):
+            p.readopt(view)
+
+    def _shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(flat, self.shard_sizes))
+
+    def _build_unsharded(self) -> None:
+        """Allocate the unsharded buffer and the persistent unsharded params (once)."""
+        w = self.world_size
+        self.unsharded = torch.empty(w * self.shard_numel, dtype=self.flat_shard.dtype,
+                                     device=self.flat_shard.device)
+        writer = self.unsharded.data  # own version counter: see Note [unsharded params are persistent views]
+        self._copy_out_targets = [v.view(w, -1) for v in torch.split(
+            writer, [w * n for n in self.shard_sizes])]
+        for p, view in zip(self.params, torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
+            p.make_unsharded(view)
+            p.unsharded_param.register_post_accumulate_grad_hook(self._grad_ready_hook)
+        self._free_unsharded_storage()
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat_shard.device
+
+    @property
+    def is_meta(self) -> bool:
+        return self.flat_shard.is_meta
+
+    # -- unshard / reshard --------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering the parameters (no-op when already gathering or unsharded)."""
+        if self.state is not GroupState.SHARDED:
+            return
+        if self.unsharded is None:
+            self._build_unsharded()
+        out = torch.empty(self.world_size * self.shard_numel, dtype=self.flat_shard.dtype,
+                          device=self.flat_shard.device)
+        self._gather = all_gather(out, self.flat_shard, self.pg, async_op=async_op)
+        self.state = GroupState.GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Finish a pending gather: copy out and register the unsharded params."""
+        if self.state is not GroupState.GATHERING:
+            return
+        gathered = self._gather.wait()
+        self._gather = None
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self.shard_sizes, dim=1,
+                                    out=self._copy_out_targets)
+        for p in self.params:
+            up = p.unsharded_param
+            if up.requires_grad != p.sharded_param.requires_grad:
+                up.requires_grad_(p.sharded_param.requires_grad)
+            p.register(up)
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the sharded params again and free the unsharded storage."""
+        if self.state is GroupState.SHARDED:
+            return
+        if self.state is GroupState.GATHERING:
+            self._gather.wait()  # a buffer under a live collective cannot be dropped
+            self._gather = None
+        else:
+            for p in self.params:
+                p.register(p.sharded_param)
+        self._free_unsharded_storage()
+        self.state = GroupState.SHARDED
+
+    def _free_unsharded_storage(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    # -- gradients ------------------------------------------------------------------------
+    def trainable(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.sharded_param.requires_grad]
+
+    def expect_grads(self) -> None:
+        """Arm the countdown that fires ``on_grads_ready`` once every trainable param's
+        gradient has been accumulated in this backward."""
+        self._grads_expected = sum(1 for p in self.params if p.unsharded_param.requires_grad)
+        self._grads_seen = 0
+
+    def _grad_ready_hook(self, _param: torch.Tensor) -> None:
+        self._grads_seen += 1
+        if self._grads_seen == self._grads_expected and self.on_grads_ready is not None:
+            self.on_grads_ready()
+
+    def has_unsharded_grads(self) -> bool:
+        return self.unsharded is not None and any(
+            p.unsharded_param.grad is not None for p in self.params)
+
+    def reduce_grads(self, async_op: bool) -> "PendingReduce | None":
+        """Reduce-scatter the unsharded gradients (sum) and free them.
+
+        Note [gradient presence flags]
+        A parameter unused on one rank has no gradient there but may have one on
+        another. Each rank appends one flag per parameter (1 = I have a gradient) to
+        every chunk, so after the reduce every rank knows which parameters got a
+        gradient anywhere: those get the mean gradient (zeros counted for ranks that
+        lacked it), the rest keep ``grad=None``, as in single-process training. Ranks
+        that had every gradient locally never read the flags (no device sync).
+        """
+        trainable = self.trainable()
+        if not trainable:
+            return None
+        w = self.world_size
+        ref = trainable[0].unsharded_param
+        had_grad = [p.unsharded_param.grad is not None for p in trainable]
+        grads = [p.unsharded_param.grad if h else torch.zeros_like(p.unsharded_param)
+                 for p, h in zip(trainable, had_grad)]
+        flags = torch.tensor(had_grad, dtype=ref.dtype).to(ref.device).expand(w, -1)
+        full = torch._chunk_cat(grads + [flags], dim=0, num_chunks=w)
+        for p in trainable:
+            p.unsharded_param.grad = None
+        numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
+        out = torch.empty(numel, dtype=full.dtype, device=full.device)
+        pending = reduce_scatter_sum(out, full.view(-1), self.pg, async_op=async_op)
+        return PendingReduce(trainable, had_grad, pending, full)
+
+
+class PendingReduce:
+    """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
+
+    def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
+                 send_buffer: torch.Tensor):
+        self.params = params
+        self.had_grad = had_grad
+        self.pending = pending
+        self._send_buffer = send_buffer  # kept alive until the collective completes
+
+    def finish(self, world_size: int) -> None:
+        out = self.pending.wait()
+        self._send_buffer = None
+        out.div_(world_size)
+        sizes = [p.layout.shard_numel for p in self.params]
+        shards = torch.split(out, sizes + [len(self.params)])
+        if all(self.had_grad):
+            present = self.had_grad
+        else:  # see Note [gradient presence flags]
+            present = [f > 0 for f in shards[-1].tolist()]
+        for p, shard, keep in zip(self.params, shards, present):
+            if not keep:
+                continue
+            grad = p.sharded_grad(shard)
+            current = p.sharded_param.grad
+            if current is None:
+                p.sharded_param.grad = grad
+            else:
+                current._local_tensor.add_(grad._local_tensor)

@@ -1,0 +1,166 @@
+"""Module and autograd hooks: when each unit gathers, frees and reduces.
+
+Forward:  pre-forward gathers the unit (waiting on a prefetch if one was issued),
+          then prefetches the unit that ran next in the previous iteration;
+          post-forward frees the unit (``reshard_after_forward``, never the root)
+          and hooks the outputs so backward can gather it again.
+Backward: an output-gradient hook gathers the unit and prefetches the unit that
+          ran before it in forward; once every trainable parameter's gradient is
+          accumulated (a countdown of AccumulateGrad hooks), the unit
+          reduce-scatters asynchronously and frees its parameters. A final
+          callback, queued when backward starts, reduces the units the countdown
+          never completed for (unused parameters) and leaves everything sharded.
+
+Note [why a gradient countdown, not an input hook]
+Counting AccumulateGrad hooks fires exactly once per backward even when a module
+runs twice in forward, needs no inputs that require grad (the first unit gets
+token ids), and never frees parameters that a pending part of the backward still
+reads. Units whose countdown cannot complete (a parameter unused in forward) are
+reduced in the final callback, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from .group import GroupState
+from .state import RootState, UnitState, lazy_init
+
+
+def install(unit: UnitState) -> None:
+    """Register the forward hooks of ``unit.module`` and wire its gradient countdown."""
+    unit.module.register_forward_pre_hook(partial(_pre_forward, unit), prepend=True,
+                                          with_kwargs=True)
+    unit.module.register_forward_hook(partial(_post_forward, unit), always_call=False,
+                                      with_kwargs=True)
+    unit.pre_backward_hook = partial(_pre_backward, unit)
+    if unit.group is not None:
+        unit.group.on_grads_ready = partial(_on_grads_ready, unit)
+
+
+def ensure_root(unit: UnitState) -> RootState:
+    """Lazy init: the first unit to run (forward or ``unshard()``) becomes the root."""
+    if unit.root is not None:
+        return unit.root
+    units = [m._fullshard_unit for m in unit.module.modules() if hasattr(m, "_fullshard_unit")]
+    names = {m: n for n, m in unit.module.named_modules()}
+    for u in units:
+        u.rename(names[u.module])
+    return lazy_init(unit, units)
+
+
+# -- forward ----------------------------------------------------------------------------
+def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> None:
+    root = ensure_root(unit)
+    group = unit.group
+    if root.in_backward:  # activation-checkpoint recompute: parameters are needed again
+        if group is not None:
+            group.unshard()
+            group.wait_unshard()
+        return None
+    if unit is root.unit:
+        _root_pre_forward(root)
+    root.record_pre_forward(unit)
+    if group is not None:
+        group.unshard()
+        group.wait_unshard()
+    unit.explicit_unshard = False
+    nxt = root.next_in_forward(unit)
+    if nxt is not None and nxt.group is not None and nxt.group.state is GroupState.SHARDED:
+        nxt.group.unshard(async_op=True)
+    return None
+
+
+def _root_pre_forward(root: RootState) -> None:
+    root.finish_pending_reduce()
+    for u in root.units:
+        # Parameters still gathered from an earlier forward without backward may be
+        # stale after an optimizer step; gather them again (unless the user just did).
+        if u.group is not None and u.group.state is not GroupState.SHARDED \
+                and not u.explicit_unshard:
+            u.group.reshard()
+    root.start_iteration()
+
+
+def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
+                  output: Any) -> None:
+    root = unit.root
+    if root.in_backward:
+        return None
+    group = unit.group
+    if torch.is_grad_enabled():
+        root.record_post_forward(unit)
+        unit.ran_forward_with_grad = True
+        _hook_outputs(unit, output)
+        if group is not None and unit.reshard_after_forward and not unit.is_root:
+            group.reshard()
+    elif group is not None:  # no backward will read these parameters
+        group.reshard()
+    return None
+
+
+def _hook_outputs(unit: UnitState, output: Any) -> None:
+    leaves, _ = tree_flatten(output)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(unit.pre_backward_hook)
+
+
+# -- backward ---------------------------------------------------------------------------
+def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
+    root = unit.root
+    if not root.in_backward:
+        _start_backward(root)
+    group = unit.group
+    if group is not None and not unit.backward_done:
+        group.unshard()
+        group.wait_unshard()
+    prev = root.prev_in_forward(unit)
+    if prev is not None and prev.group is not None and not prev.backward_done \
+            and prev.group.state is GroupState.SHARDED:
+        prev.group.unshard(async_op=True)
+    return None
+
+
+def _start_backward(root: RootState) -> None:
+    root.in_backward = True
+    for u in root.units:
+        if u.group is not None and u.group.unsharded is not None:
+            u.group.expect_grads()
+    Variable._execution_engine.queue_callback(partial(_final_callback, root))
+
+
+def _on_grads_ready(unit: UnitState) -> None:
+    root = unit.root
+    if root is None or not root.in_backward or unit.backward_done:
+        return
+    _post_backward(unit)
+
+
+def _post_backward(unit: UnitState) -> None:
+    root = unit.root
+    root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
+    group = unit.group
+    if group is not None:
+        root.pending_reduce = group.reduce_grads(async_op=True)
+        group.reshard()
+    unit.backward_done = True
+
+
+def _final_callback(root: RootState) -> None:
+    for u in root.units:
+        if u.ran_forward_with_grad and not u.backward_done:
+            _post_backward(u)
+    root.finish_pending_reduce()
+    for u in root.units:
+        if u.group is not None:
+            u.group.reshard()
+        u.ran_forward_with_grad = False
+        u.backward_done = False
+    root.in_backward = False

@@ -1,0 +1,167 @@
+"""ShardedParam: one parameter's life between its shard and its unsharded form.
+
+Note [padded dim-0 shards]
+Each parameter of shape (R, *rest) is split on dim 0 into chunks of
+``C = ceil(R / world)`` rows; rank r owns rows [r*C, (r+1)*C) clipped to R, which is
+exactly DTensor's ``Shard(0)`` layout (trailing ranks may own fewer rows or none).
+Every rank stores a full C-row *padded* shard so all ranks contribute equal-sized
+pieces to the unit's all-gather; the DTensor's local tensor is the first ``valid``
+rows of that padded shard. The padded shard is a view into the unit's flat sharded
+buffer (see ParamGroup), so the all-gather reads the shards with no copy-in.
+
+Note [unsharded params are persistent views]
+The unsharded parameter is created once and keeps its identity across steps: it is
+a view into the unit's flat unsharded buffer whose storage is resized to zero when
+the unit reshards and back when it unshards. Autograd's AccumulateGrad node is tied
+to the tensor object, so a persistent object means one gradient hook registration
+and one accumulation per backward even when a module runs twice in a forward.
+The writer of all-gathered data uses an alias of the buffer with its own version
+counter (``.data``), so refilling the storage does not invalidate tensors that
+autograd saved in forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """Where a parameter is registered: ``module._parameters[name]`` (fqn for messages)."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Sizes of one parameter's padded dim-0 shard on one rank (see Note [padded dim-0 shards])."""
+
+    shape: torch.Size
+    rows_per_rank: int
+    valid_rows: int
+    row_numel: int
+
+    @staticmethod
+    def of(shape: torch.Size, rank: int, world_size: int) -> "ShardLayout":
+        rows = shape[0]
+        rows_per_rank = math.ceil(rows / world_size)
+        valid = max(0, min(rows_per_rank, rows - rank * rows_per_rank))
+        return ShardLayout(shape, rows_per_rank, valid, math.prod(shape[1:]))
+
+    @property
+    def shard_numel(self) -> int:
+        return self.rows_per_rank * self.row_numel
+
+    def padded_shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, *self.shape[1:])
+
+
+class ShardedParam:
+    """One parameter of a unit: its DTensor shard, its unsharded view, where it is registered."""
+
+    def __init__(self, refs: list[ParamRef], param: nn.Parameter, mesh: DeviceMesh,
+                 rank: int, world_size: int):
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard: parameter '{refs[0].fqn}' is 0-dimensional; fullshard shards "
+                "on dim 0. Reshape it to shape (1,) or pass it in ignored_params.")
+        self.refs = refs
+        self.fqn = refs[0].fqn
+        self.mesh = mesh
+        self.rank = rank
+        self.world_size = world_size
+        self.layout = ShardLayout.of(param.shape, rank, world_size)
+        self.dtype = param.dtype
+        self.spec = DTensorSpec(
+            mesh, (Shard(0),),
+            tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype))
+        self.sharded_param: nn.Parameter | None = None
+        self.padded_shard: torch.Tensor | None = None
+        self.unsharded_param: nn.Parameter | None = None
+
+    # -- sharded side -------------------------------------------------------------------
+    def shard_from(self, full: torch.Tensor, flat_view: torch.Tensor, requires_grad: bool) -> None:
+        """Copy this rank's rows of ``full`` into ``flat_view`` and register the DTensor."""
+        lay = self.layout
+        self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
+        start = self.rank * lay.rows_per_rank
+        with torch.no_grad():
+            self.padded_shard[lay.valid_rows:].zero_()
+            self.padded_shard[:lay.valid_rows].copy_(full.detach()[start:start + lay.valid_rows])
+        local = self.padded_shard[:lay.valid_rows]
+        self.sharded_param = nn.Parameter(DTensor(local, self.spec, requires_grad=False),
+                                          requires_grad=requires_grad)
+        self.register(self.sharded_param)
+
+    def readopt(self, flat_view: torch.Tensor) -> None:
+        """Re-attach to whatever DTensor is registered now (after ``_apply`` or
+        ``load_state_dict(assign=True)``) and make its local tensor view ``flat_view``."""
+        ref = self.refs[0]
+        current = ref.module._parameters.get(ref.name)
+        if current is None:
+            raise RuntimeError(f"fullshard: parameter '{self.fqn}' was removed from its module "
+                               "after fully_shard; re-register it or shard the module again.")
+        if not isinstance(current, DTensor):
+            raise TypeError(
+                f"fullshard: parameter '{self.fqn}' was replaced by a plain tensor after "
+                "fully_shard. Load sharded values instead: build them with "
+                "torch.distributed.tensor.distribute_tensor(full, param.device_mesh, "
+                "param.placements), or use fullshard.checkpoint.set_model_state_dict.")
+        if current.shape != self.layout.shape or current.placements != (Shard(0),):
+            raise ValueError(
+                f"fullshard: parameter '{self.fqn}' was replaced by a DTensor of shape "
+                f"{tuple(current.shape)} and placements {current.placements}; expected shape "
+                f"{tuple(self.layout.shape)} with (Shard(0),).")
+        lay = self.layout
+        old_local = current._local_tensor
+        self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
+        new_local = self.padded_shard[:lay.valid_rows]
+        if not _same_memory(old_local, new_local):
+            with torch.no_grad():
+                if not old_local.is_meta and not new_local.is_meta:
+                    new_local.copy_(old_local)
+                self.padded_shard[lay.valid_rows:].zero_()
+            current._local_tensor = new_local
+        self.sharded_param = current
+        self.dtype = current.dtype
+        self.spec = current._spec
+        self.register(current)
+
+    # -- unsharded side -----------------------------------------------------------------
+    def make_unsharded(self, unsharded_view: torch.Tensor) -> None:
+        """Create the persistent unsharded parameter over ``unsharded_view`` (padded rows)."""
+        lay = self.layout
+        padded = unsharded_view.view(lay.padded_shape(lay.rows_per_rank * self.world_size))
+        self.unsharded_param = nn.Parameter(padded[:lay.shape[0]],
+                                            requires_grad=self.sharded_param.requires_grad)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the value every owning module sees under this parameter's name."""
+        for ref in self.refs:
+            ref.module._parameters[ref.name] = tensor
+
+    def sharded_grad(self, padded_grad_shard: torch.Tensor) -> DTensor:
+        """Wrap this rank's reduced gradient rows as a DTensor matching the sharded param."""
+        lay = self.layout
+        local = padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank))[:lay.valid_rows]
+        return DTensor(local, self.spec, requires_grad=False)
+
+    def __repr__(self) -> str:
+        return f"ShardedParam({self.fqn}, shape={tuple(self.layout.shape)})"
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_meta or b.is_meta or a.numel() == 0:
+        return False  # nothing to compare; re-pointing the local tensor is harmless
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()

@@ -1,0 +1,148 @@
+"""Explicit run-time state: one UnitState per ``fully_shard`` call, one RootState per tree.
+
+The root is the outermost sharded module whose forward runs first; at that moment
+it claims every unit below it (lazy init). Per-iteration bookkeeping (the order
+units ran in, whether backward is in progress, the reduce-scatter in flight) lives
+on the RootState so that units stay plain descriptions of themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .group import GroupState, ParamGroup, PendingReduce
+
+
+class UnitState:
+    """What one ``fully_shard(module)`` call manages."""
+
+    def __init__(self, module: nn.Module, name: str, mesh: DeviceMesh,
+                 group: ParamGroup | None, reshard_after_forward: bool):
+        self.module = module
+        self.name = name
+        self.mesh = mesh
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.root: RootState | None = None
+        self.pre_backward_hook = None  # set by hooks.install
+        # Per iteration:
+        self.explicit_unshard = False   # the user called module.unshard(): keep it at pre-forward
+        self.ran_forward_with_grad = False
+        self.backward_done = False
+
+    def rename(self, path: str) -> None:
+        """Name the unit and its parameters by their path from the root (for messages)."""
+        self.name = path or type(self.module).__name__
+        if self.group is not None:
+            self.group.unit_name = self.name
+            for p in self.group.params:
+                p.fqn = f"{path}.{p.refs[0].fqn}" if path else p.refs[0].fqn
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is not None and self.root.unit is self
+
+    def __repr__(self) -> str:
+        return f"UnitState({self.name})"
+
+
+class RootState:
+    """Iteration state shared by every unit under one root."""
+
+    def __init__(self, unit: UnitState, units: list[UnitState]):
+        self.unit = unit
+        self.units = units
+        self.forward_order: list[UnitState] = []      # last iteration's, used to prefetch
+        self._next_in_forward: dict[UnitState, UnitState] = {}
+        self.recording: list[UnitState] = []          # this iteration's pre-forward order
+        self._recorded: set[UnitState] = set()
+        self.post_forward_order: list[UnitState] = []
+        self._prev_in_forward: dict[UnitState, UnitState] = {}
+        self.in_backward = False
+        self.pending_reduce: PendingReduce | None = None
+
+    # -- orders -------------------------------------------------------------------------
+    def record_pre_forward(self, unit: UnitState) -> None:
+        if unit not in self._recorded:  # a unit run twice is prefetched for its first run
+            self.recording.append(unit)
+            self._recorded.add(unit)
+
+    def start_iteration(self) -> None:
+        if self.recording:
+            self.forward_order = self.recording
+            self._next_in_forward = dict(zip(self.forward_order, self.forward_order[1:]))
+        self.recording = []
+        self._recorded = set()
+        self.post_forward_order = []
+        self._prev_in_forward = {}
+
+    def record_post_forward(self, unit: UnitState) -> None:
+        if self.post_forward_order:
+            self._prev_in_forward[unit] = self.post_forward_order[-1]
+        self.post_forward_order.append(unit)
+
+    def next_in_forward(self, unit: UnitState) -> UnitState | None:
+        return self._next_in_forward.get(unit)
+
+    def prev_in_forward(self, unit: UnitState) -> UnitState | None:
+        """The unit whose forward finished just before ``unit``'s (last) one: the next
+        one backward reaches, hence the one to prefetch."""
+        return self._prev_in_forward.get(unit)
+
+    # -- reduce-scatter in flight -----------------------------------------------------------
+    def finish_pending_reduce(self) -> None:
+        if self.pending_reduce is not None:
+            pending, self.pending_reduce = self.pending_reduce, None
+            pending.finish(self.unit.mesh.size())
+
+
+def lazy_init(unit: UnitState, all_units: list[UnitState]) -> RootState:
+    """Make ``unit`` the root of ``all_units`` (its subtree) and check they can run."""
+    root = RootState(unit, all_units)
+    root.start_iteration()
+    for u in all_units:
+        u.root = root
+        if u.group is None:
+            continue
+        _check_not_meta(u.group)
+        _readopt_if_replaced(u.group)
+    return root
+
+
+def _check_not_meta(group: ParamGroup) -> None:
+    for p in group.params:
+        ref = p.refs[0]
+        current = ref.module._parameters.get(ref.name)
+        if current is not None and current.is_meta:
+            raise RuntimeError(
+                f"fullshard: parameter '{p.fqn}' is still on the meta device at the first "
+                "forward. After fully_shard, call model.to_empty(device=...) and then "
+                "initialize it (reset_parameters() / init_weights()) or load a checkpoint.")
+
+
+def _readopt_if_replaced(group: ParamGroup) -> None:
+    if group.state is not GroupState.SHARDED:
+        return
+    for p in group.params:
+        ref = p.refs[0]
+        if ref.module._parameters.get(ref.name) is not p.sharded_param:
+            group.readopt()
+            return
+
+
+def default_process_group_or_raise(what: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what}: no process group is initialized. Call "
+            "torch.distributed.init_process_group(backend) first (gloo on CPU, nccl on CUDA), "
+            "for example under `torchrun --nproc_per_node N train.py`, or pass mesh=.")
+
+
+def mesh_device_type() -> str:
+    backend = dist.get_backend()
+    if "nccl" in backend and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"

@@ -1,0 +1,1 @@
+"""Models and (soon) the trainer built on fullshard."""
