@@ -16,10 +16,27 @@ from .core.param import ParamRef, ShardedParam
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 
-# Original (unsharded) parameter -> description of the unit that sharded it. A
-# parameter object still referenced by another module after its unit replaced it
-# with a DTensor is shared across units; see _collect_params.
-_SHARDED_ORIGINALS: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
+
+
+class _OriginalOwners:
+    """Original (pre-shard) parameter -> label of the unit that sharded it. A parameter
+    object another module still holds after its unit replaced it with a DTensor is
+    shared across units (see _collect_params). Keyed by id with weak references:
+    tensors cannot be WeakKeyDictionary keys (their == is elementwise)."""
+
+    def __init__(self):
+        self._owners: dict[int, tuple[weakref.ref, str]] = {}
+
+    def add(self, param: nn.Parameter, label: str) -> None:
+        key = id(param)
+        self._owners[key] = (weakref.ref(param, lambda _r: self._owners.pop(key, None)), label)
+
+    def get(self, param: nn.Parameter) -> str | None:
+        entry = self._owners.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+
+_SHARDED_ORIGINALS = _OriginalOwners()
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -105,11 +122,16 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if isinstance(module, (list, tuple)):
         raise NotImplementedError("fully_shard: a list of modules as one unit is not supported "
                                   "yet; wrap them in one nn.Module and shard that.")
-    label = type(module).__name__
+    label = _original_class(module).__name__
     _check_arguments(label, reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {label}; apply it once per "
                          "module (submodules first, then the root).")
+    if type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard({label}): this module has no forward() of its own (a container such "
+            "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
+            "Apply fully_shard to its children, or to the parent module that runs them.")
     mesh = _resolve_mesh(label, mesh)
     pg = mesh.get_group()
     device = _mesh_device(mesh)
@@ -121,7 +143,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         group = ParamGroup(params, pg, label)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
-            _SHARDED_ORIGINALS[original] = label
+            _SHARDED_ORIGINALS.add(original, label)
     _move_buffers(module, device)
     unit = UnitState(module, label, mesh, group, reshard_after_forward is not False)
     module.__dict__["_fullshard_unit"] = unit
@@ -205,6 +227,11 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
+
+
+def _original_class(module: nn.Module) -> type:
+    cls = type(module)
+    return cls.__mro__[2] if isinstance(module, FSDPModule) else cls
 
 
 def _fsdp_class(cls: type) -> type:

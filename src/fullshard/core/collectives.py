@@ -18,6 +18,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Note [collectives are always issued async]
+# Blocking calls are issued with async_op=True and waited at once: on gloo, a process
+# that made blocking collectives on a group it still references can abort at exit
+# ("terminate called without an active exception") after destroy_process_group.
+# The async form has the same cost and no such exit path.
+
+
 class Pending(NamedTuple):
     """A collective in flight (or finished, when ``work`` is None)."""
 
@@ -36,8 +43,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     if group.size() == 1:
         output.copy_(shard)
         return Pending(output, None)
-    work = _all_gather_flat(output, shard, group=group, async_op=async_op)
-    return Pending(output, work)
+    pending = Pending(output, _all_gather_flat(output, shard, group=group, async_op=True))
+    return pending if async_op else Pending(pending.wait(), None)
 
 
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
@@ -46,5 +53,6 @@ def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
     if group.size() == 1:
         output.copy_(full)
         return Pending(output, None)
-    work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return Pending(output, work)
+    work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    pending = Pending(output, work)
+    return pending if async_op else Pending(pending.wait(), None)

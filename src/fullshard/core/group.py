@@ -97,7 +97,6 @@ class ParamGroup:
             writer, [w * n for n in self.shard_sizes])]
         for p, view in zip(self.params, torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
             p.make_unsharded(view)
-            p.unsharded_param.register_post_accumulate_grad_hook(self._grad_ready_hook)
         self._free_unsharded_storage()
 
     @property
@@ -136,8 +135,10 @@ class ParamGroup:
                                     out=self._copy_out_targets)
         for p in self.params:
             up = p.unsharded_param
-            if up.requires_grad != p.sharded_param.requires_grad:
+            if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
                 up.requires_grad_(p.sharded_param.requires_grad)
+            if up.requires_grad and p.grad_hook is None:
+                p.grad_hook = up.register_post_accumulate_grad_hook(self._grad_ready_hook)
             p.register(up)
         self.state = GroupState.UNSHARDED
 

@@ -87,6 +87,7 @@ class ShardedParam:
         self.sharded_param: nn.Parameter | None = None
         self.padded_shard: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
+        self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
 
     # -- sharded side -------------------------------------------------------------------
     def shard_from(self, full: torch.Tensor, flat_view: torch.Tensor, requires_grad: bool) -> None:
@@ -115,7 +116,7 @@ class ShardedParam:
                 f"fullshard: parameter '{self.fqn}' was replaced by a plain tensor after "
                 "fully_shard. Load sharded values instead: build them with "
                 "torch.distributed.tensor.distribute_tensor(full, param.device_mesh, "
-                "param.placements), or use fullshard.checkpoint.set_model_state_dict.")
+                "param.placements) and load those.")
         if current.shape != self.layout.shape or current.placements != (Shard(0),):
             raise ValueError(
                 f"fullshard: parameter '{self.fqn}' was replaced by a DTensor of shape "
@@ -143,6 +144,7 @@ class ShardedParam:
         padded = unsharded_view.view(lay.padded_shape(lay.rows_per_rank * self.world_size))
         self.unsharded_param = nn.Parameter(padded[:lay.shape[0]],
                                             requires_grad=self.sharded_param.requires_grad)
+        self.grad_hook = None
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` the value every owning module sees under this parameter's name."""

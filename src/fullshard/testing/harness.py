@@ -25,7 +25,8 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fullshard"])
+        _CTX.set_forkserver_preload(
+            ["torch", "torch._dynamo", "torch.distributed.tensor", "fullshard"])
     return _CTX
 
 
@@ -45,6 +46,9 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
+        import gc
+
+        gc.collect()  # drop objects holding the group first (see examples/quickstart.py)
         if dist.is_initialized():
             dist.destroy_process_group()
 

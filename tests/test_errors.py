@@ -1,0 +1,107 @@
+"""Misuse gets a clear error that names the module or parameter and says what to do."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fullshard.testing import run_distributed
+from fullshard.train.model import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2)
+
+
+def test_no_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"fully_shard\(Linear\): no process group .*"
+                                           r"init_process_group"):
+        fully_shard(nn.Linear(2, 2))
+
+
+def _raises(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+def _twice():
+    m = nn.Linear(4, 4)
+    fully_shard(m)
+    _raises(lambda: fully_shard(m), ValueError, r"already applied to this Linear")
+
+
+def _shared_across_units():
+    model = GPT(CFG)  # tok_emb.weight is lm_head.weight
+    fully_shard(model.tok_emb)
+    _raises(lambda: fully_shard(model), ValueError,
+            r"parameter 'lm_head.weight' is also managed by fully_shard\(Embedding\).*"
+            r"common parent")
+
+
+def _wrong_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    _raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh), ValueError,
+            r"fully_shard\(Linear\): mesh has 2 dimensions \(1, 2\).*mesh\['shard'\]")
+    _raises(lambda: fully_shard(nn.Linear(4, 4), mesh="cpu"), TypeError, r"DeviceMesh")
+
+
+def _meta_at_forward():
+    with torch.device("meta"):
+        model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    _raises(lambda: model(torch.zeros(1, 4, dtype=torch.long)), RuntimeError,
+            r"parameter 'tok_emb.weight' is still on the meta device.*to_empty")
+
+
+def _unsupported_options():
+    _raises(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16)), NotImplementedError, r"fully_shard\(Linear\): mixed precision")
+    _raises(lambda: fully_shard(nn.Linear(2, 2), offload_policy=CPUOffloadPolicy()),
+            NotImplementedError, r"CPUOffloadPolicy is not implemented yet")
+    _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=2),
+            NotImplementedError, r"reshard_after_forward=2")
+    _raises(lambda: fully_shard([nn.Linear(2, 2)]), NotImplementedError, r"list of modules")
+
+
+def _bad_modules():
+    _raises(lambda: fully_shard(nn.ModuleList([nn.Linear(2, 2)])), ValueError,
+            r"fully_shard\(ModuleList\): this module has no forward")
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temperature = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return x * self.temperature
+    _raises(lambda: fully_shard(Scalar()), ValueError,
+            r"parameter 'temperature' is 0-dimensional")
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    _raises(lambda: fully_shard(mixed), TypeError,
+            r"fully_shard\(Sequential\): all parameters of one unit must share a dtype.*"
+            r"1.weight: torch.float64")
+
+
+def _replaced_by_plain_tensor():
+    model = nn.Linear(4, 4)
+    fully_shard(model)
+    _raises(lambda: model.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)},
+                                          assign=True),
+            TypeError, r"parameter 'weight' was replaced by a plain tensor.*distribute_tensor")
+
+
+CHECKS = {f.__name__: f for f in (_twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
+                                  _unsupported_options, _bad_modules, _replaced_by_plain_tensor)}
+
+
+def _run_check(name):
+    CHECKS[name]()
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_clear_error(name):
+    assert all(run_distributed(_run_check, 2, name))

@@ -1,0 +1,169 @@
+"""Collectives per step, prefetch, manual unshard/reshard, optimizer and state-dict ecosystem."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from fullshard import FSDPModule, fully_shard
+from fullshard.testing import run_distributed
+from fullshard.testing.counting import count_collectives
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
+
+
+def _sharded_gpt(raf=True):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=raf)
+    fully_shard(model, reshard_after_forward=raf)
+    return model
+
+
+def _batch(seed=0, n=2):
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    x = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _count_worker(raf):
+    model = _sharded_gpt(raf)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step = []
+    for step in range(3):
+        x, y = _batch(step)
+        with count_collectives() as fwd:
+            loss = lm_loss(model(x), y)
+        with count_collectives() as bwd:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append((dict(fwd), dict(bwd)))
+    return per_step
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_collectives_per_step(raf):
+    units, layers = CFG.n_layers + 1, CFG.n_layers
+    steps = run_distributed(_count_worker, 2, raf)[0]
+    # first step: no recorded order yet, so forward gathers synchronously
+    fwd, bwd = steps[0]
+    assert fwd == {"all_gather": units}
+    # later steps: the root gathers on demand, every layer is prefetched
+    for fwd, bwd in steps[1:]:
+        assert fwd == {"all_gather": 1, "all_gather_async": layers}
+    for fwd, bwd in steps:
+        expected = {"reduce_scatter": units}
+        if raf:  # the layers were freed after forward: gathered again, prefetched
+            expected["all_gather_async"] = layers
+        assert bwd == expected, (raf, bwd)
+
+
+def _manual_worker():
+    model = _sharded_gpt()
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    root_params = [model.tok_emb.weight, model.pos_emb.weight, model.ln_f.weight]
+    assert all(not isinstance(p, DTensor) for p in root_params)
+    assert model.lm_head.weight is model.tok_emb.weight  # the tie holds while unsharded
+    model.reshard()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    model.layers[0].unshard()
+    w = model.layers[0].attn.qkv.weight
+    assert not isinstance(w, DTensor) and w.shape == (3 * CFG.d_model, CFG.d_model)
+    model.layers[0].reshard()
+    # values seen while unsharded equal the gathered DTensor
+    gathered = model.layers[0].attn.qkv.weight.full_tensor()
+    model.layers[0].unshard()
+    torch.testing.assert_close(model.layers[0].attn.qkv.weight.detach(), gathered)
+    model.layers[0].reshard()
+    return True
+
+
+def test_manual_unshard_reshard():
+    assert run_distributed(_manual_worker, 2) == [True, True]
+
+
+def _ecosystem_worker():
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert isinstance(model, GPT) and isinstance(model, FSDPModule)
+    assert type(model).__name__ == "FSDPGPT"
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()]
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),)
+    x, y = _batch(0, n=2)
+    world = dist.get_world_size()
+    gx = torch.cat([_batch_for_rank(r)[0] for r in range(world)])
+    gy = torch.cat([_batch_for_rank(r)[1] for r in range(world)])
+    lm_loss(model(x), y).backward()
+    lm_loss(ref(gx), gy).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.01)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=n: f"clipped grad {n}: {m}")
+    with count_collectives() as counts:
+        sd = model.state_dict()
+    assert not counts
+    assert sd.keys() == ref.state_dict().keys()
+    for k, v in sd.items():
+        assert isinstance(v, DTensor) and v.placements == (Shard(0),), k
+    return True
+
+
+def _batch_for_rank(rank):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_clip_grad_norm_and_state_dict(world_size):
+    assert all(run_distributed(_ecosystem_worker, world_size))
+
+
+def _no_grad_worker():
+    model = _sharded_gpt(raf=False)
+    x, _ = _batch()
+    with torch.no_grad():
+        model(x)
+    # nothing stays gathered after a forward that no backward will follow
+    return all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_eval_forward_leaves_everything_sharded():
+    assert run_distributed(_no_grad_worker, 2) == [True, True]
+
+
+def _stale_worker():
+    """A forward without backward, then an optimizer step: the next forward must use
+    the new weights, not the copy gathered before the step."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    fully_shard(model, reshard_after_forward=False)
+    sharded = list(model.parameters())  # what an optimizer holds
+    x, y = _batch()
+    model(x)  # grad enabled, never backpropagated: the root stays gathered
+    with torch.no_grad():
+        for p, rp in zip(sharded, ref.parameters()):
+            p.add_(1.0)
+            rp.add_(1.0)
+    torch.testing.assert_close(model(x), ref(x))
+    return True
+
+
+def test_forward_after_update_uses_new_weights():
+    assert run_distributed(_stale_worker, 2) == [True, True]
