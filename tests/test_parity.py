@@ -56,13 +56,13 @@ CASES = {
 }
 
 
-def _parity_worker(case, raf):
+def _parity_worker(case, raf, micro_batches=1):
     import torch.distributed as dist
 
     build, shard, make_batch, loss, opt = CASES[case]
     n = 2 * dist.get_world_size()
     report = check_parity(build, lambda model: shard(model, raf), lambda s: make_batch(s, n),
-                          loss, optimizer=opt, steps=5)
+                          loss, optimizer=opt, steps=5, micro_batches=micro_batches)
     return report.losses
 
 
@@ -74,3 +74,10 @@ def test_parity(case, world_size, raf):
     assert len(losses) == 5
     # the models actually train: the loss moves
     assert losses[0][1] != losses[-1][1]
+
+
+@pytest.mark.parametrize("case", ["gpt_tied", "unused_and_frozen"])
+def test_gradient_accumulation_into_existing_grad(case):
+    """Three backward passes per optimizer step accumulate into the sharded .grad."""
+    losses = run_distributed(_parity_worker, 2, case, True, 3)[0]
+    assert len(losses) == 15

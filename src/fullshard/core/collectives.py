@@ -1,13 +1,23 @@
 """Stateless collectives over a process group.
 
-Each function takes tensors and a process group and returns a small NamedTuple;
-none of them reads module state. ``async_op=True`` returns the work handle so
+Each function takes tensors and a process group and returns a ``Pending``; none of
+them reads module state. ``async_op=True`` returns before the data has arrived so
 the caller can overlap the collective with compute and ``wait()`` later.
+
+Note [collectives are always issued async]
+Blocking calls are issued with async_op=True and waited at once: the cost is the
+same and one code path serves both.
+
+Note [reduce-scatter on gloo]
+gloo's reduce_scatter is slow (measured at world size 2: 3.5 ms for 50K floats
+where all_to_all plus a local sum takes 0.33 ms; 1.7-3.7x at world size 4 up to 4M
+floats). On gloo we exchange the chunks with one all_to_all and sum the world_size
+received copies of our chunk locally; other backends use their native reduce-scatter.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,23 +28,23 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Note [collectives are always issued async]
-# Blocking calls are issued with async_op=True and waited at once: on gloo, a process
-# that made blocking collectives on a group it still references can abort at exit
-# ("terminate called without an active exception") after destroy_process_group.
-# The async form has the same cost and no such exit path.
-
-
 class Pending(NamedTuple):
-    """A collective in flight (or finished, when ``work`` is None)."""
+    """A collective in flight; ``wait()`` returns its output once it has arrived."""
 
     output: torch.Tensor
     work: dist.Work | None
+    finish: Callable[[], None] | None = None  # local work after the data arrived
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
+        if self.finish is not None:
+            self.finish()
         return self.output
+
+
+def _done(pending: Pending, async_op: bool) -> Pending:
+    return pending if async_op else Pending(pending.wait(), None)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
@@ -43,8 +53,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     if group.size() == 1:
         output.copy_(shard)
         return Pending(output, None)
-    pending = Pending(output, _all_gather_flat(output, shard, group=group, async_op=True))
-    return pending if async_op else Pending(pending.wait(), None)
+    work = _all_gather_flat(output, shard, group=group, async_op=True)
+    return _done(Pending(output, work), async_op)
 
 
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
@@ -53,6 +63,19 @@ def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
     if group.size() == 1:
         output.copy_(full)
         return Pending(output, None)
+    if dist.get_backend(group) == "gloo":
+        return _done(_reduce_scatter_by_all_to_all(output, full, group), async_op)
     work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    pending = Pending(output, work)
-    return pending if async_op else Pending(pending.wait(), None)
+    return _done(Pending(output, work), async_op)
+
+
+def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
+                                  group: dist.ProcessGroup) -> Pending:
+    """See Note [reduce-scatter on gloo]."""
+    received = torch.empty_like(full)
+    work = dist.all_to_all_single(received, full, group=group, async_op=True)
+
+    def sum_copies() -> None:
+        torch.sum(received.view(group.size(), -1), dim=0, out=output)
+
+    return Pending(output, work, sum_copies)

@@ -52,6 +52,7 @@ class ParamGroup:
         self.on_grads_ready: Callable[[], None] | None = None
         self._grads_expected = 0
         self._grads_seen = 0
+        self._all_present: torch.Tensor | None = None
 
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
@@ -179,6 +180,17 @@ class ParamGroup:
         return self.unsharded is not None and any(
             p.unsharded_param.grad is not None for p in self.params)
 
+    def _presence_flags(self, had_grad: list[bool], like: torch.Tensor) -> torch.Tensor:
+        """One flag per trainable param; the all-present vector is cached (no host copy)."""
+        cached = self._all_present
+        if all(had_grad):
+            if cached is None or cached.numel() != len(had_grad) or cached.dtype != like.dtype \
+                    or cached.device != like.device:
+                cached = self._all_present = torch.ones(len(had_grad), dtype=like.dtype,
+                                                        device=like.device)
+            return cached
+        return torch.tensor(had_grad, dtype=like.dtype).to(like.device)
+
     def reduce_grads(self, async_op: bool) -> "PendingReduce | None":
         """Reduce-scatter the unsharded gradients (sum) and free them.
 
@@ -198,7 +210,7 @@ class ParamGroup:
         had_grad = [p.unsharded_param.grad is not None for p in trainable]
         grads = [p.unsharded_param.grad if h else torch.zeros_like(p.unsharded_param)
                  for p, h in zip(trainable, had_grad)]
-        flags = torch.tensor(had_grad, dtype=ref.dtype).to(ref.device).expand(w, -1)
+        flags = self._presence_flags(had_grad, ref).expand(w, -1)
         full = torch._chunk_cat(grads + [flags], dim=0, num_chunks=w)
         for p in trainable:
             p.unsharded_param.grad = None

@@ -101,6 +101,9 @@ class ShardedParam:
         local = self.padded_shard[:lay.valid_rows]
         self.sharded_param = nn.Parameter(DTensor(local, self.spec, requires_grad=False),
                                           requires_grad=requires_grad)
+        # Gradients reuse the parameter's own spec object: DTensor's sharding cache then
+        # matches them by identity instead of comparing specs field by field.
+        self.spec = self.sharded_param._spec
         self.register(self.sharded_param)
 
     def readopt(self, flat_view: torch.Tensor) -> None:

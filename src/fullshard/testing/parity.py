@@ -46,8 +46,12 @@ def check_parity(build: Callable[[], nn.Module], shard: Callable[[nn.Module], No
                  make_batch: Callable[[int], Batch],
                  loss_fn: Callable[[nn.Module, Batch], torch.Tensor], *, steps: int = 5,
                  optimizer: str = "sgd", lr: float = 0.05, rtol: float = 1e-5,
-                 atol: float = 1e-6) -> ParityReport:
-    """Train sharded and reference models side by side and assert they agree."""
+                 atol: float = 1e-6, micro_batches: int = 1) -> ParityReport:
+    """Train sharded and reference models side by side and assert they agree.
+
+    With ``micro_batches > 1`` each optimizer step accumulates that many backward
+    passes into ``.grad`` (batches ``make_batch(step * micro_batches + i)``) in both.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
     model = build()
@@ -57,21 +61,23 @@ def check_parity(build: Callable[[], nn.Module], shard: Callable[[nn.Module], No
     ref_opt = make_optimizer(optimizer, reference.parameters(), lr)
     report = ParityReport()
     for step in range(steps):
-        batch = make_batch(step)
-        loss = loss_fn(model, local_slice(batch, rank, world))
-        loss.backward()
+        for micro in range(micro_batches):
+            batch = make_batch(step * micro_batches + micro)
+            loss = loss_fn(model, local_slice(batch, rank, world))
+            loss.backward()
+            ref_loss = loss_fn(reference, batch)
+            ref_loss.backward()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            mean_loss /= world
+            report.losses.append((mean_loss.item(), ref_loss.item()))
+            torch.testing.assert_close(
+                mean_loss, ref_loss.detach(), rtol=rtol, atol=atol,
+                msg=lambda m: f"loss differs at step {step} micro-batch {micro}: {m}")
         opt.step()
         opt.zero_grad()
-        ref_loss = loss_fn(reference, batch)
-        ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        mean_loss /= world
-        report.losses.append((mean_loss.item(), ref_loss.item()))
-        torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"loss differs at step {step}: {m}")
     report.max_weight_diff = assert_same_weights(model, reference, rtol=rtol, atol=atol)
     return report
 

@@ -1,0 +1,132 @@
+"""fullshard vs PyTorch FSDP2 (and DDP, and the single-process floor), side by side.
+
+    OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py [--workloads W2,W1] [--steps 10]
+
+Every implementation trains its own copy of the same model (same initial weights,
+same batches) inside one set of ranks. Steps are interleaved (A B C D A B C D ...)
+so machine noise hits all of them alike; each step time is the slowest rank's, and
+the figure is the median over the timed steps. Ratios are the result: absolute
+times on shared machines are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import run_distributed
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    cfg: GPTConfig
+    batch: int
+    seq: int
+    warmup: int
+    steps: int
+
+
+WORKLOADS = {
+    "W1": Workload("W1 compute-bound", GPTConfig(vocab_size=8192, seq_len=128, d_model=512,
+                                                 n_layers=8, n_heads=8), 8, 128, 2, 5),
+    "W2": Workload("W2 overhead-bound", GPTConfig(vocab_size=512, seq_len=32, d_model=64,
+                                                  n_layers=32, n_heads=4), 4, 32, 3, 15),
+}
+IMPLS = ("fullshard", "fsdp2", "ddp", "single")
+
+
+def build(impl: str, base: GPT, reshard_after_forward: bool) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    if impl in ("fullshard", "fsdp2"):
+        if impl == "fullshard":
+            from fullshard import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        for layer in model.layers:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+    elif impl == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+def train_step(model, opt, x, y) -> torch.Tensor:
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bool) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = GPT(wl.cfg)
+    models = {i: build(i, base, reshard_after_forward) for i in impls}
+    opts = {i: torch.optim.AdamW(m.parameters(), lr=1e-4) for i, m in models.items()}
+    times: dict[str, list[float]] = {i: [] for i in impls}
+    losses: dict[str, list[float]] = {i: [] for i in impls}
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(wl.warmup + wl.steps):
+        x = torch.randint(0, wl.cfg.vocab_size, (wl.batch, wl.seq), generator=gen)
+        y = torch.roll(x, -1, 1)
+        for impl in impls:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = train_step(models[impl], opts[impl], x, y)
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            losses[impl].append(loss.item())
+            if step >= wl.warmup:
+                times[impl].append(elapsed.item())
+    return {"median_s": {i: statistics.median(t) for i, t in times.items()}, "losses": losses}
+
+
+def report(wl: Workload, world: int, raf: bool, res: dict) -> str:
+    med = res["median_s"]
+    lines = [f"### {wl.name}: GPT d={wl.cfg.d_model} L={wl.cfg.n_layers} vocab="
+             f"{wl.cfg.vocab_size}, batch {wl.batch}x{wl.seq}/rank, world {world}, "
+             f"reshard_after_forward={raf}", "",
+             "| impl | median step (ms) | fullshard / impl |", "|---|---:|---:|"]
+    for impl, t in med.items():
+        ratio = med["fullshard"] / t if "fullshard" in med else float("nan")
+        lines.append(f"| {impl} | {t * 1e3:.1f} | {ratio:.2f} |")
+    if "fsdp2" in res["losses"] and "fullshard" in res["losses"]:
+        diff = max(abs(a - b) for a, b in zip(res["losses"]["fullshard"], res["losses"]["fsdp2"]))
+        lines.append(f"\nmax |loss(fullshard) - loss(fsdp2)| over all steps: {diff:.2e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W2,W1")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per workload)")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--zero2", action="store_true", help="reshard_after_forward=False")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    impls = tuple(args.impls.split(","))
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS="
+          f"{os.environ['OMP_NUM_THREADS']}, command: {' '.join(sys.argv)}\n")
+    for key in args.workloads.split(","):
+        wl = WORKLOADS[key]
+        if args.steps:
+            wl = Workload(wl.name, wl.cfg, wl.batch, wl.seq, wl.warmup, args.steps)
+        res = run_distributed(bench_worker, args.world_size, wl, impls, not args.zero2,
+                              timeout=3600)[0]
+        print(report(wl, args.world_size, not args.zero2, res), "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
