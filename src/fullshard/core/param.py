@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from .. import optim
+
 
 @dataclass(frozen=True)
 class ParamRef:
@@ -104,6 +106,7 @@ class ShardedParam:
         # Gradients reuse the parameter's own spec object: DTensor's sharding cache then
         # matches them by identity instead of comparing specs field by field.
         self.spec = self.sharded_param._spec
+        optim.track(self)
         self.register(self.sharded_param)
 
     def readopt(self, flat_view: torch.Tensor) -> None:
@@ -138,6 +141,7 @@ class ShardedParam:
         self.sharded_param = current
         self.dtype = current.dtype
         self.spec = current._spec
+        optim.track(self)
         self.register(current)
 
     # -- unsharded side -----------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""Optimizer steps on the local shards, without DTensor dispatch.
+
+Note [optimizer steps on local shards]
+Sharded parameters are DTensors so that ``torch.optim``, ``clip_grad_norm_`` and
+DCP work unchanged. But every tensor op on a DTensor goes through DTensor's
+dispatcher: AdamW on a 32-layer model issues ~3,100 such ops per step and spent
+61 ms there where the same math on plain tensors took 14 ms. For optimizers whose
+update is elementwise (the parameter, its gradient and its states combine entry
+by entry, so a shard can be updated alone), fullshard hooks ``Optimizer.step``:
+just before the step, each fullshard parameter in ``param_groups`` is swapped for
+its local shard (a plain tensor viewing the same memory), its ``.grad`` for the
+local gradient and its state for the states' local tensors; right after the
+step everything is swapped back, and states the step created are wrapped as
+DTensors. Outside ``step()`` the optimizer sees DTensors, as in FSDP2.
+
+Optimizers that reduce over a whole parameter (LAMB/LARS trust ratios, Adafactor,
+Shampoo, any subclass) are left alone: they keep the correct DTensor path.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adadelta,
+)
+
+_enabled = True
+_installed = False
+# id(sharded DTensor param) -> weak ref to its owner (anything with a ``sharded_param``).
+# The tensor itself cannot be weakly referenced: swap_tensors (used by Module._apply)
+# refuses tensors that have weak references.
+_SHARDED: dict[int, weakref.ref] = {}
+# optimizer -> what the pre-hook swapped, restored by the post-hook
+_SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+
+
+def set_local_step(enabled: bool) -> None:
+    """Turn the local-shard optimizer step on (default) or off (pure DTensor path)."""
+    global _enabled
+    _enabled = enabled
+
+
+def track(owner) -> None:
+    """Mark ``owner.sharded_param`` (a fullshard DTensor parameter) as eligible for the
+    local step, for as long as ``owner`` lives and still holds that parameter."""
+    key = id(owner.sharded_param)
+
+    def forget(ref: weakref.ref) -> None:
+        if _SHARDED.get(key) is ref:
+            del _SHARDED[key]
+
+    _SHARDED[key] = weakref.ref(owner, forget)
+    _install()
+
+
+def _is_tracked(p: torch.Tensor) -> bool:
+    ref = _SHARDED.get(id(p))
+    owner = ref() if ref is not None else None
+    return owner is not None and owner.sharded_param is p
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_pre_step)
+        register_optimizer_step_post_hook(_post_step)
+        _installed = True
+
+
+def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    _restore(opt)  # a previous step that raised left its swap behind
+    if not _enabled or type(opt) not in ELEMENTWISE_OPTIMIZERS:
+        return
+    swaps = []
+    for group in opt.param_groups:
+        params = group["params"]
+        if not any(_is_tracked(p) for p in params):
+            continue
+        local_params = []
+        for p in params:
+            local = _local_view(p) if _is_tracked(p) else None
+            if local is None:
+                local_params.append(p)
+                continue
+            local.grad = p.grad._local_tensor if p.grad is not None else None
+            state = opt.state.pop(p, None)
+            if state:
+                opt.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v
+                                    for k, v in state.items()}
+            swaps.append((p, local, state))
+            local_params.append(local)
+        swaps.append((group, params, None))
+        group["params"] = local_params
+    if swaps:
+        _SWAPPED[opt] = swaps
+
+
+def _local_view(p: DTensor) -> torch.Tensor | None:
+    grad = p.grad
+    if grad is not None and (not isinstance(grad, DTensor)
+                             or grad._local_tensor.shape != p._local_tensor.shape):
+        return None
+    return p._local_tensor
+
+
+def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    _restore(opt)
+
+
+def _restore(opt: torch.optim.Optimizer) -> None:
+    swaps = _SWAPPED.pop(opt, None)
+    if not swaps:
+        return
+    for first, second, state in swaps:
+        if isinstance(first, dict):  # (param_group, original params list)
+            first["params"] = second
+            continue
+        p, local = first, second
+        local.grad = None
+        new_state = opt.state.pop(local, None)
+        if new_state:
+            opt.state[p] = _as_dtensor_state(p, new_state, state or {})
+        elif state:
+            opt.state[p] = state
+
+
+def _as_dtensor_state(p: DTensor, new: dict, old: dict) -> dict:
+    """States updated in place keep their DTensor; states the step created are wrapped."""
+    out = {}
+    for k, v in new.items():
+        prev = old.get(k)
+        if isinstance(prev, DTensor) and prev._local_tensor is v:
+            out[k] = prev
+        elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p._local_tensor.shape \
+                and v.dtype == p.dtype:
+            out[k] = DTensor(v, p._spec, requires_grad=False)
+        else:
+            out[k] = v
+    return out

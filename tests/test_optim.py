@@ -1,0 +1,98 @@
+"""The optimizer's local-shard step (Note [optimizer steps on local shards])."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from fullshard import fully_shard, optim as fs_optim
+from fullshard.testing import run_distributed
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=2, n_heads=2)
+
+
+class SubclassedAdamW(torch.optim.AdamW):
+    """Not on the elementwise list (a subclass may reduce over whole parameters)."""
+
+
+def _train(model, opt, steps=4):
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+        loss = lm_loss(model(x), torch.roll(x, -1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _sharded(base):
+    model = copy.deepcopy(base)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _local_vs_dtensor_worker(opt_name):
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+            "subclass": lambda ps: SubclassedAdamW(ps, lr=1e-2)}[opt_name]
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    fast, slow = _sharded(base), _sharded(base)
+    fast_opt, slow_opt = make(fast.parameters()), make(slow.parameters())
+    fs_optim.set_local_step(True)
+    fast_losses = _train(fast, fast_opt)
+    fs_optim.set_local_step(False)
+    try:
+        slow_losses = _train(slow, slow_opt)
+    finally:
+        fs_optim.set_local_step(True)
+    assert fast_losses == slow_losses
+    for p, q in zip(fast.parameters(), slow.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+    # outside step() the optimizer holds DTensor params and DTensor states
+    for group in fast_opt.param_groups:
+        assert all(isinstance(p, DTensor) for p in group["params"])
+    for p, state in fast_opt.state.items():
+        assert isinstance(p, DTensor)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert isinstance(v, DTensor) and v.placements == (Shard(0),), k
+    sd = fast_opt.state_dict()
+    assert len(sd["state"]) == len(list(fast.parameters()))
+    return fast_losses
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "rmsprop", "subclass"])
+def test_local_step_matches_dtensor_step_bitwise(opt_name):
+    run_distributed(_local_vs_dtensor_worker, 2, opt_name)
+
+
+def _raising_step_worker():
+    torch.manual_seed(0)
+    model = _sharded(GPT(CFG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    boom = opt.register_step_post_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    lm_loss(model(x), x).backward()
+    # torch runs per-optimizer post hooks before global ones: the swap is still in
+    # place when the step raises, and the next step must put it right first
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    boom.remove()
+    opt.step()
+    assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    assert all(isinstance(p, DTensor) for p in opt.state)
+    return True
+
+
+def test_step_that_raises_leaves_optimizer_usable():
+    assert all(run_distributed(_raising_step_worker, 2))
