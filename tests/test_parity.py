@@ -56,13 +56,19 @@ CASES = {
 }
 
 
-def _parity_worker(case, raf, micro_batches=1):
+def _parity_worker(case, raf, micro_batches=1, bucket_numel=None):
     import torch.distributed as dist
 
     build, shard, make_batch, loss, opt = CASES[case]
     n = 2 * dist.get_world_size()
-    report = check_parity(build, lambda model: shard(model, raf), lambda s: make_batch(s, n),
-                          loss, optimizer=opt, steps=5, micro_batches=micro_batches)
+
+    def shard_and_configure(model):
+        shard(model, raf)
+        if bucket_numel is not None:
+            model.set_bucket_numel(bucket_numel)
+
+    report = check_parity(build, shard_and_configure, lambda s: make_batch(s, n), loss,
+                          optimizer=opt, steps=5, micro_batches=micro_batches)
     return report.losses
 
 
@@ -74,6 +80,13 @@ def test_parity(case, world_size, raf):
     assert len(losses) == 5
     # the models actually train: the loss moves
     assert losses[0][1] != losses[-1][1]
+
+
+@pytest.mark.parametrize("raf", [True, False], ids=["zero3", "zero2"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_one_group_per_unit(case, raf):
+    """The same models with small-unit merging off (every unit its own collective)."""
+    run_distributed(_parity_worker, 2, case, raf, 1, 0)
 
 
 @pytest.mark.parametrize("case", ["gpt_tied", "unused_and_frozen"])

@@ -15,12 +15,13 @@ from fullshard.train.model import GPT, GPTConfig, lm_loss
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 
 
-def _sharded_gpt(raf=True):
+def _sharded_gpt(raf=True, bucket_numel=0):
     torch.manual_seed(0)
     model = GPT(CFG)
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=raf)
     fully_shard(model, reshard_after_forward=raf)
+    model.set_bucket_numel(bucket_numel)
     return model
 
 
@@ -30,8 +31,8 @@ def _batch(seed=0, n=2):
     return x, torch.roll(x, -1, 1)
 
 
-def _count_worker(raf):
-    model = _sharded_gpt(raf)
+def _count_worker(raf, bucket_numel=0):
+    model = _sharded_gpt(raf, bucket_numel)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per_step = []
     for step in range(3):
@@ -47,7 +48,7 @@ def _count_worker(raf):
 
 
 @pytest.mark.parametrize("raf", [True, False])
-def test_collectives_per_step(raf):
+def test_collectives_per_step_one_per_unit(raf):
     units, layers = CFG.n_layers + 1, CFG.n_layers
     steps = run_distributed(_count_worker, 2, raf)[0]
     # first step: no recorded order yet, so forward gathers synchronously
@@ -60,6 +61,20 @@ def test_collectives_per_step(raf):
         expected = {"reduce_scatter": units}
         if raf:  # the layers were freed after forward: gathered again, prefetched
             expected["all_gather_async"] = layers
+        assert bwd == expected, (raf, bwd)
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_collectives_per_step_with_small_units_merged(raf):
+    """All three tiny layers fit one bucket: one gather and one reduce for all of them."""
+    steps = run_distributed(_count_worker, 2, raf, 1 << 20)[0]
+    assert steps[0][0] == {"all_gather": 2}
+    for fwd, bwd in steps[1:]:
+        assert fwd == {"all_gather": 1, "all_gather_async": 1}
+    for fwd, bwd in steps:
+        expected = {"reduce_scatter": 2}
+        if raf:
+            expected["all_gather_async"] = 1
         assert bwd == expected, (raf, bwd)
 
 

@@ -83,6 +83,19 @@ class FSDPModule:
         if unit.group is not None:
             unit.group.reshard()
 
+    def set_bucket_numel(self, numel: int) -> None:
+        """Merge adjacent small units under this root into one collective while their
+        unsharded size stays <= ``numel`` elements (default 2**20; 0 disables). Call it
+        on the root before the first forward; see Note [buckets: units share a group]."""
+        unit = self._unit
+        if unit.root is not None:
+            raise RuntimeError(
+                f"set_bucket_numel on {unit.name}: the units were already grouped at the first "
+                "forward/unshard; call it right after fully_shard, before running the model.")
+        if not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"set_bucket_numel: numel must be an int >= 0, got {numel!r}")
+        unit.bucket_numel = numel
+
     def _apply(self, *args, **kwargs):
         # .to()/.cuda()/to_empty() replace the DTensor parameters; re-point them at the
         # unit's flat shard so gathers read what the module holds.

@@ -29,19 +29,17 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from .group import GroupState
+from .group import GroupState, ParamGroup
 from .state import RootState, UnitState, lazy_init
 
 
 def install(unit: UnitState) -> None:
-    """Register the forward hooks of ``unit.module`` and wire its gradient countdown."""
+    """Register the forward hooks of ``unit.module``."""
     unit.module.register_forward_pre_hook(partial(_pre_forward, unit), prepend=True,
                                           with_kwargs=True)
     unit.module.register_forward_hook(partial(_post_forward, unit), always_call=False,
                                       with_kwargs=True)
     unit.pre_backward_hook = partial(_pre_backward, unit)
-    if unit.group is not None:
-        unit.group.on_grads_ready = partial(_on_grads_ready, unit)
 
 
 def ensure_root(unit: UnitState) -> RootState:
@@ -52,7 +50,10 @@ def ensure_root(unit: UnitState) -> RootState:
     names = {m: n for n, m in unit.module.named_modules()}
     for u in units:
         u.rename(names[u.module])
-    return lazy_init(unit, units)
+    root = lazy_init(unit, units, unit.bucket_numel)
+    for group in root.members:
+        group.on_grads_ready = partial(_on_grads_ready, root, group)
+    return root
 
 
 # -- forward ----------------------------------------------------------------------------
@@ -98,10 +99,11 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
         root.record_post_forward(unit)
         unit.ran_forward_with_grad = True
         _hook_outputs(unit, output)
-        if group is not None and unit.reshard_after_forward and not unit.is_root:
+        if group is not None and unit.reshard_after_forward and not unit.is_root \
+                and root.forward_finished(unit):
             group.reshard()
-    elif group is not None:  # no backward will read these parameters
-        group.reshard()
+    elif group is not None and root.forward_finished(unit):
+        group.reshard()  # no backward will read these parameters
     return None
 
 
@@ -118,11 +120,11 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     if not root.in_backward:
         _start_backward(root)
     group = unit.group
-    if group is not None and not unit.backward_done:
+    if group is not None and group not in root.reduced:
         group.unshard()
         group.wait_unshard()
     prev = root.prev_in_forward(unit)
-    if prev is not None and prev.group is not None and not prev.backward_done \
+    if prev is not None and prev.group is not None and prev.group not in root.reduced \
             and prev.group.state is GroupState.SHARDED:
         prev.group.unshard(async_op=True)
     return None
@@ -130,37 +132,32 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
 
 def _start_backward(root: RootState) -> None:
     root.in_backward = True
-    for u in root.units:
-        if u.group is not None and u.group.unsharded is not None:
-            u.group.expect_grads()
+    for group in root.members:
+        if group.unsharded is not None:
+            group.expect_grads()
     Variable._execution_engine.queue_callback(partial(_final_callback, root))
 
 
-def _on_grads_ready(unit: UnitState) -> None:
-    root = unit.root
-    if root is None or not root.in_backward or unit.backward_done:
-        return
-    _post_backward(unit)
+def _on_grads_ready(root: RootState, group: ParamGroup) -> None:
+    if root.in_backward and group not in root.reduced:
+        _post_backward(root, group)
 
 
-def _post_backward(unit: UnitState) -> None:
-    root = unit.root
+def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
-    group = unit.group
-    if group is not None:
-        root.pending_reduce = group.reduce_grads(async_op=True)
-        group.reshard()
-    unit.backward_done = True
+    root.pending_reduce = group.reduce_grads(async_op=True)
+    group.reshard()
+    root.reduced.add(group)
 
 
 def _final_callback(root: RootState) -> None:
     for u in root.units:
-        if u.ran_forward_with_grad and not u.backward_done:
-            _post_backward(u)
+        if u.ran_forward_with_grad and u.group is not None and u.group not in root.reduced:
+            _post_backward(root, u.group)
     root.finish_pending_reduce()
+    for group in root.members:
+        group.reshard()
     for u in root.units:
-        if u.group is not None:
-            u.group.reshard()
         u.ran_forward_with_grad = False
-        u.backward_done = False
+    root.reduced.clear()
     root.in_backward = False

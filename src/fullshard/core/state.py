@@ -13,7 +13,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .buckets import merge_small_units
 from .group import GroupState, ParamGroup, PendingReduce
+
+
+# Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
+# Note [buckets: units share a group].
+DEFAULT_BUCKET_NUMEL = 1 << 20
 
 
 class UnitState:
@@ -28,18 +34,17 @@ class UnitState:
         self.reshard_after_forward = reshard_after_forward
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
+        self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root
+        self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.explicit_unshard = False   # the user called module.unshard(): keep it at pre-forward
         self.ran_forward_with_grad = False
-        self.backward_done = False
 
     def rename(self, path: str) -> None:
         """Name the unit and its parameters by their path from the root (for messages)."""
         self.name = path or type(self.module).__name__
-        if self.group is not None:
-            self.group.unit_name = self.name
-            for p in self.group.params:
-                p.fqn = f"{path}.{p.refs[0].fqn}" if path else p.refs[0].fqn
+        for p in self.own_params:
+            p.fqn = f"{path}.{p.refs[0].fqn}" if path else p.refs[0].fqn
 
     @property
     def is_root(self) -> bool:
@@ -50,11 +55,22 @@ class UnitState:
 
 
 class RootState:
-    """Iteration state shared by every unit under one root."""
+    """Iteration state shared by every unit under one root.
+
+    Several units may share one ParamGroup (see core/buckets.py): ``members`` maps
+    each group to its units, and the per-iteration sets say which units finished
+    forward and which groups finished backward.
+    """
 
     def __init__(self, unit: UnitState, units: list[UnitState]):
         self.unit = unit
         self.units = units
+        self.members: dict[ParamGroup, list[UnitState]] = {}
+        for u in units:
+            if u.group is not None:
+                self.members.setdefault(u.group, []).append(u)
+        self.forward_done: set[UnitState] = set()
+        self.reduced: set[ParamGroup] = set()
         self.forward_order: list[UnitState] = []      # last iteration's, used to prefetch
         self._next_in_forward: dict[UnitState, UnitState] = {}
         self.recording: list[UnitState] = []          # this iteration's pre-forward order
@@ -78,6 +94,13 @@ class RootState:
         self._recorded = set()
         self.post_forward_order = []
         self._prev_in_forward = {}
+        self.forward_done = set()
+
+    def forward_finished(self, unit: UnitState) -> bool:
+        """Record ``unit``'s forward; True once every unit sharing its group has run."""
+        self.forward_done.add(unit)
+        members = self.members[unit.group]
+        return len(members) == 1 or all(m in self.forward_done for m in members)
 
     def record_post_forward(self, unit: UnitState) -> None:
         if self.post_forward_order:
@@ -99,16 +122,20 @@ class RootState:
             pending.finish(self.unit.mesh.size())
 
 
-def lazy_init(unit: UnitState, all_units: list[UnitState]) -> RootState:
-    """Make ``unit`` the root of ``all_units`` (its subtree) and check they can run."""
+def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
+    """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
+    merge small adjacent units into shared groups (core/buckets.py)."""
+    for u in all_units:
+        if u.group is None:
+            continue
+        _check_not_meta(u.group)
+        u.group.reshard()
+        _readopt_if_replaced(u.group)
+    merge_small_units([u for u in all_units if u is not unit], bucket_numel)
     root = RootState(unit, all_units)
     root.start_iteration()
     for u in all_units:
         u.root = root
-        if u.group is None:
-            continue
-        _check_not_meta(u.group)
-        _readopt_if_replaced(u.group)
     return root
 
 
