@@ -1,6 +1,7 @@
 """fullshard vs PyTorch FSDP2 (and DDP, and the single-process floor), side by side.
 
-    OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py [--workloads W2,W1] [--steps 10]
+    OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py            # every row of the table
+    OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py --workloads W2 --world-size 4
 
 Every implementation trains its own copy of the same model (same initial weights,
 same batches) inside one set of ranks. Steps are interleaved (A B C D A B C D ...)
@@ -45,7 +46,8 @@ WORKLOADS = {
 IMPLS = ("fullshard", "fsdp2", "ddp", "single")
 
 
-def build(impl: str, base: GPT, reshard_after_forward: bool) -> torch.nn.Module:
+def build(impl: str, base: GPT, reshard_after_forward: bool,
+          bucket_numel: int | None = None) -> torch.nn.Module:
     model = copy.deepcopy(base)
     if impl in ("fullshard", "fsdp2"):
         if impl == "fullshard":
@@ -55,27 +57,55 @@ def build(impl: str, base: GPT, reshard_after_forward: bool) -> torch.nn.Module:
         for layer in model.layers:
             fully_shard(layer, reshard_after_forward=reshard_after_forward)
         fully_shard(model, reshard_after_forward=reshard_after_forward)
+        if impl == "fullshard" and bucket_numel is not None:
+            model.set_bucket_numel(bucket_numel)
     elif impl == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model
 
 
-def train_step(model, opt, x, y) -> torch.Tensor:
-    loss = lm_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
+class PhaseTimer:
+    """Wall time per phase of a step, plus time spent inside ``Work.wait()``."""
+
+    def __init__(self):
+        self.wait_s = 0.0
+        real_wait = dist.Work.wait
+        timer = self
+
+        def timed_wait(work, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real_wait(work, *args, **kwargs)
+            finally:
+                timer.wait_s += time.perf_counter() - start
+        dist.Work.wait = timed_wait
+
+    def step(self, model, opt, x, y) -> tuple[torch.Tensor, dict[str, float]]:
+        self.wait_s = 0.0
+        t0 = time.perf_counter()
+        loss = lm_loss(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        phases = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
+                  "in Work.wait": self.wait_s}
+        return loss.detach(), phases
 
 
-def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bool) -> dict:
+def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bool,
+                 bucket_numel: int | None = None) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     base = GPT(wl.cfg)
-    models = {i: build(i, base, reshard_after_forward) for i in impls}
+    models = {i: build(i, base, reshard_after_forward, bucket_numel) for i in impls}
     opts = {i: torch.optim.AdamW(m.parameters(), lr=1e-4) for i, m in models.items()}
     times: dict[str, list[float]] = {i: [] for i in impls}
+    phases: dict[str, list[dict]] = {i: [] for i in impls}
     losses: dict[str, list[float]] = {i: [] for i in impls}
+    timer = PhaseTimer()
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(wl.warmup + wl.steps):
         x = torch.randint(0, wl.cfg.vocab_size, (wl.batch, wl.seq), generator=gen)
@@ -83,13 +113,17 @@ def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bo
         for impl in impls:
             dist.barrier()
             start = time.perf_counter()
-            loss = train_step(models[impl], opts[impl], x, y)
+            loss, step_phases = timer.step(models[impl], opts[impl], x, y)
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             losses[impl].append(loss.item())
             if step >= wl.warmup:
                 times[impl].append(elapsed.item())
-    return {"median_s": {i: statistics.median(t) for i, t in times.items()}, "losses": losses}
+                phases[impl].append(step_phases)
+    return {"median_s": {i: statistics.median(t) for i, t in times.items()},
+            "phases_s": {i: {k: statistics.median(p[k] for p in ps) for k in ps[0]}
+                         for i, ps in phases.items()},
+            "losses": losses}
 
 
 def report(wl: Workload, world: int, raf: bool, res: dict) -> str:
@@ -101,6 +135,11 @@ def report(wl: Workload, world: int, raf: bool, res: dict) -> str:
     for impl, t in med.items():
         ratio = med["fullshard"] / t if "fullshard" in med else float("nan")
         lines.append(f"| {impl} | {t * 1e3:.1f} | {ratio:.2f} |")
+    lines += ["", "| phase (rank 0, median ms) | " + " | ".join(res["phases_s"]) + " |",
+              "|---|" + "---:|" * len(res["phases_s"])]
+    for phase in next(iter(res["phases_s"].values())):
+        lines.append(f"| {phase} | " + " | ".join(
+            f"{p[phase] * 1e3:.1f}" for p in res["phases_s"].values()) + " |")
     if "fsdp2" in res["losses"] and "fullshard" in res["losses"]:
         diff = max(abs(a - b) for a, b in zip(res["losses"]["fullshard"], res["losses"]["fsdp2"]))
         lines.append(f"\nmax |loss(fullshard) - loss(fsdp2)| over all steps: {diff:.2e}")
@@ -114,6 +153,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per workload)")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--zero2", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--bucket-numel", type=int, default=None,
+                        help="fullshard's set_bucket_numel (default: the library default)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     impls = tuple(args.impls.split(","))
@@ -124,7 +165,7 @@ def main(argv=None) -> None:
         if args.steps:
             wl = Workload(wl.name, wl.cfg, wl.batch, wl.seq, wl.warmup, args.steps)
         res = run_distributed(bench_worker, args.world_size, wl, impls, not args.zero2,
-                              timeout=3600)[0]
+                              args.bucket_numel, timeout=3600)[0]
         print(report(wl, args.world_size, not args.zero2, res), "\n", flush=True)
 
 

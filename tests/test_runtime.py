@@ -66,16 +66,38 @@ def test_collectives_per_step_one_per_unit(raf):
 
 @pytest.mark.parametrize("raf", [True, False])
 def test_collectives_per_step_with_small_units_merged(raf):
-    """All three tiny layers fit one bucket: one gather and one reduce for all of them."""
+    """The root and the three tiny layers fit one bucket: one gather per forward, none in
+    backward (a bucket with the root stays gathered), one reduce for everything."""
     steps = run_distributed(_count_worker, 2, raf, 1 << 20)[0]
-    assert steps[0][0] == {"all_gather": 2}
-    for fwd, bwd in steps[1:]:
-        assert fwd == {"all_gather": 1, "all_gather_async": 1}
     for fwd, bwd in steps:
-        expected = {"reduce_scatter": 2}
-        if raf:
-            expected["all_gather_async"] = 1
-        assert bwd == expected, (raf, bwd)
+        assert fwd == {"all_gather": 1}
+        assert bwd == {"reduce_scatter": 1}, (raf, bwd)
+
+
+def _bucket_worker():
+    model = _sharded_gpt(raf=True, bucket_numel=_layer_numel() * 3 // 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = []
+    for step in range(2):
+        x, y = _batch(step)
+        with count_collectives() as c:
+            lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(dict(c))
+    return counts
+
+
+def _layer_numel():
+    return sum(p.numel() for p in GPT(CFG).layers[0].parameters())
+
+
+def test_buckets_respect_the_size_cap():
+    """A cap of 1.5 layers: the small root joins layer 0 ([root, 0] stays gathered from
+    forward to backward), layers 1 and 2 stay alone and are gathered again in backward."""
+    counts = run_distributed(_bucket_worker, 2)[0]
+    assert counts[0] == {"all_gather": 3, "all_gather_async": 2, "reduce_scatter": 3}
+    assert counts[1] == {"all_gather": 1, "all_gather_async": 4, "reduce_scatter": 3}
 
 
 def _manual_worker():

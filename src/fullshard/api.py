@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .core import hooks
+from .core import cpu_allocator, hooks
 from .core.group import ParamGroup
 from .core.param import ParamRef, ShardedParam
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
@@ -148,6 +148,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     mesh = _resolve_mesh(label, mesh)
     pg = mesh.get_group()
     device = _mesh_device(mesh)
+    if device.type == "cpu":
+        cpu_allocator.tune_for_sharded_training()
     refs_by_param = _collect_params(module, label, ignored_params or set())
     group = None
     if refs_by_param:

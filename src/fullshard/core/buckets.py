@@ -10,8 +10,10 @@ unsharded size stays under ``bucket_numel`` into one group: one all-gather, one
 reduce-scatter for the whole run. A merged group is gathered when its first
 member needs it, freed after forward once every member has run (ZeRO-3), and
 reduced once every member's gradients are in. Units merge only when they agree on
-mesh, ``reshard_after_forward`` and dtype; the root never merges (it stays
-gathered from forward to backward). ``bucket_numel=0`` turns merging off.
+mesh, dtype and ``reshard_after_forward``; small units next to the root may join
+the root's group and then follow the root's rule (stay gathered from forward to
+backward, at most ``bucket_numel`` elements), which saves the first gather of the
+backward. ``bucket_numel=0`` turns merging off.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
     from .state import UnitState
 
 
-def plan_buckets(units: "list[UnitState]", bucket_numel: int) -> "list[list[UnitState]]":
+def plan_buckets(units: "list[UnitState]", bucket_numel: int,
+                 root: "UnitState | None" = None) -> "list[list[UnitState]]":
     """Runs of adjacent, compatible units whose unsharded sizes sum to <= bucket_numel."""
     runs: list[list[UnitState]] = []
     current: list[UnitState] = []
@@ -33,7 +36,7 @@ def plan_buckets(units: "list[UnitState]", bucket_numel: int) -> "list[list[Unit
         if u.group is None:
             continue
         n = u.group.world_size * u.group.shard_numel
-        if current and (size + n > bucket_numel or not _compatible(current[0], u)):
+        if current and (size + n > bucket_numel or not _compatible(current[0], u, root)):
             runs.append(current)
             current, size = [], 0
         current.append(u)
@@ -43,18 +46,20 @@ def plan_buckets(units: "list[UnitState]", bucket_numel: int) -> "list[list[Unit
     return runs
 
 
-def _compatible(a: "UnitState", b: "UnitState") -> bool:
+def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> bool:
     ga, gb = a.group, b.group
-    return (a.mesh == b.mesh and a.reshard_after_forward == b.reshard_after_forward
+    same_rule = a.reshard_after_forward == b.reshard_after_forward or a is root
+    return (a.mesh == b.mesh and same_rule
             and ga.flat_shard.dtype == gb.flat_shard.dtype
             and ga.flat_shard.device == gb.flat_shard.device)
 
 
-def merge_small_units(units: "list[UnitState]", bucket_numel: int) -> None:
+def merge_small_units(units: "list[UnitState]", bucket_numel: int,
+                      root: "UnitState | None" = None) -> None:
     """Give each run of small units one shared, freshly laid out ParamGroup."""
     if bucket_numel <= 0:
         return
-    for run in plan_buckets(units, bucket_numel):
+    for run in plan_buckets(units, bucket_numel, root):
         if len(run) == 1:
             continue
         params = [p for u in run for p in u.group.params]

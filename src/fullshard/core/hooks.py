@@ -72,9 +72,9 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         group.unshard()
         group.wait_unshard()
     unit.explicit_unshard = False
-    nxt = root.next_in_forward(unit)
-    if nxt is not None and nxt.group is not None and nxt.group.state is GroupState.SHARDED:
-        nxt.group.unshard(async_op=True)
+    nxt = root.next_group_in_forward(unit)
+    if nxt is not None and nxt.state is GroupState.SHARDED:
+        nxt.unshard(async_op=True)
     return None
 
 
@@ -123,10 +123,9 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     if group is not None and group not in root.reduced:
         group.unshard()
         group.wait_unshard()
-    prev = root.prev_in_forward(unit)
-    if prev is not None and prev.group is not None and prev.group not in root.reduced \
-            and prev.group.state is GroupState.SHARDED:
-        prev.group.unshard(async_op=True)
+    prev = root.prev_group_in_forward(unit)
+    if prev is not None and prev not in root.reduced and prev.state is GroupState.SHARDED:
+        prev.unshard(async_op=True)
     return None
 
 
@@ -145,8 +144,8 @@ def _on_grads_ready(root: RootState, group: ParamGroup) -> None:
 
 def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
+    group.reshard()  # free the parameters before the reduce allocates its buffers
     root.pending_reduce = group.reduce_grads(async_op=True)
-    group.reshard()
     root.reduced.add(group)
 
 

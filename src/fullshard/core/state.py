@@ -72,11 +72,12 @@ class RootState:
         self.forward_done: set[UnitState] = set()
         self.reduced: set[ParamGroup] = set()
         self.forward_order: list[UnitState] = []      # last iteration's, used to prefetch
-        self._next_in_forward: dict[UnitState, UnitState] = {}
+        self._next_group: dict[UnitState, ParamGroup] = {}
         self.recording: list[UnitState] = []          # this iteration's pre-forward order
         self._recorded: set[UnitState] = set()
         self.post_forward_order: list[UnitState] = []
-        self._prev_in_forward: dict[UnitState, UnitState] = {}
+        self._prev_group: dict[UnitState, ParamGroup] = {}
+        self._group_trail: list[ParamGroup] = []  # post-forward order, repeats collapsed
         self.in_backward = False
         self.pending_reduce: PendingReduce | None = None
 
@@ -89,11 +90,12 @@ class RootState:
     def start_iteration(self) -> None:
         if self.recording:
             self.forward_order = self.recording
-            self._next_in_forward = dict(zip(self.forward_order, self.forward_order[1:]))
+            self._next_group = _next_other_group(self.forward_order)
         self.recording = []
         self._recorded = set()
         self.post_forward_order = []
-        self._prev_in_forward = {}
+        self._prev_group = {}
+        self._group_trail = []
         self.forward_done = set()
 
     def forward_finished(self, unit: UnitState) -> bool:
@@ -103,23 +105,41 @@ class RootState:
         return len(members) == 1 or all(m in self.forward_done for m in members)
 
     def record_post_forward(self, unit: UnitState) -> None:
-        if self.post_forward_order:
-            self._prev_in_forward[unit] = self.post_forward_order[-1]
+        trail, group = self._group_trail, unit.group
+        earlier = [g for g in trail[-2:] if g is not group]
+        if earlier:
+            self._prev_group[unit] = earlier[-1]
+        if group is not None and (not trail or trail[-1] is not group):
+            trail.append(group)
         self.post_forward_order.append(unit)
 
-    def next_in_forward(self, unit: UnitState) -> UnitState | None:
-        return self._next_in_forward.get(unit)
+    def next_group_in_forward(self, unit: UnitState) -> ParamGroup | None:
+        """The first other group forward will need after ``unit`` (last iteration's order):
+        the one to prefetch while ``unit``'s group computes."""
+        return self._next_group.get(unit)
 
-    def prev_in_forward(self, unit: UnitState) -> UnitState | None:
-        """The unit whose forward finished just before ``unit``'s (last) one: the next
-        one backward reaches, hence the one to prefetch."""
-        return self._prev_in_forward.get(unit)
+    def prev_group_in_forward(self, unit: UnitState) -> ParamGroup | None:
+        """The last other group whose forward finished before ``unit``'s: the next one
+        backward reaches, hence the one to prefetch in backward."""
+        return self._prev_group.get(unit)
 
     # -- reduce-scatter in flight -----------------------------------------------------------
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish(self.unit.mesh.size())
+
+
+def _next_other_group(order: list[UnitState]) -> dict[UnitState, ParamGroup]:
+    nxt: dict[UnitState, ParamGroup] = {}
+    upcoming: list[ParamGroup] = []  # groups after position i, nearest last, repeats collapsed
+    for unit in reversed(order):
+        later = [g for g in upcoming[-2:] if g is not unit.group]
+        if later:
+            nxt[unit] = later[-1]
+        if unit.group is not None and (not upcoming or upcoming[-1] is not unit.group):
+            upcoming.append(unit.group)
+    return nxt
 
 
 def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
@@ -131,7 +151,7 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
         _check_not_meta(u.group)
         u.group.reshard()
         _readopt_if_replaced(u.group)
-    merge_small_units([u for u in all_units if u is not unit], bucket_numel)
+    merge_small_units(all_units, bucket_numel, root=unit)
     root = RootState(unit, all_units)
     root.start_iteration()
     for u in all_units:
