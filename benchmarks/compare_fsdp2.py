@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fullshard.testing import run_distributed
 from fullshard.train.model import GPT, GPTConfig, lm_loss
+from memory import memory_report
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ WORKLOADS = {
                                                   n_layers=32, n_heads=4), 4, 32, 3, 15),
 }
 IMPLS = ("fullshard", "fsdp2", "ddp", "single")
+W3 = GPTConfig(vocab_size=32000, seq_len=64, d_model=1024, n_layers=16, n_heads=16)
 
 
 def build(impl: str, base: GPT, reshard_after_forward: bool,
@@ -148,7 +150,8 @@ def report(wl: Workload, world: int, raf: bool, res: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="W2,W1")
+    parser.add_argument("--workloads", default="W2,W1,W3",
+                        help="W1/W2: step time, interleaved; W3: peak memory per rank")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per workload)")
     parser.add_argument("--impls", default=",".join(IMPLS))
@@ -161,6 +164,9 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS="
           f"{os.environ['OMP_NUM_THREADS']}, command: {' '.join(sys.argv)}\n")
     for key in args.workloads.split(","):
+        if key == "W3":
+            print(memory_report(W3, args.world_size, batch=2, seq=64, steps=3), "\n", flush=True)
+            continue
         wl = WORKLOADS[key]
         if args.steps:
             wl = Workload(wl.name, wl.cfg, wl.batch, wl.seq, wl.warmup, args.steps)

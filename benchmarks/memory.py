@@ -19,20 +19,20 @@ import torch.distributed as dist
 from fullshard.train.model import GPT, GPTConfig, lm_loss
 
 
-def peak_rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def peak_rss_bytes() -> int:
+    return _status_bytes("VmHWM")
 
 
 def current_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
+    return _status_bytes("VmRSS")
 
 
 def activation_bytes(cfg: GPTConfig, batch: int, seq: int) -> int:
@@ -70,7 +70,11 @@ def memory_floor(cfg: GPTConfig, world: int, batch: int, seq: int, baseline: int
     return parts
 
 
-def memory_worker(impl: str, cfg: GPTConfig, batch: int, seq: int, steps: int) -> dict:
+def memory_worker(impl: str, cfg: GPTConfig, batch: int, seq: int, steps: int,
+                  malloc_tuning: bool = True) -> dict:
+    if impl != "fullshard" and malloc_tuning:
+        from fullshard.core.cpu_allocator import tune_for_sharded_training
+        tune_for_sharded_training()  # the same allocator policy fullshard applies itself
     baseline = current_rss_bytes()
     with torch.device("meta"):
         model = GPT(cfg)
@@ -91,3 +95,32 @@ def memory_worker(impl: str, cfg: GPTConfig, batch: int, seq: int, steps: int) -
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"peak": peak_rss_bytes(), "baseline": baseline}
+
+
+def memory_report(cfg: GPTConfig, world: int, batch: int, seq: int, steps: int) -> str:
+    """Run W3 for fullshard, FSDP2 and FSDP2 with fullshard's allocator policy."""
+    from fullshard.testing import run_distributed
+
+    runs = {
+        "fullshard": ("fullshard", True),
+        "fsdp2": ("fsdp2", False),
+        "fsdp2 + fullshard's malloc policy": ("fsdp2", True),
+    }
+    peaks, baseline = {}, 0
+    for label, (impl, tuning) in runs.items():
+        res = run_distributed(memory_worker, world, impl, cfg, batch, seq, steps, tuning,
+                              timeout=3600)
+        peaks[label] = max(r["peak"] for r in res)
+        baseline = max(baseline, max(r["baseline"] for r in res))
+    floor = memory_floor(cfg, world, batch, seq, baseline)
+    mib = 2 ** 20
+    lines = [f"### W3 memory: GPT d={cfg.d_model} L={cfg.n_layers} vocab={cfg.vocab_size}, "
+             f"batch {batch}x{seq}/rank, world {world}, meta init, AdamW, {steps} steps", "",
+             "| run | peak RSS per rank (MiB) | fullshard / run | run / floor |",
+             "|---|---:|---:|---:|"]
+    for label, peak in peaks.items():
+        lines.append(f"| {label} | {peak / mib:.0f} | {peaks['fullshard'] / peak:.2f} | "
+                     f"{peak / floor['floor']:.2f} |")
+    lines += ["", "| floor component | MiB |", "|---|---:|"]
+    lines += [f"| {k} | {v / mib:.0f} |" for k, v in floor.items()]
+    return "\n".join(lines)

@@ -204,3 +204,28 @@ def _stale_worker():
 
 def test_forward_after_update_uses_new_weights():
     assert run_distributed(_stale_worker, 2) == [True, True]
+
+
+def _steady_state_worker(bucket_numel):
+    model = _sharded_gpt(raf=True, bucket_numel=bucket_numel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    allocations, counts = [], []
+    for step in range(4):
+        x, y = _batch(step)
+        with count_collectives() as c:
+            lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        allocations.append(model._unit.root.pool.allocations)
+        counts.append(dict(c))
+    return allocations, counts
+
+
+@pytest.mark.parametrize("bucket_numel", [0, 1 << 20], ids=["per_unit", "merged"])
+def test_steady_state_allocates_no_communication_buffers(bucket_numel):
+    allocations, counts = run_distributed(_steady_state_worker, 2, bucket_numel)[0]
+    # the first step fills the pool; the second is the first with a recorded order
+    # (prefetch changes which buffers overlap); from then on nothing new is allocated
+    assert allocations[1] > 0
+    assert allocations[1] == allocations[2] == allocations[3], allocations
+    assert counts[2] == counts[3]

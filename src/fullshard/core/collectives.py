@@ -57,22 +57,28 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return _done(Pending(output, work), async_op)
 
 
+def needs_scratch(group: dist.ProcessGroup) -> bool:
+    """Whether ``reduce_scatter_sum`` on ``group`` uses a scratch buffer the size of ``full``."""
+    return group.size() > 1 and dist.get_backend(group) == "gloo"
+
+
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                       async_op: bool = False) -> Pending:
-    """Sum ``full`` (rank-major chunks) over ranks; this rank's chunk lands in ``output``."""
+                       async_op: bool = False, scratch: torch.Tensor | None = None) -> Pending:
+    """Sum ``full`` (rank-major chunks) over ranks; this rank's chunk lands in ``output``.
+    ``scratch`` (``full``-sized, see ``needs_scratch``) is used and may be reused after."""
     if group.size() == 1:
         output.copy_(full)
         return Pending(output, None)
     if dist.get_backend(group) == "gloo":
-        return _done(_reduce_scatter_by_all_to_all(output, full, group), async_op)
+        received = scratch if scratch is not None else torch.empty_like(full)
+        return _done(_reduce_scatter_by_all_to_all(output, full, received, group), async_op)
     work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return _done(Pending(output, work), async_op)
 
 
 def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
-                                  group: dist.ProcessGroup) -> Pending:
+                                  received: torch.Tensor, group: dist.ProcessGroup) -> Pending:
     """See Note [reduce-scatter on gloo]."""
-    received = torch.empty_like(full)
     work = dist.all_to_all_single(received, full, group=group, async_op=True)
 
     def sum_copies() -> None:

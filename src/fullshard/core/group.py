@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .collectives import Pending, all_gather, reduce_scatter_sum
+from .buffers import BufferPool
+from .collectives import Pending, all_gather, needs_scratch, reduce_scatter_sum
 from .param import ShardedParam
 
 
@@ -53,6 +54,7 @@ class ParamGroup:
         self._grads_expected = 0
         self._grads_seen = 0
         self._all_present: torch.Tensor | None = None
+        self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
 
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
@@ -115,8 +117,8 @@ class ParamGroup:
             return
         if self.unsharded is None:
             self._build_unsharded()
-        out = torch.empty(self.world_size * self.shard_numel, dtype=self.flat_shard.dtype,
-                          device=self.flat_shard.device)
+        out = self.pool.take(self.world_size * self.shard_numel, self.flat_shard.dtype,
+                             self.flat_shard.device)
         self._gather = all_gather(out, self.flat_shard, self.pg, async_op=async_op)
         self.state = GroupState.GATHERING
         if not async_op:
@@ -134,6 +136,7 @@ class ParamGroup:
             storage.resize_(nbytes)
         torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self.shard_sizes, dim=1,
                                     out=self._copy_out_targets)
+        self.pool.give(gathered)
         for p in self.params:
             up = p.unsharded_param
             if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
@@ -148,7 +151,7 @@ class ParamGroup:
         if self.state is GroupState.SHARDED:
             return
         if self.state is GroupState.GATHERING:
-            self._gather.wait()  # a buffer under a live collective cannot be dropped
+            self.pool.give(self._gather.wait())  # never drop a buffer under a live collective
             self._gather = None
         else:
             for p in self.params:
@@ -211,28 +214,35 @@ class ParamGroup:
         grads = [p.unsharded_param.grad if h else torch.zeros_like(p.unsharded_param)
                  for p, h in zip(trainable, had_grad)]
         flags = self._presence_flags(had_grad, ref).expand(w, -1)
-        full = torch._chunk_cat(grads + [flags], dim=0, num_chunks=w)
+        numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
+        full = self.pool.take(w * numel, ref.dtype, ref.device)
+        torch._chunk_cat(grads + [flags], dim=0, num_chunks=w, out=full.view(w, numel))
         for p in trainable:
             p.unsharded_param.grad = None
-        numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
-        out = torch.empty(numel, dtype=full.dtype, device=full.device)
-        pending = reduce_scatter_sum(out, full.view(-1), self.pg, async_op=async_op)
-        return PendingReduce(trainable, had_grad, pending, full)
+        scratch = self.pool.take(w * numel, ref.dtype, ref.device) if needs_scratch(self.pg) \
+            else None
+        out = torch.empty(numel, dtype=ref.dtype, device=ref.device)  # becomes the .grads
+        pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
+        return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch])
 
 
 class PendingReduce:
     """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
 
     def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
-                 send_buffer: torch.Tensor):
+                 pool: BufferPool, buffers: list[torch.Tensor | None]):
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
-        self._send_buffer = send_buffer  # kept alive until the collective completes
+        self._pool = pool
+        self._buffers = buffers  # in use by the collective until it completes
 
     def finish(self, world_size: int) -> None:
         out = self.pending.wait()
-        self._send_buffer = None
+        for buf in self._buffers:
+            if buf is not None:
+                self._pool.give(buf)
+        self._buffers = []
         out.div_(world_size)
         sizes = [p.layout.shard_numel for p in self.params]
         shards = torch.split(out, sizes + [len(self.params)])

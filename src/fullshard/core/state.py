@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .buckets import merge_small_units
+from .buffers import BufferPool
 from .group import GroupState, ParamGroup, PendingReduce
 
 
@@ -71,6 +72,9 @@ class RootState:
                 self.members.setdefault(u.group, []).append(u)
         self.forward_done: set[UnitState] = set()
         self.reduced: set[ParamGroup] = set()
+        self.pool = BufferPool()
+        for group in self.members:
+            group.pool = self.pool
         self.forward_order: list[UnitState] = []      # last iteration's, used to prefetch
         self._next_group: dict[UnitState, ParamGroup] = {}
         self.recording: list[UnitState] = []          # this iteration's pre-forward order

@@ -18,9 +18,9 @@ def count_collectives():
         counts["all_gather_async" if async_op else "all_gather"] += 1
         return real_ag(out, shard, pg, async_op=async_op)
 
-    def reduce_scatter_sum(out, full, pg, async_op=False):
+    def reduce_scatter_sum(out, full, pg, async_op=False, scratch=None):
         counts["reduce_scatter"] += 1
-        return real_rs(out, full, pg, async_op=async_op)
+        return real_rs(out, full, pg, async_op=async_op, scratch=scratch)
 
     group_module.all_gather, group_module.reduce_scatter_sum = all_gather, reduce_scatter_sum
     try:
