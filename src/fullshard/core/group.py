@@ -55,6 +55,9 @@ class ParamGroup:
         self._grads_seen = 0
         self._all_present: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
+        self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
+        self._grad_buffer: torch.Tensor | None = None
+        self._grad_views: list = []
 
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
@@ -221,21 +224,47 @@ class ParamGroup:
             p.unsharded_param.grad = None
         scratch = self.pool.take(w * numel, ref.dtype, ref.device) if needs_scratch(self.pg) \
             else None
-        out = torch.empty(numel, dtype=ref.dtype, device=ref.device)  # becomes the .grads
+        out, views = self._grad_destination(trainable, numel, ref)
         pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
-        return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch])
+        return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views)
+
+    def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
+                          ) -> tuple[torch.Tensor, list | None]:
+        """Where the reduce-scatter writes, and the DTensor grads viewing it (None when
+        the result must be added to gradients that already exist).
+
+        Note [persistent sharded gradients]
+        After ``zero_grad()`` every step would allocate the sharded gradients and build
+        one DTensor per parameter (4 ms per step for W2's 388 parameters). Instead each
+        group keeps one flat gradient buffer and DTensor views of it, and hands the same
+        objects out as ``.grad`` again: the reduce-scatter writes straight into them.
+        Peak memory is unchanged (sharded gradients are live at the peak anyway); the
+        visible difference is that a ``.grad`` object kept across ``zero_grad(
+        set_to_none=True)`` sees the next step's values, as with DDP's
+        ``gradient_as_bucket_view=True``.
+        """
+        if any(p.sharded_param.grad is not None for p in trainable):
+            return torch.empty(numel, dtype=ref.dtype, device=ref.device), None
+        key = (tuple(map(id, trainable)), ref.dtype, ref.device)
+        if key != self._grad_key:
+            buf = torch.empty(numel, dtype=ref.dtype, device=ref.device)
+            shards = torch.split(buf, [p.layout.shard_numel for p in trainable] + [len(trainable)])
+            self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
+            self._grad_buffer, self._grad_key = buf, key
+        return self._grad_buffer, self._grad_views
 
 
 class PendingReduce:
     """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
 
     def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
-                 pool: BufferPool, buffers: list[torch.Tensor | None]):
+                 pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None):
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
         self._pool = pool
         self._buffers = buffers  # in use by the collective until it completes
+        self._views = views      # DTensor grads over the output, or None: add to .grad
 
     def finish(self, world_size: int) -> None:
         out = self.pending.wait()
@@ -250,12 +279,16 @@ class PendingReduce:
             present = self.had_grad
         else:  # see Note [gradient presence flags]
             present = [f > 0 for f in shards[-1].tolist()]
+        if self._views is not None:  # every .grad was None: hand out the views
+            for p, view, keep in zip(self.params, self._views, present):
+                if keep:
+                    p.sharded_param.grad = view
+            return
         for p, shard, keep in zip(self.params, shards, present):
             if not keep:
                 continue
-            grad = p.sharded_grad(shard)
             current = p.sharded_param.grad
             if current is None:
-                p.sharded_param.grad = grad
+                p.sharded_param.grad = p.sharded_grad(shard)
             else:
-                current._local_tensor.add_(grad._local_tensor)
+                current._local_tensor.add_(p.sharded_grad(shard)._local_tensor)

@@ -80,12 +80,12 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
 
 def _root_pre_forward(root: RootState) -> None:
     root.finish_pending_reduce()
-    for u in root.units:
-        # Parameters still gathered from an earlier forward without backward may be
-        # stale after an optimizer step; gather them again (unless the user just did).
-        if u.group is not None and u.group.state is not GroupState.SHARDED \
-                and not u.explicit_unshard:
-            u.group.reshard()
+    # Parameters still gathered from an earlier forward without backward may be stale
+    # after an optimizer step: gather them again, unless the user just did.
+    fresh = {u.group for u in root.units if u.explicit_unshard}
+    for group in root.members:
+        if group.state is not GroupState.SHARDED and group not in fresh:
+            group.reshard()
     root.start_iteration()
 
 
