@@ -7,7 +7,10 @@ mmap threshold from the heap, and by default that threshold grows to 32 MiB afte
 the first large free; freed heap blocks stay resident and fragment, so peak RSS
 sits far above live memory (W3: 2.9 GiB peak for ~2.1 GiB live). With the
 threshold fixed at 4 MiB every larger block is mapped and returned on free: W3's
-peak fell to 2.72 GiB with no measurable step-time cost. fullshard sets it once,
+peak fell from 2.99 to 2.72 GiB. The price is paid in page faults: a gathered
+unit above 4 MiB is mapped afresh at every gather (W1: ~15% slower steps than
+with glibc's default; 16 MiB kept W1's speed but W3 peaked at 2.95 GiB). On CUDA
+none of this applies (the caching allocator reuses device memory). fullshard sets it once,
 when the first unit is sharded on a CPU mesh, and only on glibc; set
 ``FULLSHARD_MALLOC_TUNING=0`` to keep the process's own allocator settings.
 """
