@@ -93,8 +93,19 @@ def _replaced_by_plain_tensor():
             TypeError, r"parameter 'weight' was replaced by a plain tensor.*distribute_tensor")
 
 
-CHECKS = {f.__name__: f for f in (_twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
-                                  _unsupported_options, _bad_modules, _replaced_by_plain_tensor)}
+def _bucket_after_first_forward():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    _raises(lambda: model.set_bucket_numel(-1), ValueError, r"numel must be an int >= 0")
+    model(torch.ones(2, 4))
+    _raises(lambda: model.set_bucket_numel(0), RuntimeError,
+            r"set_bucket_numel on Sequential: the units were already grouped")
+
+
+CHECKS = {f.__name__: f for f in (
+    _bucket_after_first_forward, _twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
+    _unsupported_options, _bad_modules, _replaced_by_plain_tensor)}
 
 
 def _run_check(name):

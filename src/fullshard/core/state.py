@@ -29,6 +29,7 @@ class UnitState:
     def __init__(self, module: nn.Module, name: str, mesh: DeviceMesh,
                  group: ParamGroup | None, reshard_after_forward: bool):
         self.module = module
+        self.label = name  # the module's class name, for messages about the root
         self.name = name
         self.mesh = mesh
         self.group = group
@@ -43,7 +44,7 @@ class UnitState:
 
     def rename(self, path: str) -> None:
         """Name the unit and its parameters by their path from the root (for messages)."""
-        self.name = path or type(self.module).__name__
+        self.name = path or self.label
         for p in self.own_params:
             p.fqn = f"{path}.{p.refs[0].fqn}" if path else p.refs[0].fqn
 
