@@ -74,18 +74,20 @@ def test_collectives_per_step_with_small_units_merged(raf):
         assert bwd == {"reduce_scatter": 1}, (raf, bwd)
 
 
-def _bucket_worker():
-    model = _sharded_gpt(raf=True, bucket_numel=_layer_numel() * 3 // 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    counts = []
-    for step in range(2):
+def _steps_with_counts(model, opt, steps):
+    """Train ``steps`` steps; yield the collectives of each step's forward + backward."""
+    for step in range(steps):
         x, y = _batch(step)
         with count_collectives() as c:
             lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        counts.append(dict(c))
-    return counts
+        yield dict(c)
+
+
+def _bucket_worker():
+    model = _sharded_gpt(raf=True, bucket_numel=_layer_numel() * 3 // 2)
+    return list(_steps_with_counts(model, torch.optim.SGD(model.parameters(), lr=0.1), 2))
 
 
 def _layer_numel():
@@ -210,14 +212,9 @@ def _steady_state_worker(bucket_numel):
     model = _sharded_gpt(raf=True, bucket_numel=bucket_numel)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     allocations, counts = [], []
-    for step in range(4):
-        x, y = _batch(step)
-        with count_collectives() as c:
-            lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    for c in _steps_with_counts(model, opt, 4):
         allocations.append(model._unit.root.pool.allocations)
-        counts.append(dict(c))
+        counts.append(c)
     return allocations, counts
 
 
