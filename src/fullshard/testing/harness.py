@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -41,7 +42,9 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         torch.manual_seed(0)
-        value = fn(*args, **kwargs)
+        # Pickled here, by value: the queue's own pickler would share tensors through
+        # file descriptors that die with this process before the parent reads them.
+        value = pickle.dumps(fn(*args, **kwargs))
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -84,7 +87,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if missing:
         raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s "
                            "(a hang: ranks issued different collectives?)")
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
 def _collect(results: Any, procs: list, world_size: int, timeout: float) -> dict:

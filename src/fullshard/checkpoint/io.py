@@ -1,0 +1,239 @@
+"""save / load: distributed checkpoints that commit atomically and reshard on load.
+
+Layout of ``save("runs/x/step_000100", ...)``::
+
+    runs/x/step_000100/      a torch.distributed.checkpoint (DCP) directory: .metadata
+                             plus one shard file per rank, so torch's own DCP (and a
+                             model sharded by PyTorch FSDP2) can load it
+        extra.pt             the user's ``extra`` (step, RNG states, data position, ...)
+        fullshard.json       the manifest: world size, every file's size and sha256,
+                             every model tensor's shape and dtype
+    runs/x/latest            the name of the newest complete checkpoint
+
+Note [atomic commit]
+Every rank writes into ``.step_000100.tmp`` beside the target. Only after all ranks
+have finished does rank 0 hash the files (the ranks share the hashing), write the
+manifest, rename the directory into place, and finally rewrite ``latest`` (by
+rename, so it is never half written). A save killed at any moment leaves either no
+new directory or an unreferenced temporary one: ``latest`` still names the previous
+complete checkpoint. ``load`` refuses a directory without a manifest and checks every
+file's size and checksum before reading, naming the file that is missing or corrupt.
+Resharding comes from DCP: shards are addressed by global offsets, so a checkpoint
+saved at world size N loads at any M, or into a plain module on one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                         set_optimizer_state_dict)
+
+MANIFEST = "fullshard.json"
+EXTRA = "extra.pt"
+LATEST = "latest"
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or does not fit the model."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if not _distributed():
+        state = {"model": model.state_dict()}
+        if optimizer is not None:
+            raise CheckpointError("fullshard.checkpoint: loading optimizer state needs the "
+                                  "process group the optimizer was sharded over; load the "
+                                  "model alone here, or initialize torch.distributed first.")
+        return state
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save(path: str | os.PathLike, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None, *, extra: Any = None) -> str:
+    """Write a checkpoint of ``model`` (and ``optimizer``, and ``extra``) to ``path``.
+
+    Every rank writes its own shards; the directory appears only once complete (see
+    Note [atomic commit]) and ``latest`` in its parent then names it. Returns ``path``.
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, f".{name}.tmp")
+    rank, world = _rank_world()
+    if rank == 0:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before committing
+        os.makedirs(tmp)
+    _barrier()
+    state = _states(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    if rank == 0:
+        torch.save(extra, os.path.join(tmp, EXTRA))
+    _barrier()
+    files = _hash_files(tmp)
+    if rank == 0:
+        manifest = {"format": FORMAT, "world_size": world, "files": files,
+                    "tensors": _describe(state["model"]), "has_optimizer": optimizer is not None}
+        _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        _commit(tmp, path)
+        _write_atomic(os.path.join(parent, LATEST), name)
+    _barrier()
+    return path
+
+
+def load(path: str | os.PathLike, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Load a checkpoint saved by :func:`save` at any world size into ``model`` (and
+    ``optimizer``); returns the ``extra`` it was saved with. ``path`` may also be the
+    parent directory, in which case its ``latest`` checkpoint is loaded."""
+    path = resolve(path)
+    manifest = read_manifest(path)
+    _verify_files(path, manifest["files"])
+    _check_fits(path, manifest["tensors"], model)
+    if optimizer is not None and not manifest.get("has_optimizer"):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load the model "
+                              "alone (optimizer=None) and start the optimizer fresh.")
+    state = _states(model, optimizer)
+    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    if _distributed():
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+    else:
+        model.load_state_dict(state["model"])
+    return torch.load(os.path.join(path, EXTRA), weights_only=False)
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """``path`` itself if it is a checkpoint, else the one its ``latest`` file names."""
+    path = os.path.abspath(os.fspath(path))
+    pointer = os.path.join(path, LATEST)
+    if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(path, f.read().strip())
+    return path
+
+
+def read_manifest(path: str) -> dict:
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not os.path.isfile(manifest):
+        raise CheckpointError(f"{path} is not a complete fullshard checkpoint: {MANIFEST} is "
+                              "missing (the save that wrote it did not finish). Load the "
+                              f"previous one, which '{LATEST}' in the parent directory names.")
+    with open(manifest) as f:
+        return json.load(f)
+
+
+def _describe(model_state: dict[str, Any]) -> dict[str, dict]:
+    return {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_fits(path: str, saved: dict[str, dict], model: nn.Module) -> None:
+    """Name missing and unexpected keys and shape mismatches before reading anything."""
+    current = _describe(model.state_dict())
+    missing = sorted(current.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - current.keys())
+    mismatched = [f"{k}: checkpoint {tuple(saved[k]['shape'])}, model {tuple(v['shape'])}"
+                  for k, v in current.items() if k in saved and saved[k]["shape"] != v["shape"]]
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not the model: {', '.join(unexpected)}")
+        if mismatched:
+            parts.append(f"shape mismatches: {'; '.join(mismatched)}")
+        raise CheckpointError(f"checkpoint {path} does not fit this model: "
+                              + " | ".join(parts))
+
+
+def _hash_files(directory: str) -> dict[str, dict]:
+    """Sizes and sha256 of every file, the hashing split across ranks."""
+    rank, world = _rank_world()
+    names = sorted(os.listdir(directory))
+    mine = {n: _file_info(os.path.join(directory, n)) for n in names[rank::world]}
+    if not _distributed():
+        return mine
+    gathered: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def _file_info(path: str) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _verify_files(path: str, files: dict[str, dict]) -> None:
+    rank, world = _rank_world()
+    problems = []
+    for name in sorted(files)[rank::world]:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            problems.append(f"{full} is missing")
+        elif os.path.getsize(full) != files[name]["bytes"]:
+            problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says "
+                            f"{files[name]['bytes']} (truncated or overwritten)")
+        elif _file_info(full)["sha256"] != files[name]["sha256"]:
+            problems.append(f"{full} is corrupt (sha256 differs from the manifest)")
+    if _distributed():
+        everyone: list[list[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(everyone, problems)
+        problems = [p for part in everyone for p in part]
+    if problems:
+        raise CheckpointError("checkpoint failed verification: " + "; ".join(problems))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _commit(tmp: str, path: str) -> None:
+    if os.path.exists(path):  # saving over an older checkpoint of the same name
+        old = f"{path}.replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+__all__ = ["save", "load", "resolve", "read_manifest", "CheckpointError"]

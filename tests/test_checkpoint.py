@@ -1,0 +1,192 @@
+"""State dicts and checkpoints: exact resume, resharding, atomic commit, verification."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fullshard import fully_shard
+from fullshard import checkpoint as ckpt
+from fullshard.testing import run_distributed
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
+
+
+def _model(layout="layers", meta=False):
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            model = GPT(CFG)
+    else:
+        model = GPT(CFG)
+    if layout == "plain":
+        return model
+    if layout == "layers":
+        for layer in model.layers:
+            fully_shard(layer)
+    fully_shard(model, reshard_after_forward=layout != "root_zero2")
+    return model
+
+
+def _step(model, opt, step):
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+    loss = lm_loss(model(x), torch.roll(x, -1, 1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _full(model):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _train_and_save(path, steps, save_at=None):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        losses.append(_step(model, opt, step))
+        if save_at is not None and step + 1 == save_at:
+            ckpt.save(os.path.join(path, f"step_{step + 1}"), model, opt,
+                      extra={"step": step + 1, "note": "hello"})
+    return losses, _full(model)
+
+
+def _resume(path, steps, layout="layers"):
+    model = _model(layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = ckpt.load(path, model, opt)  # the parent: its `latest` is loaded
+    losses = [_step(model, opt, step) for step in range(extra["step"], steps)]
+    return extra, losses, _full(model)
+
+
+def test_exact_resume_in_fresh_processes(tmp_path):
+    straight, final = run_distributed(_train_and_save, 2, str(tmp_path / "a"), 10)[0]
+    first, _ = run_distributed(_train_and_save, 2, str(tmp_path / "b"), 5, 5)[0]
+    assert first == straight[:5]
+    extra, rest, resumed = run_distributed(_resume, 2, str(tmp_path / "b"), 10)[0]
+    assert extra == {"step": 5, "note": "hello"}
+    assert rest == straight[5:]  # bit-identical
+    for k in final:
+        assert torch.equal(final[k], resumed[k]), k
+    manifest = ckpt.read_manifest(str(tmp_path / "b" / "step_5"))
+    assert manifest["world_size"] == 2 and manifest["files"]
+    assert (tmp_path / "b" / "latest").read_text() == "step_5"
+
+
+def _load_full(path, layout):
+    model = _model(layout, meta=layout != "plain")
+    if layout != "plain":
+        model.to_empty(device="cpu")
+    ckpt.load(path, model)
+    return _full(model)
+
+
+@pytest.mark.parametrize("save_ws,load_ws,layout", [
+    (2, 1, "layers"), (2, 3, "layers"), (4, 2, "layers"), (2, 2, "root_only"),
+    (2, 2, "root_zero2")])
+def test_load_at_another_world_size_or_layout(tmp_path, save_ws, load_ws, layout):
+    _, saved = run_distributed(_train_and_save, save_ws, str(tmp_path), 2, 2)[0]
+    loaded = run_distributed(_load_full, load_ws, str(tmp_path), layout)[0]
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
+def test_load_into_plain_module_on_one_process(tmp_path):
+    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    assert not dist.is_initialized()
+    model = _model("plain")
+    ckpt.load(str(tmp_path), model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(saved[k], v), k
+
+
+def _die_during_second_save(path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, 0)
+    ckpt.save(os.path.join(path, "step_1"), model, opt, extra={"step": 1})
+    _step(model, opt, 1)
+    real_save = ckpt.io.dcp.save
+
+    def dying_save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if dist.get_rank() == 1:
+            os._exit(1)  # killed after writing its shards, before the commit
+    ckpt.io.dcp.save = dying_save
+    ckpt.save(os.path.join(path, "step_2"), model, opt, extra={"step": 2})
+
+
+def _load_step(path):
+    model = _model()
+    return ckpt.load(path, model)["step"]
+
+
+def test_killed_save_leaves_previous_checkpoint_in_use(tmp_path):
+    with pytest.raises(AssertionError, match="exited with code 1"):
+        run_distributed(_die_during_second_save, 2, str(tmp_path), timeout=60)
+    assert not (tmp_path / "step_2").exists()
+    assert (tmp_path / "latest").read_text() == "step_1"
+    assert run_distributed(_load_step, 2, str(tmp_path)) == [1, 1]
+    with pytest.raises(AssertionError, match="not a complete fullshard checkpoint"):
+        run_distributed(_load_step, 2, str(tmp_path / ".step_2.tmp"))
+
+
+def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
+    run_distributed(_train_and_save, 2, str(tmp_path), 1, 1)
+    step = tmp_path / "step_1"
+    shard = sorted(p for p in step.iterdir() if p.suffix == ".distcp")[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match=f"{shard.name} is corrupt"):
+        run_distributed(_load_step, 2, str(step))
+    shard.unlink()
+    with pytest.raises(AssertionError, match=f"{shard.name} is missing"):
+        run_distributed(_load_step, 2, str(step))
+    other = tmp_path / "other"
+    run_distributed(_train_and_save, 2, str(other), 1, 1)
+    wide = nn.Sequential(nn.Linear(3, 5))
+    with pytest.raises(ckpt.CheckpointError, match=r"does not fit this model: missing from "
+                                                   r"the checkpoint: 0.bias, 0.weight"):
+        ckpt.load(str(other), wide)
+
+
+def _state_dict_functions():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, 0)
+    rank = dist.get_rank()
+    sharded = ckpt.get_model_state_dict(model)
+    assert all(isinstance(v, DTensor) for v in sharded.values())
+    full = ckpt.get_model_state_dict(model, options=ckpt.StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        assert set(full) == set(sharded) and not any(isinstance(v, DTensor)
+                                                     for v in full.values())
+    else:
+        assert full == {}  # only rank 0 keeps the gathered tensors
+    osd = ckpt.get_optimizer_state_dict(model, opt)
+    assert "layers.0.attn.qkv.weight" in osd["state"]
+    # a meta-initialized model loads rank 0's full state dict by broadcast
+    fresh = _model(meta=True)
+    ckpt.set_model_state_dict(fresh, full, options=ckpt.StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), model(x))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ckpt.set_optimizer_state_dict(fresh, fresh_opt, osd)
+    assert _step(fresh, fresh_opt, 1) == _step(model, opt, 1)
+    return True
+
+
+def test_state_dict_functions_full_sharded_broadcast():
+    assert all(run_distributed(_state_dict_functions, 2))
