@@ -190,3 +190,55 @@ def _state_dict_functions():
 
 def test_state_dict_functions_full_sharded_broadcast():
     assert all(run_distributed(_state_dict_functions, 2))
+
+
+def _load_with_torch_fsdp2(path):
+    """The checkpoint directory is plain DCP: torch loads it into a model sharded by
+    PyTorch's own FSDP2, with no fullshard code involved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, \
+        set_model_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for layer in model.layers:
+        torch_fully_shard(layer)
+    torch_fully_shard(model)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=os.path.join(path, "step_2"))
+    set_model_state_dict(model, state["model"])
+    return _full(model)
+
+
+def test_torch_dcp_loads_the_checkpoint_into_fsdp2(tmp_path):
+    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    loaded = run_distributed(_load_with_torch_fsdp2, 2, str(tmp_path))[0]
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
+def _async_save_then_keep_training(path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        _step(model, opt, step)
+    snapshot = _full(model)
+    future = ckpt.save(os.path.join(path, "step_2"), model, opt, extra={"step": 2},
+                       async_save=True)
+    for step in range(2, 5):  # training goes on while the shards are written
+        _step(model, opt, step)
+    assert future.result() == os.path.join(path, "step_2")
+    # the next save waits for the one in flight, then commits after it
+    ckpt.save(os.path.join(path, "step_5"), model, opt, extra={"step": 5}, async_save=True)
+    ckpt.save(os.path.join(path, "step_5b"), model, opt, extra={"step": 5})
+    return snapshot
+
+
+def test_async_save_writes_the_state_at_the_call(tmp_path):
+    snapshot = run_distributed(_async_save_then_keep_training, 2, str(tmp_path))[0]
+    loaded = run_distributed(_load_full, 2, str(tmp_path / "step_2"), "layers")[0]
+    for k in snapshot:
+        assert torch.equal(snapshot[k], loaded[k]), k
+    assert (tmp_path / "latest").read_text() == "step_5b"
+    assert ckpt.read_manifest(str(tmp_path / "step_5"))["world_size"] == 2

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from . import background
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
 
@@ -56,9 +58,9 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -76,13 +78,27 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
 
 
 def save(path: str | os.PathLike, model: nn.Module,
-         optimizer: torch.optim.Optimizer | None = None, *, extra: Any = None) -> str:
+         optimizer: torch.optim.Optimizer | None = None, *, extra: Any = None,
+         async_save: bool = False) -> "str | Future[str]":
     """Write a checkpoint of ``model`` (and ``optimizer``, and ``extra``) to ``path``.
 
     Every rank writes its own shards; the directory appears only once complete (see
-    Note [atomic commit]) and ``latest`` in its parent then names it. Returns ``path``.
+    Note [atomic commit]) and ``latest`` in its parent then names it. Returns ``path``,
+    or with ``async_save=True`` a future of it (Note [async save]).
     """
+    background.wait_for_pending_save()
     path = os.path.abspath(os.fspath(path))
+    state = _states(model, optimizer)
+    meta = {"tensors": _describe(state["model"]), "has_optimizer": optimizer is not None}
+    if not async_save:
+        return _write_and_commit(path, state, extra, meta, group=None)
+    staged = background.staged_copy(state)
+    group = background.checkpoint_group()
+    return background.submit(lambda: _write_and_commit(path, staged, extra, meta, group))
+
+
+def _write_and_commit(path: str, state: dict[str, Any], extra: Any, meta: dict,
+                      group: dist.ProcessGroup | None) -> str:
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, f".{name}.tmp")
     rank, world = _rank_world()
@@ -90,20 +106,18 @@ def save(path: str | os.PathLike, model: nn.Module,
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died before committing
         os.makedirs(tmp)
-    _barrier()
-    state = _states(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    _barrier(group)
+    dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not _distributed())
     if rank == 0:
         torch.save(extra, os.path.join(tmp, EXTRA))
-    _barrier()
-    files = _hash_files(tmp)
+    _barrier(group)
+    files = _hash_files(tmp, group)
     if rank == 0:
-        manifest = {"format": FORMAT, "world_size": world, "files": files,
-                    "tensors": _describe(state["model"]), "has_optimizer": optimizer is not None}
+        manifest = {"format": FORMAT, "world_size": world, "files": files, **meta}
         _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         _commit(tmp, path)
         _write_atomic(os.path.join(parent, LATEST), name)
-    _barrier()
+    _barrier(group)
     return path
 
 
@@ -112,6 +126,7 @@ def load(path: str | os.PathLike, model: nn.Module,
     """Load a checkpoint saved by :func:`save` at any world size into ``model`` (and
     ``optimizer``); returns the ``extra`` it was saved with. ``path`` may also be the
     parent directory, in which case its ``latest`` checkpoint is loaded."""
+    background.wait_for_pending_save()
     path = resolve(path)
     manifest = read_manifest(path)
     _verify_files(path, manifest["files"])
@@ -176,7 +191,7 @@ def _check_fits(path: str, saved: dict[str, dict], model: nn.Module) -> None:
                               + " | ".join(parts))
 
 
-def _hash_files(directory: str) -> dict[str, dict]:
+def _hash_files(directory: str, group: dist.ProcessGroup | None = None) -> dict[str, dict]:
     """Sizes and sha256 of every file, the hashing split across ranks."""
     rank, world = _rank_world()
     names = sorted(os.listdir(directory))
@@ -184,7 +199,7 @@ def _hash_files(directory: str) -> dict[str, dict]:
     if not _distributed():
         return mine
     gathered: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=group)
     return {k: v for part in gathered for k, v in part.items()}
 
 
