@@ -242,3 +242,26 @@ def test_async_save_writes_the_state_at_the_call(tmp_path):
         assert torch.equal(snapshot[k], loaded[k]), k
     assert (tmp_path / "latest").read_text() == "step_5b"
     assert ckpt.read_manifest(str(tmp_path / "step_5"))["world_size"] == 2
+
+
+def test_cli_inspect_and_streamed_safetensors_export(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from fullshard.cli import main
+
+    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "world size 2, with optimizer state" in out and "checksums: ok" in out
+    assert "{'step': 2, 'note': 'hello'}" in out
+    assert "layers.0.attn.qkv.weight" in out and "(48, 16)" in out
+    target = tmp_path / "model.safetensors"
+    assert main(["ckpt", "export", str(tmp_path), str(target)]) == 0
+    exported = load_file(str(target))
+    assert exported.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(exported[k], saved[k]), k
+    shard = sorted((tmp_path / "step_2").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 1
+    assert "truncated" in capsys.readouterr().out
