@@ -47,7 +47,21 @@ def _full(model):
             for k, v in model.state_dict().items()}
 
 
-def _train_and_save(path, steps, save_at=None):
+def _full_optim(model, opt):
+    """FQN -> state name -> full tensor (every rank gathers; tiny models only)."""
+    osd = ckpt.get_optimizer_state_dict(model, opt)["state"]
+    return {fqn: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                  for k, v in state.items()} for fqn, state in osd.items()}
+
+
+def _assert_same_optim(a, b):
+    assert a.keys() == b.keys()
+    for fqn in a:
+        for k in a[fqn]:
+            assert torch.equal(a[fqn][k], b[fqn][k]), (fqn, k)
+
+
+def _train_and_save(path, steps, save_at=None, with_optim=False):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -56,6 +70,8 @@ def _train_and_save(path, steps, save_at=None):
         if save_at is not None and step + 1 == save_at:
             ckpt.save(os.path.join(path, f"step_{step + 1}"), model, opt,
                       extra={"step": step + 1, "note": "hello"})
+    if with_optim:
+        return losses, _full(model), _full_optim(model, opt)
     return losses, _full(model)
 
 
@@ -81,31 +97,36 @@ def test_exact_resume_in_fresh_processes(tmp_path):
     assert (tmp_path / "b" / "latest").read_text() == "step_5"
 
 
-def _load_full(path, layout):
+def _load_full(path, layout, with_optim=False):
     model = _model(layout, meta=layout != "plain")
     if layout != "plain":
         model.to_empty(device="cpu")
-    ckpt.load(path, model)
-    return _full(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if with_optim else None
+    ckpt.load(path, model, opt)
+    return (_full(model), _full_optim(model, opt)) if with_optim else _full(model)
 
 
 @pytest.mark.parametrize("save_ws,load_ws,layout", [
     (2, 1, "layers"), (2, 3, "layers"), (4, 2, "layers"), (2, 2, "root_only"),
     (2, 2, "root_zero2")])
 def test_load_at_another_world_size_or_layout(tmp_path, save_ws, load_ws, layout):
-    _, saved = run_distributed(_train_and_save, save_ws, str(tmp_path), 2, 2)[0]
-    loaded = run_distributed(_load_full, load_ws, str(tmp_path), layout)[0]
+    _, saved, saved_optim = run_distributed(_train_and_save, save_ws, str(tmp_path), 2, 2,
+                                            True)[0]
+    loaded, loaded_optim = run_distributed(_load_full, load_ws, str(tmp_path), layout, True)[0]
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
+    _assert_same_optim(saved_optim, loaded_optim)
 
 
 def test_load_into_plain_module_on_one_process(tmp_path):
-    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    _, saved, saved_optim = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2, True)[0]
     assert not dist.is_initialized()
     model = _model("plain")
-    ckpt.load(str(tmp_path), model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.load(str(tmp_path), model, opt)
     for k, v in model.state_dict().items():
         assert torch.equal(saved[k], v), k
+    _assert_same_optim(saved_optim, _full_optim(model, opt))
 
 
 def _die_during_second_save(path):
@@ -155,8 +176,13 @@ def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
     run_distributed(_train_and_save, 2, str(other), 1, 1)
     wide = nn.Sequential(nn.Linear(3, 5))
     with pytest.raises(ckpt.CheckpointError, match=r"does not fit this model: missing from "
-                                                   r"the checkpoint: 0.bias, 0.weight"):
+                                                   r"the checkpoint: 0.bias, 0.weight \| in the "
+                                                   r"checkpoint but not the model: layers.0"):
         ckpt.load(str(other), wide)
+    bigger_vocab = GPT(GPTConfig(vocab_size=48, seq_len=8, d_model=16, n_layers=3, n_heads=2))
+    with pytest.raises(ckpt.CheckpointError, match=r"shape mismatches: tok_emb.weight: "
+                                                   r"checkpoint \(40, 16\), model \(48, 16\)"):
+        ckpt.load(str(other), bigger_vocab)
 
 
 def _state_dict_functions():

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -64,13 +65,8 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    if not _distributed():
-        state = {"model": model.state_dict()}
-        if optimizer is not None:
-            raise CheckpointError("fullshard.checkpoint: loading optimizer state needs the "
-                                  "process group the optimizer was sharded over; load the "
-                                  "model alone here, or initialize torch.distributed first.")
-        return state
+    """The state DCP saves or loads into: DTensors for sharded models, plain tensors for
+    a plain module on one process (DCP reshards between the two)."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -135,13 +131,12 @@ def load(path: str | os.PathLike, model: nn.Module,
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load the model "
                               "alone (optimizer=None) and start the optimizer fresh.")
     state = _states(model, optimizer)
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-    if _distributed():
-        set_model_state_dict(model, state["model"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
-    else:
-        model.load_state_dict(state["model"])
+    with warnings.catch_warnings():  # DCP: "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
     return torch.load(os.path.join(path, EXTRA), weights_only=False)
 
 
