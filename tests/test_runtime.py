@@ -226,3 +226,48 @@ def test_steady_state_allocates_no_communication_buffers(bucket_numel):
     assert allocations[1] > 0
     assert allocations[1] == allocations[2] == allocations[3], allocations
     assert counts[2] == counts[3]
+
+
+class _Decoder(torch.nn.Module):
+    """``decode`` reads the parameters directly, not through ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+        self.out = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.proj(x)))
+
+    def decode(self, x):
+        return torch.tanh(x @ self.proj.weight.t() + self.proj.bias) @ self.out.weight.t()
+
+
+def _forward_method_worker():
+    from fullshard import register_fsdp_forward_method
+
+    torch.manual_seed(0)
+    ref = _Decoder()
+    model = copy.deepcopy(ref)
+    register_fsdp_forward_method(ref, "decode")  # a plain module: no-op
+    fully_shard(model)
+    with pytest.raises(ValueError, match="_Decoder has no method 'generate'"):
+        register_fsdp_forward_method(model, "generate")
+    register_fsdp_forward_method(model, "decode")
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(model.decode(x), ref.decode(x))
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # freed afterwards
+    model.decode(x).sum().backward()
+    ref.decode(x).sum().backward()
+    world = dist.get_world_size()
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        if rp.grad is None:  # out.bias: decode does not use it
+            assert p.grad is None
+            continue
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, rtol=1e-5, atol=1e-6)
+    return world
+
+
+def test_register_fsdp_forward_method():
+    assert run_distributed(_forward_method_worker, 2) == [2, 2]

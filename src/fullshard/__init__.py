@@ -8,11 +8,12 @@
     fully_shard(model)
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
+    "register_fsdp_forward_method",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -166,6 +167,28 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     hooks.install(unit)
     _register_state_dict_hooks(unit)
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather the unit's parameters
+    before it runs and free them after, as ``forward`` does. A no-op on modules that
+    ``fully_shard`` was not applied to, so the same code runs sharded or not."""
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {_original_class(module).__name__} "
+                         f"has no method {method_name!r}.")
+    unit = module._unit
+
+    @functools.wraps(method)
+    def gathered(*args, **kwargs):
+        hooks.run_pre_forward(unit, args, kwargs)
+        output = method(*args, **kwargs)
+        hooks.run_post_forward(unit, args, kwargs, output)
+        return output
+
+    module.__dict__[method_name] = gathered  # shadows the class's method on this instance
 
 
 def _check_arguments(label, reshard_after_forward, mp_policy, offload_policy) -> None:

@@ -57,6 +57,16 @@ def ensure_root(unit: UnitState) -> RootState:
 
 
 # -- forward ----------------------------------------------------------------------------
+def run_pre_forward(unit: UnitState, args: Any, kwargs: Any) -> None:
+    """What happens before ``unit.module``'s forward, for other forward-like methods."""
+    _pre_forward(unit, unit.module, args, kwargs)
+
+
+def run_post_forward(unit: UnitState, args: Any, kwargs: Any, output: Any) -> None:
+    """What happens after ``unit.module``'s forward, for other forward-like methods."""
+    _post_forward(unit, unit.module, args, kwargs, output)
+
+
 def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> None:
     root = ensure_root(unit)
     group = unit.group
