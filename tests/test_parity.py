@@ -1,5 +1,7 @@
 """Parity with a single-process reference (DESIGN.md: fp32 rtol 1e-5, atol 1e-6)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -94,3 +96,47 @@ def test_gradient_accumulation_into_existing_grad(case):
     """Three backward passes per optimizer step accumulate into the sharded .grad."""
     losses = run_distributed(_parity_worker, 2, case, True, 3)[0]
     assert len(losses) == 15
+
+
+def _no_sync_worker(use_context):
+    import torch.distributed as dist
+
+    from fullshard.testing.counting import count_collectives
+    from fullshard.testing.parity import assert_same_weights, local_slice
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)
+    model = GPT(GPT_CFG)
+    reference = copy.deepcopy(model)
+    _layers_then_root(model, True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    reduces = []
+    for step in range(3):
+        for micro in range(3):
+            batch = _gpt_batch(step * 3 + micro, 2 * world)
+            last = micro == 2
+            with count_collectives() as counts:
+                if use_context and not last:
+                    with model.no_sync():
+                        _gpt_loss(model, local_slice(batch, rank, world)).backward()
+                else:
+                    model.set_requires_gradient_sync(last)
+                    _gpt_loss(model, local_slice(batch, rank, world)).backward()
+            reduces.append(counts.get("reduce_scatter", 0))
+            _gpt_loss(reference, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_weights(model, reference, rtol=1e-5, atol=1e-6)
+    return reduces
+
+
+@pytest.mark.parametrize("use_context", [False, True], ids=["setter", "no_sync"])
+def test_accumulate_without_sync_reduces_once(use_context):
+    """Gradient sync off for two micro-batches: no reduce-scatter until the third, which
+    reduces the accumulated unsharded gradients; weights match the reference."""
+    reduces = run_distributed(_no_sync_worker, 2, use_context)[0]
+    assert reduces[0] == reduces[1] == 0 and reduces[2] > 0
+    assert reduces == reduces[:3] * 3

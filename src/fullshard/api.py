@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -83,6 +84,30 @@ class FSDPModule:
         unit.explicit_unshard = False
         if unit.group is not None:
             unit.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, backward keeps each unit's unsharded gradients (accumulating
+        across backward passes) instead of reduce-scattering them; the next backward
+        with ``True`` reduces everything accumulated. Trades memory for communication
+        in gradient accumulation; applies to sharded submodules too unless ``recurse``
+        is False."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError("set_requires_gradient_sync: expected a bool, got "
+                            f"{type(requires_gradient_sync).__name__}")
+        for module in self.modules() if recurse else [self]:
+            if isinstance(module, FSDPModule):
+                module._unit.requires_gradient_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip gradient reduction (as FSDP1/DDP ``no_sync``); the
+        first backward after the block reduces everything accumulated."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
 
     def set_bucket_numel(self, numel: int) -> None:
         """Merge adjacent small units under this root into one collective while their

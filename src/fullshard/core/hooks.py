@@ -155,7 +155,10 @@ def _on_grads_ready(root: RootState, group: ParamGroup) -> None:
 def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
     group.reshard()  # free the parameters before the reduce allocates its buffers
-    root.pending_reduce = group.reduce_grads(async_op=True)
+    if any(u.requires_gradient_sync for u in root.members[group]):
+        root.pending_reduce = group.reduce_grads(async_op=True)
+    # else: the unsharded gradients stay on the unsharded parameters and accumulate
+    # until a backward with gradient sync reduces them all at once
     root.reduced.add(group)
 
 

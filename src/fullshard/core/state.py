@@ -39,6 +39,7 @@ class UnitState:
         self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
+        self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
         self.explicit_unshard = False   # the user called module.unshard(): keep it at pre-forward
         self.ran_forward_with_grad = False
 
