@@ -85,6 +85,18 @@ class FSDPModule:
         if unit.group is not None:
             unit.group.reshard()
 
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Gather ``modules`` asynchronously as soon as this module's forward starts,
+        instead of the implicit one group ahead (deeper prefetch, more memory)."""
+        self._unit.forward_prefetch = _prefetch_targets("set_modules_to_forward_prefetch",
+                                                        modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Gather ``modules`` asynchronously as soon as this module's backward starts,
+        instead of the implicit one group behind in forward order."""
+        self._unit.backward_prefetch = _prefetch_targets("set_modules_to_backward_prefetch",
+                                                         modules)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
         """With ``False``, backward keeps each unit's unsharded gradients (accumulating
@@ -192,6 +204,16 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     hooks.install(unit)
     _register_state_dict_hooks(unit)
     return module
+
+
+def _prefetch_targets(method: str, modules) -> list[UnitState]:
+    targets = []
+    for i, m in enumerate(modules):
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{method}: modules[{i}] ({type(m).__name__}) is not sharded; "
+                             "pass modules that fully_shard was applied to.")
+        targets.append(m._unit)
+    return targets
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

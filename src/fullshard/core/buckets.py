@@ -59,7 +59,11 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
     """Give each run of small units one shared, freshly laid out ParamGroup."""
     if bucket_numel <= 0:
         return
-    for run in plan_buckets(units, bucket_numel, root):
+    # Units the user gave explicit prefetch orders to (or named as targets) keep their
+    # own groups: the user chose that granularity.
+    pinned = {t for u in units for t in (u.forward_prefetch or []) + (u.backward_prefetch or [])}
+    pinned |= {u for u in units if u.forward_prefetch or u.backward_prefetch}
+    for run in plan_buckets([u for u in units if u not in pinned], bucket_numel, root):
         if len(run) == 1:
             continue
         params = [p for u in run for p in u.group.params]

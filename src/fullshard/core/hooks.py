@@ -82,10 +82,19 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         group.unshard()
         group.wait_unshard()
     unit.explicit_unshard = False
-    nxt = root.next_group_in_forward(unit)
-    if nxt is not None and nxt.state is GroupState.SHARDED:
-        nxt.unshard(async_op=True)
+    if unit.forward_prefetch is not None:
+        _prefetch(root, [u.group for u in unit.forward_prefetch])
+    else:
+        _prefetch(root, [root.next_group_in_forward(unit)])
     return None
+
+
+def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
+    """Start gathering each group that is sharded and not yet done with this backward."""
+    for group in groups:
+        if group is not None and group.state is GroupState.SHARDED \
+                and group not in root.reduced:
+            group.unshard(async_op=True)
 
 
 def _root_pre_forward(root: RootState) -> None:
@@ -133,9 +142,10 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     if group is not None and group not in root.reduced:
         group.unshard()
         group.wait_unshard()
-    prev = root.prev_group_in_forward(unit)
-    if prev is not None and prev not in root.reduced and prev.state is GroupState.SHARDED:
-        prev.unshard(async_op=True)
+    if unit.backward_prefetch is not None:
+        _prefetch(root, [u.group for u in unit.backward_prefetch])
+    else:
+        _prefetch(root, [root.prev_group_in_forward(unit)])
     return None
 
 

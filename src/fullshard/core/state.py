@@ -40,6 +40,9 @@ class UnitState:
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
+        # Explicit prefetch (set_modules_to_*_prefetch); None means implicit: next group
+        self.forward_prefetch: list[UnitState] | None = None
+        self.backward_prefetch: list[UnitState] | None = None
         self.explicit_unshard = False   # the user called module.unshard(): keep it at pre-forward
         self.ran_forward_with_grad = False
 
