@@ -103,8 +103,17 @@ def _bucket_after_first_forward():
             r"set_bucket_numel on Sequential: the units were already grouped")
 
 
+def _bad_toggles():
+    model = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(model)
+    _raises(lambda: model.set_requires_gradient_sync("no"), TypeError,
+            r"set_requires_gradient_sync: expected a bool, got str")
+    _raises(lambda: model.set_reshard_after_backward(None), TypeError,
+            r"set_reshard_after_backward: expected a bool, got NoneType")
+
+
 CHECKS = {f.__name__: f for f in (
-    _bucket_after_first_forward, _twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
+    _bad_toggles, _bucket_after_first_forward, _twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
     _unsupported_options, _bad_modules, _replaced_by_plain_tensor)}
 
 

@@ -98,7 +98,7 @@ def test_gradient_accumulation_into_existing_grad(case):
     assert len(losses) == 15
 
 
-def _no_sync_worker(use_context):
+def _no_sync_worker(use_context, keep_gathered=False):
     import torch.distributed as dist
 
     from fullshard.testing.counting import count_collectives
@@ -116,6 +116,7 @@ def _no_sync_worker(use_context):
         for micro in range(3):
             batch = _gpt_batch(step * 3 + micro, 2 * world)
             last = micro == 2
+            model.set_reshard_after_backward(not (keep_gathered and micro == 0))
             with count_collectives() as counts:
                 if use_context and not last:
                     with model.no_sync():
@@ -123,7 +124,8 @@ def _no_sync_worker(use_context):
                 else:
                     model.set_requires_gradient_sync(last)
                     _gpt_loss(model, local_slice(batch, rank, world)).backward()
-            reduces.append(counts.get("reduce_scatter", 0))
+            reduces.append(counts.get("reduce_scatter", 0) if not keep_gathered
+                           else counts.get("all_gather", 0) + counts.get("all_gather_async", 0))
             _gpt_loss(reference, batch).backward()
         opt.step()
         opt.zero_grad()
@@ -140,3 +142,10 @@ def test_accumulate_without_sync_reduces_once(use_context):
     reduces = run_distributed(_no_sync_worker, 2, use_context)[0]
     assert reduces[0] == reduces[1] == 0 and reduces[2] > 0
     assert reduces == reduces[:3] * 3
+
+
+def test_reshard_after_backward_false_skips_the_next_gathers():
+    """Kept gathered after micro-batch 0's backward, micro-batch 1 gathers nothing;
+    micro-batch 2 (after a backward that resharded) gathers again; weights still match."""
+    gathers = run_distributed(_no_sync_worker, 2, True, True)[0]
+    assert gathers[1] == 0 and gathers[0] > 0 and gathers[2] > 0, gathers

@@ -104,12 +104,23 @@ class FSDPModule:
         with ``True`` reduces everything accumulated. Trades memory for communication
         in gradient accumulation; applies to sharded submodules too unless ``recurse``
         is False."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError("set_requires_gradient_sync: expected a bool, got "
-                            f"{type(requires_gradient_sync).__name__}")
+        self._set_unit_flag("requires_gradient_sync", requires_gradient_sync, recurse)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, parameters stay gathered after backward so the next forward
+        needs no all-gather (gradient accumulation with ``no_sync``). Set it back to
+        ``True`` for the last micro-batch: parameters gathered before an optimizer step
+        would be stale."""
+        self._set_unit_flag("reshard_after_backward", reshard_after_backward, recurse)
+
+    def _set_unit_flag(self, flag: str, value: bool, recurse: bool) -> None:
+        """Set a boolean run-time toggle on this unit (and sharded submodules)."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_{flag}: expected a bool, got {type(value).__name__}")
         for module in self.modules() if recurse else [self]:
             if isinstance(module, FSDPModule):
-                module._unit.requires_gradient_sync = requires_gradient_sync
+                setattr(module._unit, flag, value)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -100,8 +100,10 @@ def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
 def _root_pre_forward(root: RootState) -> None:
     root.finish_pending_reduce()
     # Parameters still gathered from an earlier forward without backward may be stale
-    # after an optimizer step: gather them again, unless the user just did.
-    fresh = {u.group for u in root.units if u.explicit_unshard}
+    # after an optimizer step: gather them again, unless the user just did or asked to
+    # keep them gathered across backward (set_reshard_after_backward(False)).
+    fresh = {u.group for u in root.units if u.explicit_unshard} | root.kept_gathered
+    root.kept_gathered = set()
     for group in root.members:
         if group.state is not GroupState.SHARDED and group not in fresh:
             group.reshard()
@@ -164,7 +166,8 @@ def _on_grads_ready(root: RootState, group: ParamGroup) -> None:
 
 def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
-    group.reshard()  # free the parameters before the reduce allocates its buffers
+    if not root.stays_gathered_after_backward(group):
+        group.reshard()  # free the parameters before the reduce allocates its buffers
     if any(u.requires_gradient_sync for u in root.members[group]):
         root.pending_reduce = group.reduce_grads(async_op=True)
     # else: the unsharded gradients stay on the unsharded parameters and accumulate
@@ -178,7 +181,10 @@ def _final_callback(root: RootState) -> None:
             _post_backward(root, u.group)
     root.finish_pending_reduce()
     for group in root.members:
-        group.reshard()
+        if root.stays_gathered_after_backward(group):
+            root.kept_gathered.add(group)
+        else:
+            group.reshard()
     for u in root.units:
         u.ran_forward_with_grad = False
     root.reduced.clear()

@@ -40,6 +40,7 @@ class UnitState:
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
+        self.reshard_after_backward = True  # False: stay gathered for the next forward
         # Explicit prefetch (set_modules_to_*_prefetch); None means implicit: next group
         self.forward_prefetch: list[UnitState] | None = None
         self.backward_prefetch: list[UnitState] | None = None
@@ -77,6 +78,7 @@ class RootState:
                 self.members.setdefault(u.group, []).append(u)
         self.forward_done: set[UnitState] = set()
         self.reduced: set[ParamGroup] = set()
+        self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
         self.pool = BufferPool()
         for group in self.members:
             group.pool = self.pool
@@ -106,6 +108,10 @@ class RootState:
         self._prev_group = {}
         self._group_trail = []
         self.forward_done = set()
+
+    def stays_gathered_after_backward(self, group: ParamGroup) -> bool:
+        """Whether every unit sharing ``group`` asked to keep it gathered after backward."""
+        return not any(u.reshard_after_backward for u in self.members[group])
 
     def forward_finished(self, unit: UnitState) -> bool:
         """Record ``unit``'s forward; True once every unit sharing its group has run."""
