@@ -58,7 +58,8 @@ def _meta_at_forward():
 
 def _unsupported_options():
     _raises(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16)), NotImplementedError, r"fully_shard\(Linear\): mixed precision")
+        param_dtype=torch.int8)), ValueError,
+        r"fully_shard\(Linear\): mp_policy.param_dtype=torch.int8 is not a floating-point")
     _raises(lambda: fully_shard(nn.Linear(2, 2), offload_policy=CPUOffloadPolicy()),
             NotImplementedError, r"CPUOffloadPolicy is not implemented yet")
     _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=2),

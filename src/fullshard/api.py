@@ -177,8 +177,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         reshard_after_forward: free parameters after forward and gather them again in
             backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2).
             The root module keeps them either way, since backward starts with it.
-        mp_policy, offload_policy: FSDP2's policies; only their defaults are supported
-            so far.
+        mp_policy: dtypes to gather/compute in (``param_dtype``), reduce gradients in
+            (``reduce_dtype``) and cast outputs to (``output_dtype``); sharded parameters,
+            gradients and optimizer states stay in the parameters' dtype.
+        offload_policy: FSDP2's; only the default (no offload) is supported so far.
         ignored_params: parameters to leave unsharded and unmanaged.
     """
     if isinstance(module, (list, tuple)):
@@ -204,12 +206,12 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if refs_by_param:
         params = [ShardedParam(refs, p, mesh, mesh.get_local_rank(), mesh.size())
                   for p, refs in refs_by_param.items()]
-        group = ParamGroup(params, pg, label)
+        group = ParamGroup(params, pg, label, mp_policy.param_dtype, mp_policy.reduce_dtype)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             _SHARDED_ORIGINALS.add(original, label)
     _move_buffers(module, device)
-    unit = UnitState(module, label, mesh, group, reshard_after_forward is not False)
+    unit = UnitState(module, label, mesh, group, reshard_after_forward is not False, mp_policy)
     module.__dict__["_fullshard_unit"] = unit
     module.__class__ = _fsdp_class(type(module))
     hooks.install(unit)
@@ -241,10 +243,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def gathered(*args, **kwargs):
-        hooks.run_pre_forward(unit, args, kwargs)
+        args, kwargs = hooks.run_pre_forward(unit, args, kwargs)
         output = method(*args, **kwargs)
-        hooks.run_post_forward(unit, args, kwargs, output)
-        return output
+        return hooks.run_post_forward(unit, args, kwargs, output)
 
     module.__dict__[method_name] = gathered  # shadows the class's method on this instance
 
@@ -257,10 +258,13 @@ def _check_arguments(label, reshard_after_forward, mp_policy, offload_policy) ->
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard({label}): mp_policy must be a fullshard."
                         f"MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError(
-            f"fully_shard({label}): mixed precision ({mp_policy}) is not implemented yet; "
-            "train in the parameters' dtype or use torch.autocast for now.")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and (not isinstance(dtype, torch.dtype)
+                                  or not dtype.is_floating_point):
+            raise ValueError(f"fully_shard({label}): mp_policy.{field}={dtype!r} is not a "
+                             "floating-point torch.dtype (use torch.bfloat16, torch.float16 "
+                             "or torch.float32).")
     if type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(
             f"fully_shard({label}): {type(offload_policy).__name__} is not implemented yet; "

@@ -10,7 +10,7 @@ unsharded size stays under ``bucket_numel`` into one group: one all-gather, one
 reduce-scatter for the whole run. A merged group is gathered when its first
 member needs it, freed after forward once every member has run (ZeRO-3), and
 reduced once every member's gradients are in. Units merge only when they agree on
-mesh, dtype and ``reshard_after_forward``; small units next to the root may join
+mesh, dtype, mixed-precision policy and ``reshard_after_forward``; small units next to the root may join
 the root's group and then follow the root's rule (stay gathered from forward to
 backward, at most ``bucket_numel`` elements), which saves the first gather of the
 backward. ``bucket_numel=0`` turns merging off.
@@ -49,7 +49,7 @@ def plan_buckets(units: "list[UnitState]", bucket_numel: int,
 def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> bool:
     ga, gb = a.group, b.group
     same_rule = a.reshard_after_forward == b.reshard_after_forward or a is root
-    return (a.mesh == b.mesh and same_rule
+    return (a.mesh == b.mesh and same_rule and a.mp_policy == b.mp_policy
             and ga.flat_shard.dtype == gb.flat_shard.dtype
             and ga.flat_shard.device == gb.flat_shard.device)
 
@@ -68,7 +68,8 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
             continue
         params = [p for u in run for p in u.group.params]
         name = f"{run[0].name}..{run[-1].name}"
-        merged = ParamGroup(params, run[0].group.pg, name)
+        first = run[0].group
+        merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype)
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group = merged

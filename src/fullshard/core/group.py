@@ -1,5 +1,13 @@
 """ParamGroup: one unit's parameters and their all-gather / reshard / reduce-scatter.
 
+Note [mixed precision]
+With a ``param_dtype`` the fp32 flat shard is cast once into a pooled buffer that the
+all-gather sends; the unsharded buffer and parameters are in ``param_dtype``, so
+forward and backward compute in it and produce gradients in it. ``_chunk_cat``
+casts the gradients into the send buffer in ``reduce_dtype``; the reduced result is
+cast back into the fp32 gradient buffer, so the optimizer sees fp32 gradients next
+to fp32 parameters and states.
+
 A unit is what one ``fully_shard`` call manages. Its parameters share three flat
 buffers, so each transition is one collective and one copy:
 
@@ -38,8 +46,14 @@ class GroupState(enum.Enum):
 class ParamGroup:
     """The parameters of one unit and the collectives that move them."""
 
-    def __init__(self, params: list[ShardedParam], pg: dist.ProcessGroup, unit_name: str):
+    def __init__(self, params: list[ShardedParam], pg: dist.ProcessGroup, unit_name: str,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.params = params
+        # Mixed precision (Note [mixed precision]): gather and compute in param_dtype,
+        # reduce gradients in reduce_dtype (default: param_dtype); None = shard dtype.
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
         self.pg = pg
         self.world_size = pg.size()
         self.unit_name = unit_name
@@ -50,6 +64,7 @@ class ParamGroup:
         self.unsharded: torch.Tensor | None = None
         self._copy_out_targets: list[torch.Tensor] = []
         self._gather: Pending | None = None
+        self._cast_shard: torch.Tensor | None = None  # the shard in param_dtype, being sent
         self.on_grads_ready: Callable[[], None] | None = None
         self._grads_expected = 0
         self._grads_seen = 0
@@ -96,7 +111,7 @@ class ParamGroup:
     def _build_unsharded(self) -> None:
         """Allocate the unsharded buffer and the persistent unsharded params (once)."""
         w = self.world_size
-        self.unsharded = torch.empty(w * self.shard_numel, dtype=self.flat_shard.dtype,
+        self.unsharded = torch.empty(w * self.shard_numel, dtype=self.compute_dtype,
                                      device=self.flat_shard.device)
         writer = self.unsharded.data  # own version counter: see Note [unsharded params are persistent views]
         self._copy_out_targets = [v.view(w, -1) for v in torch.split(
@@ -104,6 +119,11 @@ class ParamGroup:
         for p, view in zip(self.params, torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
             p.make_unsharded(view)
         self._free_unsharded_storage()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype parameters are gathered and computed in."""
+        return self.param_dtype or self.flat_shard.dtype
 
     @property
     def device(self) -> torch.device:
@@ -120,9 +140,13 @@ class ParamGroup:
             return
         if self.unsharded is None:
             self._build_unsharded()
-        out = self.pool.take(self.world_size * self.shard_numel, self.flat_shard.dtype,
-                             self.flat_shard.device)
-        self._gather = all_gather(out, self.flat_shard, self.pg, async_op=async_op)
+        dtype, device = self.compute_dtype, self.flat_shard.device
+        send = self.flat_shard
+        if dtype != send.dtype:  # mixed precision: the one copy-in, a cast
+            send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
+            send.copy_(self.flat_shard)
+        out = self.pool.take(self.world_size * self.shard_numel, dtype, device)
+        self._gather = all_gather(out, send, self.pg, async_op=async_op)
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -133,6 +157,7 @@ class ParamGroup:
             return
         gathered = self._gather.wait()
         self._gather = None
+        self._release_cast_shard()
         storage = self.unsharded.untyped_storage()
         nbytes = self.unsharded.numel() * self.unsharded.element_size()
         if storage.size() != nbytes:
@@ -156,11 +181,17 @@ class ParamGroup:
         if self.state is GroupState.GATHERING:
             self.pool.give(self._gather.wait())  # never drop a buffer under a live collective
             self._gather = None
+            self._release_cast_shard()
         else:
             for p in self.params:
                 p.register(p.sharded_param)
         self._free_unsharded_storage()
         self.state = GroupState.SHARDED
+
+    def _release_cast_shard(self) -> None:
+        if self._cast_shard is not None:
+            self.pool.give(self._cast_shard)
+            self._cast_shard = None
 
     def _free_unsharded_storage(self) -> None:
         storage = self.unsharded.untyped_storage()
@@ -218,16 +249,21 @@ class ParamGroup:
                  for p, h in zip(trainable, had_grad)]
         flags = self._presence_flags(had_grad, ref).expand(w, -1)
         numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
-        full = self.pool.take(w * numel, ref.dtype, ref.device)
+        reduce_dtype = self.reduce_dtype or ref.dtype
+        full = self.pool.take(w * numel, reduce_dtype, ref.device)
+        # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
         torch._chunk_cat(grads + [flags], dim=0, num_chunks=w, out=full.view(w, numel))
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
-        scratch = self.pool.take(w * numel, ref.dtype, ref.device) if needs_scratch(self.pg) \
-            else None
-        out, views = self._grad_destination(trainable, numel, ref)
+        scratch = self.pool.take(w * numel, reduce_dtype, ref.device) \
+            if needs_scratch(self.pg) else None
+        dest, views = self._grad_destination(trainable, numel, self.flat_shard)
+        out = dest if reduce_dtype == dest.dtype else torch.empty(numel, dtype=reduce_dtype,
+                                                                    device=ref.device)
         pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
-        return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views)
+        return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views,
+                             dest)
 
     def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
                           ) -> tuple[torch.Tensor, list | None]:
@@ -262,13 +298,15 @@ class PendingReduce:
     """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
 
     def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
-                 pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None):
+                 pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
+                 dest: torch.Tensor):
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
         self._pool = pool
         self._buffers = buffers  # in use by the collective until it completes
-        self._views = views      # DTensor grads over the output, or None: add to .grad
+        self._views = views      # DTensor grads over ``dest``, or None: add to .grad
+        self._dest = dest        # where the result lives, in the parameters' dtype
 
     def finish(self, world_size: int) -> None:
         out = self.pending.wait()
@@ -277,6 +315,9 @@ class PendingReduce:
                 self._pool.give(buf)
         self._buffers = []
         out.div_(world_size)
+        if out is not self._dest:  # reduced in reduce_dtype: cast into the fp32 gradients
+            self._dest.copy_(out)
+            out = self._dest
         sizes = [p.layout.shard_numel for p in self.params]
         shards = torch.split(out, sizes + [len(self.params)])
         if all(self.had_grad):

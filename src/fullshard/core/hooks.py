@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .group import GroupState, ParamGroup
 from .state import RootState, UnitState, lazy_init
@@ -57,24 +57,27 @@ def ensure_root(unit: UnitState) -> RootState:
 
 
 # -- forward ----------------------------------------------------------------------------
-def run_pre_forward(unit: UnitState, args: Any, kwargs: Any) -> None:
-    """What happens before ``unit.module``'s forward, for other forward-like methods."""
-    _pre_forward(unit, unit.module, args, kwargs)
+def run_pre_forward(unit: UnitState, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """What happens before ``unit.module``'s forward, for other forward-like methods;
+    returns the (possibly cast) args and kwargs."""
+    cast = _pre_forward(unit, unit.module, args, kwargs)
+    return cast if cast is not None else (args, kwargs)
 
 
-def run_post_forward(unit: UnitState, args: Any, kwargs: Any, output: Any) -> None:
-    """What happens after ``unit.module``'s forward, for other forward-like methods."""
-    _post_forward(unit, unit.module, args, kwargs, output)
+def run_post_forward(unit: UnitState, args: Any, kwargs: Any, output: Any) -> Any:
+    """What happens after ``unit.module``'s forward, for other forward-like methods;
+    returns the (possibly cast) output."""
+    return _post_forward(unit, unit.module, args, kwargs, output)
 
 
-def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> None:
+def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     root = ensure_root(unit)
     group = unit.group
     if root.in_backward:  # activation-checkpoint recompute: parameters are needed again
         if group is not None:
             group.unshard()
             group.wait_unshard()
-        return None
+        return _cast_inputs(unit, args, kwargs)
     if unit is root.unit:
         _root_pre_forward(root)
     root.record_pre_forward(unit)
@@ -86,7 +89,23 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         _prefetch(root, [u.group for u in unit.forward_prefetch])
     else:
         _prefetch(root, [root.next_group_in_forward(unit)])
-    return None
+    return _cast_inputs(unit, args, kwargs)
+
+
+def _cast_inputs(unit: UnitState, args: Any, kwargs: Any) -> Any:
+    """(args, kwargs) with floating tensors in ``param_dtype``, or None to keep them."""
+    policy = unit.mp_policy
+    if policy.param_dtype is None or not policy.cast_forward_inputs:
+        return None
+    return _cast_floats((args, kwargs), policy.param_dtype)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+    return tree_map(cast, tree)
 
 
 def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
@@ -111,10 +130,12 @@ def _root_pre_forward(root: RootState) -> None:
 
 
 def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
-                  output: Any) -> None:
+                  output: Any) -> Any:
     root = unit.root
+    if unit.mp_policy.output_dtype is not None:
+        output = _cast_floats(output, unit.mp_policy.output_dtype)
     if root.in_backward:
-        return None
+        return output
     group = unit.group
     if torch.is_grad_enabled():
         root.record_post_forward(unit)
@@ -125,7 +146,7 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
             group.reshard()
     elif group is not None and root.forward_finished(unit):
         group.reshard()  # no backward will read these parameters
-    return None
+    return output
 
 
 def _hook_outputs(unit: UnitState, output: Any) -> None:

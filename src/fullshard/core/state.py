@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..policies import MixedPrecisionPolicy
 from .buckets import merge_small_units
 from .buffers import BufferPool
 from .group import GroupState, ParamGroup, PendingReduce
@@ -27,13 +28,15 @@ class UnitState:
     """What one ``fully_shard(module)`` call manages."""
 
     def __init__(self, module: nn.Module, name: str, mesh: DeviceMesh,
-                 group: ParamGroup | None, reshard_after_forward: bool):
+                 group: ParamGroup | None, reshard_after_forward: bool,
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()):
         self.module = module
         self.label = name  # the module's class name, for messages about the root
         self.name = name
         self.mesh = mesh
         self.group = group
         self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
         self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root

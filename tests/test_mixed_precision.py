@@ -1,0 +1,108 @@
+"""Mixed precision: seed 001's example, dtypes where FSDP2 puts them, parity with FSDP2."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fullshard import MixedPrecisionPolicy, fully_shard
+from fullshard.testing import run_distributed
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=48, seq_len=12, d_model=32, n_layers=3, n_heads=4)
+
+
+def _seed_example():
+    """Seed 001, "Enabling Mixed Precision", with only the import changed."""
+    model = GPT(CFG)
+    fsdp_kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                     reduce_dtype=torch.float32)}
+    for layer in model.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    # sharded parameters are float32
+    for param in model.parameters():
+        assert param.dtype == torch.float32
+    # unsharded parameters are bfloat16
+    model.unshard()
+    for param in model.parameters(recurse=False):
+        assert param.dtype == torch.bfloat16
+    for param in [model.tok_emb.weight, model.ln_f.weight]:  # the root's own, gathered
+        assert param.dtype == torch.bfloat16 and not isinstance(param, DTensor)
+    model.reshard()
+    # optimizer states are in float32
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    loss = lm_loss(model(x), torch.roll(x, -1, 1))
+    assert loss.dtype == torch.bfloat16  # computed in bf16
+    loss.backward()
+    for param in model.parameters():  # gradients reach the optimizer in float32
+        assert isinstance(param.grad, DTensor) and param.grad.dtype == torch.float32
+    optim.step()
+    for state in optim.state.values():
+        assert state["exp_avg"].dtype == torch.float32
+    return True
+
+
+def test_seed_mixed_precision_example():
+    assert all(run_distributed(_seed_example, 2))
+
+
+def _policy(kind, index):
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if kind == "bf16":
+        return bf16
+    if kind == "bf16_reduce_bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if kind == "first_fp32":  # the first block in fp32 (its inputs cast up), the rest bf16
+        return MixedPrecisionPolicy(param_dtype=torch.float32) if index == 0 else bf16
+    raise ValueError(kind)
+
+
+def _shard(model, impl, kind):
+    if impl == "fullshard":
+        shard_fn, policy_cls = fully_shard, MixedPrecisionPolicy
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        from torch.distributed.fsdp import fully_shard as shard_fn
+        policy_cls = TorchPolicy
+
+    def convert(p):
+        return policy_cls(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
+                          output_dtype=p.output_dtype, cast_forward_inputs=p.cast_forward_inputs)
+    for i, layer in enumerate(model.layers):
+        shard_fn(layer, mp_policy=convert(_policy(kind, i)))
+    shard_fn(model, mp_policy=convert(_policy(kind, 1)))
+    return model
+
+
+def _versus_fsdp2(kind):
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    ours = _shard(copy.deepcopy(base), "fullshard", kind)
+    theirs = _shard(copy.deepcopy(base), "fsdp2", kind)
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ours, theirs)]
+    losses = []
+    for step in range(10):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=g)
+        pair = []
+        for model, opt in zip((ours, theirs), opts):
+            loss = lm_loss(model(x), torch.roll(x, -1, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.float().item())
+        losses.append(pair)
+    for (a, b) in losses:
+        assert abs(a - b) <= 2e-2 * abs(b), losses
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0.05, atol=2e-3)
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["bf16", "bf16_reduce_bf16", "first_fp32"])
+def test_losses_match_fsdp2_with_the_same_policy(kind):
+    run_distributed(_versus_fsdp2, 2, kind)
