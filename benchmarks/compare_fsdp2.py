@@ -49,16 +49,18 @@ W3 = GPTConfig(vocab_size=32000, seq_len=64, d_model=1024, n_layers=16, n_heads=
 
 
 def build(impl: str, base: GPT, reshard_after_forward: bool,
-          bucket_numel: int | None = None) -> torch.nn.Module:
+          bucket_numel: int | None = None, bf16: bool = False) -> torch.nn.Module:
     model = copy.deepcopy(base)
     if impl in ("fullshard", "fsdp2"):
         if impl == "fullshard":
-            from fullshard import fully_shard
+            from fullshard import MixedPrecisionPolicy, fully_shard
         else:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else MixedPrecisionPolicy()
         for layer in model.layers:
-            fully_shard(layer, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         if impl == "fullshard" and bucket_numel is not None:
             model.set_bucket_numel(bucket_numel)
     elif impl == "ddp":
@@ -98,11 +100,11 @@ class PhaseTimer:
 
 
 def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bool,
-                 bucket_numel: int | None = None) -> dict:
+                 bucket_numel: int | None = None, bf16: bool = False) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     base = GPT(wl.cfg)
-    models = {i: build(i, base, reshard_after_forward, bucket_numel) for i in impls}
+    models = {i: build(i, base, reshard_after_forward, bucket_numel, bf16) for i in impls}
     opts = {i: torch.optim.AdamW(m.parameters(), lr=1e-4) for i, m in models.items()}
     times: dict[str, list[float]] = {i: [] for i in impls}
     phases: dict[str, list[dict]] = {i: [] for i in impls}
@@ -118,7 +120,7 @@ def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bo
             loss, step_phases = timer.step(models[impl], opts[impl], x, y)
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            losses[impl].append(loss.item())
+            losses[impl].append(loss.float().item())
             if step >= wl.warmup:
                 times[impl].append(elapsed.item())
                 phases[impl].append(step_phases)
@@ -128,11 +130,12 @@ def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bo
             "losses": losses}
 
 
-def report(wl: Workload, world: int, raf: bool, res: dict) -> str:
+def report(wl: Workload, world: int, raf: bool, res: dict, bf16: bool = False) -> str:
     med = res["median_s"]
+    bf16_note = ", bf16 mixed precision (fp32 reduce)" if bf16 else ""
     lines = [f"### {wl.name}: GPT d={wl.cfg.d_model} L={wl.cfg.n_layers} vocab="
              f"{wl.cfg.vocab_size}, batch {wl.batch}x{wl.seq}/rank, world {world}, "
-             f"reshard_after_forward={raf}", "",
+             f"reshard_after_forward={raf}{bf16_note}", "",
              "| impl | median step (ms) | fullshard / impl |", "|---|---:|---:|"]
     for impl, t in med.items():
         ratio = med["fullshard"] / t if "fullshard" in med else float("nan")
@@ -156,6 +159,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per workload)")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--zero2", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--bf16", action="store_true",
+                        help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for "
+                             "fullshard and FSDP2 (use --impls fullshard,fsdp2)")
     parser.add_argument("--bucket-numel", type=int, default=None,
                         help="fullshard's set_bucket_numel (default: the library default)")
     args = parser.parse_args(argv)
@@ -171,8 +177,8 @@ def main(argv=None) -> None:
         if args.steps:
             wl = Workload(wl.name, wl.cfg, wl.batch, wl.seq, wl.warmup, args.steps)
         res = run_distributed(bench_worker, args.world_size, wl, impls, not args.zero2,
-                              args.bucket_numel, timeout=3600)[0]
-        print(report(wl, args.world_size, not args.zero2, res), "\n", flush=True)
+                              args.bucket_numel, args.bf16, timeout=3600)[0]
+        print(report(wl, args.world_size, not args.zero2, res, args.bf16), "\n", flush=True)
 
 
 if __name__ == "__main__":
