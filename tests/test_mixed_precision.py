@@ -106,3 +106,40 @@ def _versus_fsdp2(kind):
 @pytest.mark.parametrize("kind", ["bf16", "bf16_reduce_bf16", "first_fp32"])
 def test_losses_match_fsdp2_with_the_same_policy(kind):
     run_distributed(_versus_fsdp2, 2, kind)
+
+
+def _fp16_with_grad_scaler():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scales, changed = [], []
+    for step in range(4):
+        x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+        loss = lm_loss(model(x), torch.roll(x, -1, 1))
+        assert loss.dtype == torch.float16
+        scaler.scale(loss).backward()
+        if step == 2 and dist.get_rank() == 1:  # an overflow on one rank only
+            next(model.parameters()).grad._local_tensor.fill_(float("inf"))
+        before = [p.to_local().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed.append(any(not torch.equal(b, p.to_local())
+                           for b, p in zip(before, model.parameters())))
+        scales.append(scaler.get_scale())
+    return scales, changed
+
+
+def test_fp16_loss_scaling_agrees_across_ranks():
+    """torch.amp.GradScaler works on fullshard's sharded gradients: an inf on one rank
+    makes every rank skip the step and halve the scale."""
+    results = run_distributed(_fp16_with_grad_scaler, 2)
+    assert results[0] == results[1]
+    scales, changed = results[0]
+    assert scales == [1024.0, 1024.0, 512.0, 512.0]
+    assert changed == [True, True, False, True]
