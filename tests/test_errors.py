@@ -40,9 +40,9 @@ def _shared_across_units():
 
 def _wrong_mesh():
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))
     _raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh), ValueError,
-            r"fully_shard\(Linear\): mesh has 2 dimensions \(1, 2\).*mesh\['shard'\]")
+            r"fully_shard\(Linear\): mesh has 3 dimensions \(1, 1, 2\).*\(replicate, shard\)")
     _raises(lambda: fully_shard(nn.Linear(4, 4), mesh="cpu"), TypeError, r"DeviceMesh")
 
 

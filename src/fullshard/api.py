@@ -173,7 +173,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     Args:
         module: the module to shard; returned with its class swapped to a subclass of
             both its class and :class:`FSDPModule`.
-        mesh: a 1-D DeviceMesh (default: every rank of the default process group).
+        mesh: a 1-D DeviceMesh (default: every rank of the default process group), or a
+            2-D (replicate, shard) mesh for hybrid sharding: shards within each shard
+            group, replicas across; gradients are reduce-scattered within the shard
+            group, then all-reduced across replicas.
         reshard_after_forward: free parameters after forward and gather them again in
             backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2).
             The root module keeps them either way, since backward starts with it.
@@ -197,16 +200,18 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
             "Apply fully_shard to its children, or to the parent module that runs them.")
     mesh = _resolve_mesh(label, mesh)
-    pg = mesh.get_group()
+    pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
+    replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
     device = _mesh_device(mesh)
     if device.type == "cpu":
         cpu_allocator.tune_for_sharded_training()
     refs_by_param = _collect_params(module, label, ignored_params or set())
     group = None
     if refs_by_param:
-        params = [ShardedParam(refs, p, mesh, mesh.get_local_rank(), mesh.size())
+        params = [ShardedParam(refs, p, mesh, pg.rank(), pg.size())
                   for p, refs in refs_by_param.items()]
-        group = ParamGroup(params, pg, label, mp_policy.param_dtype, mp_policy.reduce_dtype)
+        group = ParamGroup(params, pg, label, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                           replicate_pg)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             _SHARDED_ORIGINALS.add(original, label)
@@ -278,11 +283,11 @@ def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard({label}): mesh must be a torch DeviceMesh, got "
                         f"{type(mesh).__name__}.")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard({label}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; "
-            "fullshard shards over a 1-D mesh. Pass the shard dimension, e.g. mesh['shard'] "
-            "(hybrid sharding over a 2-D (replicate, shard) mesh is planned).")
+            "fullshard shards over a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid "
+            "sharding. Pass those dimensions, e.g. mesh['replicate', 'shard'].")
     return mesh
 
 

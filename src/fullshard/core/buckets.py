@@ -69,7 +69,8 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
         params = [p for u in run for p in u.group.params]
         name = f"{run[0].name}..{run[-1].name}"
         first = run[0].group
-        merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype)
+        merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype,
+                            first.replicate_pg)
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group = merged

@@ -85,3 +85,10 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
         torch.sum(received.view(group.size(), -1), dim=0, out=output)
 
     return Pending(output, work, sum_copies)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group`` (hybrid sharding's replica reduction)."""
+    if group.size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
+    return tensor

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import Pending, all_gather, needs_scratch, reduce_scatter_sum
+from .collectives import Pending, all_gather, all_reduce_sum, needs_scratch, reduce_scatter_sum
 from .param import ShardedParam
 
 
@@ -48,8 +48,10 @@ class ParamGroup:
 
     def __init__(self, params: list[ShardedParam], pg: dist.ProcessGroup, unit_name: str,
                  param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None,
+                 replicate_pg: dist.ProcessGroup | None = None):
         self.params = params
+        self.replicate_pg = replicate_pg  # hybrid sharding: all-reduce across replicas
         # Mixed precision (Note [mixed precision]): gather and compute in param_dtype,
         # reduce gradients in reduce_dtype (default: param_dtype); None = shard dtype.
         self.param_dtype = param_dtype
@@ -263,7 +265,7 @@ class ParamGroup:
                                                                     device=ref.device)
         pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
         return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views,
-                             dest)
+                             dest, self.replicate_pg)
 
     def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
                           ) -> tuple[torch.Tensor, list | None]:
@@ -299,7 +301,7 @@ class PendingReduce:
 
     def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
-                 dest: torch.Tensor):
+                 dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None):
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
@@ -307,6 +309,7 @@ class PendingReduce:
         self._buffers = buffers  # in use by the collective until it completes
         self._views = views      # DTensor grads over ``dest``, or None: add to .grad
         self._dest = dest        # where the result lives, in the parameters' dtype
+        self._replicate_pg = replicate_pg
 
     def finish(self, world_size: int) -> None:
         out = self.pending.wait()
@@ -314,6 +317,8 @@ class PendingReduce:
             if buf is not None:
                 self._pool.give(buf)
         self._buffers = []
+        if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
+            all_reduce_sum(out, self._replicate_pg)
         out.div_(world_size)
         if out is not self._dest:  # reduced in reduce_dtype: cast into the fp32 gradients
             self._dest.copy_(out)

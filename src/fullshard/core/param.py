@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import optim
@@ -72,6 +72,8 @@ class ShardedParam:
 
     def __init__(self, refs: list[ParamRef], param: nn.Parameter, mesh: DeviceMesh,
                  rank: int, world_size: int):
+        # rank / world_size are this rank's place in the *shard* dimension; on a 2-D
+        # (replicate, shard) mesh the parameter is replicated across the other one.
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter '{refs[0].fqn}' is 0-dimensional; fullshard shards "
@@ -83,8 +85,9 @@ class ShardedParam:
         self.world_size = world_size
         self.layout = ShardLayout.of(param.shape, rank, world_size)
         self.dtype = param.dtype
+        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
         self.spec = DTensorSpec(
-            mesh, (Shard(0),),
+            mesh, self.placements,
             tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype))
         self.sharded_param: nn.Parameter | None = None
         self.padded_shard: torch.Tensor | None = None
@@ -123,11 +126,11 @@ class ShardedParam:
                 "fully_shard. Load sharded values instead: build them with "
                 "torch.distributed.tensor.distribute_tensor(full, param.device_mesh, "
                 "param.placements) and load those.")
-        if current.shape != self.layout.shape or current.placements != (Shard(0),):
+        if current.shape != self.layout.shape or current.placements != self.placements:
             raise ValueError(
                 f"fullshard: parameter '{self.fqn}' was replaced by a DTensor of shape "
                 f"{tuple(current.shape)} and placements {current.placements}; expected shape "
-                f"{tuple(self.layout.shape)} with (Shard(0),).")
+                f"{tuple(self.layout.shape)} with {self.placements}.")
         lay = self.layout
         old_local = current._local_tensor
         self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
