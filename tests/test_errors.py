@@ -62,8 +62,10 @@ def _unsupported_options():
         r"fully_shard\(Linear\): mp_policy.param_dtype=torch.int8 is not a floating-point")
     _raises(lambda: fully_shard(nn.Linear(2, 2), offload_policy=CPUOffloadPolicy()),
             NotImplementedError, r"CPUOffloadPolicy is not implemented yet")
-    _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=2),
-            NotImplementedError, r"reshard_after_forward=2")
+    _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3),
+            ValueError, r"reshard_after_forward=3 must divide the shard group size 2")
+    _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"),
+            TypeError, r"reshard_after_forward must be a bool or an int")
     _raises(lambda: fully_shard([nn.Linear(2, 2)]), NotImplementedError, r"list of modules")
 
 

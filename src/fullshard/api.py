@@ -178,8 +178,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             group, replicas across; gradients are reduce-scattered within the shard
             group, then all-reduced across replicas.
         reshard_after_forward: free parameters after forward and gather them again in
-            backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2).
-            The root module keeps them either way, since backward starts with it.
+            backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2);
+            an int N keeps them sharded N ways after forward so backward gathers within
+            groups of N ranks (ZeRO++ hpZ). The root keeps them, since backward starts with it.
         mp_policy: dtypes to gather/compute in (``param_dtype``), reduce gradients in
             (``reduce_dtype``) and cast outputs to (``output_dtype``); sharded parameters,
             gradients and optimizer states stay in the parameters' dtype.
@@ -190,7 +191,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise NotImplementedError("fully_shard: a list of modules as one unit is not supported "
                                   "yet; wrap them in one nn.Module and shard that.")
     label = _original_class(module).__name__
-    _check_arguments(label, reshard_after_forward, mp_policy, offload_policy)
+    _check_arguments(label, mp_policy, offload_policy)
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {label}; apply it once per "
                          "module (submodules first, then the root).")
@@ -202,6 +203,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     mesh = _resolve_mesh(label, mesh)
     pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
+    post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
+    if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = False  # each rank keeps everything: ZeRO-2
     device = _mesh_device(mesh)
     if device.type == "cpu":
         cpu_allocator.tune_for_sharded_training()
@@ -211,7 +215,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         params = [ShardedParam(refs, p, mesh, pg.rank(), pg.size())
                   for p, refs in refs_by_param.items()]
         group = ParamGroup(params, pg, label, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                           replicate_pg)
+                           replicate_pg, post_forward_size)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             _SHARDED_ORIGINALS.add(original, label)
@@ -255,11 +259,23 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = gathered  # shadows the class's method on this instance
 
 
-def _check_arguments(label, reshard_after_forward, mp_policy, offload_policy) -> None:
-    if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
-        raise NotImplementedError(
-            f"fully_shard({label}): reshard_after_forward={reshard_after_forward!r}; only True/"
-            "False are supported so far (an int, ZeRO++ hpZ-style resharding, is planned).")
+def _post_forward_size(label: str, reshard_after_forward, shard_size: int) -> int | None:
+    """The subgroup size for an integer ``reshard_after_forward`` (None: not hpZ)."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return None
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(f"fully_shard({label}): reshard_after_forward must be a bool or an int, "
+                        f"got {type(reshard_after_forward).__name__}.")
+    n = reshard_after_forward
+    if n < 1 or n > shard_size or shard_size % n:
+        raise ValueError(
+            f"fully_shard({label}): reshard_after_forward={n} must divide the shard group size "
+            f"{shard_size} (1 <= N <= {shard_size}): after forward each group of N ranks "
+            "keeps the parameters sharded N ways for backward.")
+    return n if 1 < n < shard_size else None
+
+
+def _check_arguments(label, mp_policy, offload_policy) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard({label}): mp_policy must be a fullshard."
                         f"MixedPrecisionPolicy, got {type(mp_policy).__name__}.")

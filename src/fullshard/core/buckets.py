@@ -48,7 +48,8 @@ def plan_buckets(units: "list[UnitState]", bucket_numel: int,
 
 def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> bool:
     ga, gb = a.group, b.group
-    same_rule = a.reshard_after_forward == b.reshard_after_forward or a is root
+    same_rule = (a.reshard_after_forward == b.reshard_after_forward
+                 and ga.post_forward_size == gb.post_forward_size) or a is root
     return (a.mesh == b.mesh and same_rule and a.mp_policy == b.mp_policy
             and ga.flat_shard.dtype == gb.flat_shard.dtype
             and ga.flat_shard.device == gb.flat_shard.device)
@@ -70,7 +71,7 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
         name = f"{run[0].name}..{run[-1].name}"
         first = run[0].group
         merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype,
-                            first.replicate_pg)
+                            first.replicate_pg, first.post_forward_size)
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group = merged

@@ -35,12 +35,14 @@ import torch.distributed as dist
 from .buffers import BufferPool
 from .collectives import Pending, all_gather, all_reduce_sum, needs_scratch, reduce_scatter_sum
 from .param import ShardedParam
+from .post_forward import PostForwardShard
 
 
 class GroupState(enum.Enum):
     SHARDED = "sharded"        # only the shards exist; sharded DTensors are registered
     GATHERING = "gathering"    # all-gather issued, not yet copied out
     UNSHARDED = "unsharded"    # unsharded params registered and valid
+    POST_FORWARD = "post-forward"  # sharded, plus a 1/N chunk kept for backward (hpZ)
 
 
 class ParamGroup:
@@ -49,8 +51,12 @@ class ParamGroup:
     def __init__(self, params: list[ShardedParam], pg: dist.ProcessGroup, unit_name: str,
                  param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None,
-                 replicate_pg: dist.ProcessGroup | None = None):
+                 replicate_pg: dist.ProcessGroup | None = None,
+                 post_forward_size: int | None = None):
         self.params = params
+        self.post_forward_size = post_forward_size
+        self.post_forward: PostForwardShard | None = (
+            PostForwardShard(pg, post_forward_size) if post_forward_size else None)
         self.replicate_pg = replicate_pg  # hybrid sharding: all-reduce across replicas
         # Mixed precision (Note [mixed precision]): gather and compute in param_dtype,
         # reduce gradients in reduce_dtype (default: param_dtype); None = shard dtype.
@@ -67,6 +73,7 @@ class ParamGroup:
         self._copy_out_targets: list[torch.Tensor] = []
         self._gather: Pending | None = None
         self._cast_shard: torch.Tensor | None = None  # the shard in param_dtype, being sent
+        self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
         self.on_grads_ready: Callable[[], None] | None = None
         self._grads_expected = 0
         self._grads_seen = 0
@@ -116,6 +123,7 @@ class ParamGroup:
         self.unsharded = torch.empty(w * self.shard_numel, dtype=self.compute_dtype,
                                      device=self.flat_shard.device)
         writer = self.unsharded.data  # own version counter: see Note [unsharded params are persistent views]
+        self._writer = writer
         self._copy_out_targets = [v.view(w, -1) for v in torch.split(
             writer, [w * n for n in self.shard_sizes])]
         for p, view in zip(self.params, torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
@@ -138,8 +146,17 @@ class ParamGroup:
     # -- unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
+        if self.state is GroupState.POST_FORWARD:
+            self._alloc_unsharded_storage()
+            self._gather = self.post_forward.gather_into(self._writer, async_op=async_op)
+            self._gather_is_direct = True
+            self.state = GroupState.GATHERING
+            if not async_op:
+                self.wait_unshard()
+            return
         if self.state is not GroupState.SHARDED:
             return
+        self._gather_is_direct = False
         if self.unsharded is None:
             self._build_unsharded()
         dtype, device = self.compute_dtype, self.flat_shard.device
@@ -159,14 +176,12 @@ class ParamGroup:
             return
         gathered = self._gather.wait()
         self._gather = None
-        self._release_cast_shard()
-        storage = self.unsharded.untyped_storage()
-        nbytes = self.unsharded.numel() * self.unsharded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-        torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self.shard_sizes, dim=1,
-                                    out=self._copy_out_targets)
-        self.pool.give(gathered)
+        if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
+            self._release_cast_shard()
+            self._alloc_unsharded_storage()
+            torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self.shard_sizes,
+                                        dim=1, out=self._copy_out_targets)
+            self.pool.give(gathered)
         for p in self.params:
             up = p.unsharded_param
             if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
@@ -176,13 +191,27 @@ class ParamGroup:
             p.register(up)
         self.state = GroupState.UNSHARDED
 
+    def reshard_after_forward(self) -> None:
+        """Free the parameters after forward; with a post-forward group (hpZ, Note
+        [resharding after forward to a smaller group]) keep this rank's chunk first."""
+        if self.post_forward is not None and self.state is GroupState.UNSHARDED:
+            self.post_forward.keep(self._writer)
+            self.reshard()
+            self.state = GroupState.POST_FORWARD
+        else:
+            self.reshard()
+
     def reshard(self) -> None:
         """Register the sharded params again and free the unsharded storage."""
         if self.state is GroupState.SHARDED:
             return
-        if self.state is GroupState.GATHERING:
-            self.pool.give(self._gather.wait())  # never drop a buffer under a live collective
+        if self.state is GroupState.POST_FORWARD:  # parameters already registered sharded
+            self.post_forward.drop()
+        elif self.state is GroupState.GATHERING:
+            gathered = self._gather.wait()  # never drop a buffer under a live collective
             self._gather = None
+            if not self._gather_is_direct:
+                self.pool.give(gathered)
             self._release_cast_shard()
         else:
             for p in self.params:
@@ -194,6 +223,12 @@ class ParamGroup:
         if self._cast_shard is not None:
             self.pool.give(self._cast_shard)
             self._cast_shard = None
+
+    def _alloc_unsharded_storage(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
 
     def _free_unsharded_storage(self) -> None:
         storage = self.unsharded.untyped_storage()

@@ -143,7 +143,7 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
         _hook_outputs(unit, output)
         if group is not None and unit.reshard_after_forward and not unit.is_root \
                 and root.forward_finished(unit):
-            group.reshard()
+            group.reshard_after_forward()
     elif group is not None and root.forward_finished(unit):
         group.reshard()  # no backward will read these parameters
     return output

@@ -1,0 +1,58 @@
+"""PostForwardShard: ``reshard_after_forward=N``, ZeRO++ hpZ-style.
+
+Note [resharding after forward to a smaller group]
+With an integer N the unit does not free its gathered parameters after forward,
+nor keep them whole: each rank keeps 1/N of the gathered (param-major) buffer,
+its chunk within a group of N consecutive ranks, so backward gathers from N ranks
+(within a node, say) instead of the whole shard group. Because the chunks are
+contiguous pieces of the unsharded buffer, that gather writes straight into it
+(no copy-out). Memory: 1/N of the unit instead of 0 (ZeRO-3) or 1 (ZeRO-2).
+The subgroups are created once per (group, N) on every rank, since creating a
+process group is collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Pending, all_gather
+
+_SUBGROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+
+
+def subgroup_of(pg: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of ``pg`` (created collectively)."""
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    key = (ranks, size)
+    if key not in _SUBGROUPS:
+        me = dist.get_rank()
+        for start in range(0, len(ranks), size):
+            chunk = list(ranks[start:start + size])
+            group = dist.new_group(ranks=chunk)
+            if me in chunk:
+                _SUBGROUPS[key] = group
+    return _SUBGROUPS[key]
+
+
+class PostForwardShard:
+    """This rank's chunk of a unit's gathered parameters between forward and backward."""
+
+    def __init__(self, pg: dist.ProcessGroup, size: int):
+        self.group = subgroup_of(pg, size)
+        self.size = size
+        self.rank = self.group.rank()
+        self.chunk: torch.Tensor | None = None
+
+    def keep(self, unsharded: torch.Tensor) -> None:
+        """Copy this rank's 1/size of ``unsharded`` (flat, gathered) before it is freed."""
+        n = unsharded.numel() // self.size
+        self.chunk = unsharded[self.rank * n:(self.rank + 1) * n].clone()
+
+    def gather_into(self, unsharded: torch.Tensor, async_op: bool) -> Pending:
+        """All-gather the chunks within the subgroup straight into ``unsharded``."""
+        chunk, self.chunk = self.chunk, None
+        return all_gather(unsharded, chunk, self.group, async_op=async_op)
+
+    def drop(self) -> None:
+        self.chunk = None
