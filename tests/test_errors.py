@@ -106,6 +106,20 @@ def _bucket_after_first_forward():
             r"set_bucket_numel on Sequential: the units were already grouped")
 
 
+def _dtype_the_device_cannot_compute_in():
+    import fullshard.api as api
+
+    api._COMPUTABLE[(torch.device("cpu"), torch.float16)] = False  # as on a GPU without it
+    try:
+        _raises(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.float16)), ValueError,
+            r"fully_shard\(Linear\): mp_policy.param_dtype=torch.float16 cannot be computed "
+            r"in on cpu")
+    finally:
+        del api._COMPUTABLE[(torch.device("cpu"), torch.float16)]
+    assert api.can_compute_in(torch.device("cpu"), torch.bfloat16)
+
+
 def _bad_toggles():
     model = nn.Sequential(nn.Linear(4, 4))
     fully_shard(model)
@@ -116,7 +130,7 @@ def _bad_toggles():
 
 
 CHECKS = {f.__name__: f for f in (
-    _bad_toggles, _bucket_after_first_forward, _twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
+    _dtype_the_device_cannot_compute_in, _bad_toggles, _bucket_after_first_forward, _twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
     _unsupported_options, _bad_modules, _replaced_by_plain_tensor)}
 
 

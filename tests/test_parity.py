@@ -98,6 +98,23 @@ def test_gradient_accumulation_into_existing_grad(case):
     assert len(losses) == 15
 
 
+def _sharded_gpt_and_reference():
+    """A sharded GPT, its unsharded twin, and an SGD optimizer for each."""
+    torch.manual_seed(1234)
+    model = GPT(GPT_CFG)
+    reference = copy.deepcopy(model)
+    _layers_then_root(model, True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    return model, reference, opt, ref_opt
+
+
+def _step_all(*optimizers):
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
 def _no_sync_worker(use_context, keep_gathered=False):
     import torch.distributed as dist
 
@@ -105,12 +122,7 @@ def _no_sync_worker(use_context, keep_gathered=False):
     from fullshard.testing.parity import assert_same_weights, local_slice
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234)
-    model = GPT(GPT_CFG)
-    reference = copy.deepcopy(model)
-    _layers_then_root(model, True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    model, reference, opt, ref_opt = _sharded_gpt_and_reference()
     reduces = []
     for step in range(3):
         for micro in range(3):
@@ -127,10 +139,7 @@ def _no_sync_worker(use_context, keep_gathered=False):
             reduces.append(counts.get("reduce_scatter", 0) if not keep_gathered
                            else counts.get("all_gather", 0) + counts.get("all_gather_async", 0))
             _gpt_loss(reference, batch).backward()
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_all(opt, ref_opt)
     assert_same_weights(model, reference, rtol=1e-5, atol=1e-6)
     return reduces
 
@@ -149,3 +158,28 @@ def test_reshard_after_backward_false_skips_the_next_gathers():
     micro-batch 2 (after a backward that resharded) gathers again; weights still match."""
     gathers = run_distributed(_no_sync_worker, 2, True, True)[0]
     assert gathers[1] == 0 and gathers[0] > 0 and gathers[2] > 0, gathers
+
+
+def _not_last_backward_worker():
+    import torch.distributed as dist
+
+    from fullshard.testing.parity import assert_same_weights, local_slice
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, reference, opt, ref_opt = _sharded_gpt_and_reference()
+    left_in_flight = []
+    for step in range(3):
+        for micro in range(2):
+            batch = _gpt_batch(step * 2 + micro, 2 * world)
+            model.set_is_last_backward(False)  # even on the last one: step() completes it
+            _gpt_loss(model, local_slice(batch, rank, world)).backward()
+            left_in_flight.append(model._unit.root.pending_reduce is not None)
+            _gpt_loss(reference, batch).backward()
+        _step_all(opt, ref_opt)
+    assert_same_weights(model, reference, rtol=1e-5, atol=1e-6)
+    return left_in_flight
+
+
+def test_set_is_last_backward_false_leaves_the_last_reduce_in_flight():
+    left = run_distributed(_not_last_backward_worker, 2)[0]
+    assert all(left)

@@ -122,6 +122,13 @@ class FSDPModule:
             if isinstance(module, FSDPModule):
                 setattr(module._unit, flag, value)
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Call on the root. With ``False`` the end of backward does not wait for the last
+        reduce-scatter: it overlaps the next micro-batch and completes at the next
+        backward, forward or ``optimizer.step()``. Read ``.grad`` only after one of those
+        (or after a backward with ``True``)."""
+        self._set_unit_flag("is_last_backward", is_last_backward, recurse=False)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip gradient reduction (as FSDP1/DDP ``no_sync``); the
@@ -207,6 +214,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
         reshard_after_forward = False  # each rank keeps everything: ZeRO-2
     device = _mesh_device(mesh)
+    _check_compute_dtype(label, mp_policy.param_dtype, device)
     if device.type == "cpu":
         cpu_allocator.tune_for_sharded_training()
     refs_by_param = _collect_params(module, label, ignored_params or set())
@@ -273,6 +281,29 @@ def _post_forward_size(label: str, reshard_after_forward, shard_size: int) -> in
             f"{shard_size} (1 <= N <= {shard_size}): after forward each group of N ranks "
             "keeps the parameters sharded N ways for backward.")
     return n if 1 < n < shard_size else None
+
+
+_COMPUTABLE: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def can_compute_in(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matrix multiply in ``dtype`` runs on ``device`` (probed once)."""
+    key = (device, dtype)
+    if key not in _COMPUTABLE:
+        try:
+            ones = torch.ones(2, 2, dtype=dtype, device=device)
+            torch.mm(ones, ones)
+            _COMPUTABLE[key] = True
+        except RuntimeError:
+            _COMPUTABLE[key] = False
+    return _COMPUTABLE[key]
+
+
+def _check_compute_dtype(label: str, dtype: torch.dtype | None, device: torch.device) -> None:
+    if dtype is not None and not can_compute_in(device, dtype):
+        raise ValueError(f"fully_shard({label}): mp_policy.param_dtype={dtype} cannot be "
+                         f"computed in on {device} (a matmul in it fails there); use "
+                         "torch.float16 or torch.float32 on this device.")
 
 
 def _check_arguments(label, mp_policy, offload_policy) -> None:

@@ -75,6 +75,9 @@ def _install() -> None:
 
 
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    from .core.state import finish_all_pending_reduces  # import cycle: core imports us
+
+    finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     _restore(opt)  # a previous step that raised left its swap behind
     if not _enabled or type(opt) not in ELEMENTWISE_OPTIMIZERS:
         return

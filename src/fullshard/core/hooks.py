@@ -200,7 +200,10 @@ def _final_callback(root: RootState) -> None:
     for u in root.units:
         if u.ran_forward_with_grad and u.group is not None and u.group not in root.reduced:
             _post_backward(root, u.group)
-    root.finish_pending_reduce()
+    if root.unit.is_last_backward:
+        root.finish_pending_reduce()
+    # else: the last reduce-scatter overlaps whatever comes next; the next backward,
+    # forward or optimizer step completes it first (set_is_last_backward(False))
     for group in root.members:
         if root.stays_gathered_after_backward(group):
             root.kept_gathered.add(group)

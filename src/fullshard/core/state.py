@@ -8,6 +8,8 @@ on the RootState so that units stay plain descriptions of themselves.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -44,6 +46,7 @@ class UnitState:
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
         self.reshard_after_backward = True  # False: stay gathered for the next forward
+        self.is_last_backward = True  # root only: False leaves the last reduce in flight
         # Explicit prefetch (set_modules_to_*_prefetch); None means implicit: next group
         self.forward_prefetch: list[UnitState] | None = None
         self.backward_prefetch: list[UnitState] | None = None
@@ -62,6 +65,15 @@ class UnitState:
 
     def __repr__(self) -> str:
         return f"UnitState({self.name})"
+
+
+_LIVE_ROOTS: "weakref.WeakSet[RootState]" = weakref.WeakSet()
+
+
+def finish_all_pending_reduces() -> None:
+    """Complete every reduce-scatter left in flight (Optimizer.step calls this first)."""
+    for root in list(_LIVE_ROOTS):
+        root.finish_pending_reduce()
 
 
 class RootState:
@@ -85,6 +97,7 @@ class RootState:
         self.pool = BufferPool()
         for group in self.members:
             group.pool = self.pool
+        _LIVE_ROOTS.add(self)
         self.forward_order: list[UnitState] = []      # last iteration's, used to prefetch
         self._next_group: dict[UnitState, ParamGroup] = {}
         self.recording: list[UnitState] = []          # this iteration's pre-forward order
