@@ -281,12 +281,15 @@ class ParamGroup:
             return None
         w = self.world_size
         ref = trainable[0].unsharded_param
-        had_grad = [p.unsharded_param.grad is not None for p in trainable]
-        grads = [p.unsharded_param.grad if h else torch.zeros_like(p.unsharded_param)
-                 for p, h in zip(trainable, had_grad)]
-        flags = self._presence_flags(had_grad, ref).expand(w, -1)
-        numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
+        grads = [_take_unsharded_grad(p) for p in trainable]
+        had_grad = [g is not None for g in grads]
+        grads = [g if g is not None else torch.zeros_like(p.unsharded_param)
+                 for p, g in zip(trainable, grads)]
         reduce_dtype = self.reduce_dtype or ref.dtype
+        if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
+            grads = [g.to(reduce_dtype) for g in grads]
+        flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
+        numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
         full = self.pool.take(w * numel, reduce_dtype, ref.device)
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
         torch._chunk_cat(grads + [flags], dim=0, num_chunks=w, out=full.view(w, numel))
@@ -301,6 +304,22 @@ class ParamGroup:
         pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
         return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views,
                              dest, self.replicate_pg)
+
+    def accumulate_unsharded_grads(self) -> None:
+        """Without gradient sync: move this backward's unsharded gradients into a
+        per-parameter accumulator in ``reduce_dtype`` (bf16 sums lose precision fast), so
+        AccumulateGrad starts fresh next time; the synced backward reduces the sum."""
+        if self.reduce_dtype is None or self.reduce_dtype == self.compute_dtype:
+            return  # accumulating in .grad itself is exact enough
+        for p in self.trainable():
+            grad = p.unsharded_param.grad
+            if grad is None:
+                continue
+            p.unsharded_param.grad = None
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(self.reduce_dtype)
+            else:
+                p.accumulated_grad += grad
 
     def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
                           ) -> tuple[torch.Tensor, list | None]:
@@ -329,6 +348,15 @@ class ParamGroup:
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key
         return self._grad_buffer, self._grad_views
+
+
+def _take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
+    """This backward's unsharded gradient plus any accumulated without sync, or None."""
+    grad, acc = p.unsharded_param.grad, p.accumulated_grad
+    p.accumulated_grad = None
+    if acc is None:
+        return grad
+    return acc if grad is None else acc.add_(grad)
 
 
 class PendingReduce:

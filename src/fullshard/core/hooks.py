@@ -191,8 +191,8 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
         group.reshard()  # free the parameters before the reduce allocates its buffers
     if any(u.requires_gradient_sync for u in root.members[group]):
         root.pending_reduce = group.reduce_grads(async_op=True)
-    # else: the unsharded gradients stay on the unsharded parameters and accumulate
-    # until a backward with gradient sync reduces them all at once
+    else:  # accumulate unsharded until a backward with gradient sync reduces it all
+        group.accumulate_unsharded_grads()
     root.reduced.add(group)
 
 

@@ -93,6 +93,7 @@ class ShardedParam:
         self.padded_shard: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
+        self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
 
     # -- sharded side -------------------------------------------------------------------
     def shard_from(self, full: torch.Tensor, flat_view: torch.Tensor, requires_grad: bool) -> None:
