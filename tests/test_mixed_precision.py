@@ -179,3 +179,41 @@ def _no_sync_in_reduce_dtype(kind):
 
 def test_accumulation_without_sync_in_reduce_dtype():
     assert run_distributed(_no_sync_in_reduce_dtype, 2, "bf16")[0] == ["torch.float32"]
+
+
+def _versus_cast_reference():
+    """A single-process reference that applies the same casts: fp32 master weights, a
+    bf16 copy for forward/backward on the whole batch, fp32 gradients into SGD (Adam
+    would turn bf16 noise in the attention key bias's ~0 gradients into lr-sized steps)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    master = GPT(CFG)
+    model = _shard(copy.deepcopy(master), "fullshard", "bf16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, CFG.vocab_size, (2 * world, CFG.seq_len), generator=g)
+        y = torch.roll(x, -1, 1)
+        local = slice(2 * rank, 2 * rank + 2)
+        loss = lm_loss(model(x[local]), y[local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        low = copy.deepcopy(master).to(torch.bfloat16)
+        ref_loss = lm_loss(low(x), y)
+        ref_loss.backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().float()
+        dist.all_reduce(mean)
+        assert abs(mean.item() / world - ref_loss.float().item()) <= 2e-2 * ref_loss.float().item()
+    for p, q in zip(model.parameters(), master.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=0.05, atol=5e-3)
+    return True
+
+
+def test_matches_a_reference_with_the_same_casts():
+    assert all(run_distributed(_versus_cast_reference, 2))
