@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import Pending, all_gather, all_reduce_sum, needs_scratch, reduce_scatter_sum
+from .collectives import Pending, all_gather, needs_scratch, reduce_scatter_sum
+from .gradients import PendingReduce, take_unsharded_grad
 from .param import ShardedParam
 from .post_forward import PostForwardShard
 
@@ -281,7 +282,7 @@ class ParamGroup:
             return None
         w = self.world_size
         ref = trainable[0].unsharded_param
-        grads = [_take_unsharded_grad(p) for p in trainable]
+        grads = [take_unsharded_grad(p) for p in trainable]
         had_grad = [g is not None for g in grads]
         grads = [g if g is not None else torch.zeros_like(p.unsharded_param)
                  for p, g in zip(trainable, grads)]
@@ -348,60 +349,3 @@ class ParamGroup:
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key
         return self._grad_buffer, self._grad_views
-
-
-def _take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
-    """This backward's unsharded gradient plus any accumulated without sync, or None."""
-    grad, acc = p.unsharded_param.grad, p.accumulated_grad
-    p.accumulated_grad = None
-    if acc is None:
-        return grad
-    return acc if grad is None else acc.add_(grad)
-
-
-class PendingReduce:
-    """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
-
-    def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
-                 pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
-                 dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None):
-        self.params = params
-        self.had_grad = had_grad
-        self.pending = pending
-        self._pool = pool
-        self._buffers = buffers  # in use by the collective until it completes
-        self._views = views      # DTensor grads over ``dest``, or None: add to .grad
-        self._dest = dest        # where the result lives, in the parameters' dtype
-        self._replicate_pg = replicate_pg
-
-    def finish(self, world_size: int) -> None:
-        out = self.pending.wait()
-        for buf in self._buffers:
-            if buf is not None:
-                self._pool.give(buf)
-        self._buffers = []
-        if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
-            all_reduce_sum(out, self._replicate_pg)
-        out.div_(world_size)
-        if out is not self._dest:  # reduced in reduce_dtype: cast into the fp32 gradients
-            self._dest.copy_(out)
-            out = self._dest
-        sizes = [p.layout.shard_numel for p in self.params]
-        shards = torch.split(out, sizes + [len(self.params)])
-        if all(self.had_grad):
-            present = self.had_grad
-        else:  # see Note [gradient presence flags]
-            present = [f > 0 for f in shards[-1].tolist()]
-        if self._views is not None:  # every .grad was None: hand out the views
-            for p, view, keep in zip(self.params, self._views, present):
-                if keep:
-                    p.sharded_param.grad = view
-            return
-        for p, shard, keep in zip(self.params, shards, present):
-            if not keep:
-                continue
-            current = p.sharded_param.grad
-            if current is None:
-                p.sharded_param.grad = p.sharded_grad(shard)
-            else:
-                current._local_tensor.add_(p.sharded_grad(shard)._local_tensor)
