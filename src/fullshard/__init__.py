@@ -9,11 +9,13 @@
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .checkpointing import apply_activation_checkpointing
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
+    "apply_activation_checkpointing",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",
