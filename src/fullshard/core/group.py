@@ -78,6 +78,7 @@ class ParamGroup:
         self.on_grads_ready: Callable[[], None] | None = None
         self._grads_expected = 0
         self._grads_seen = 0
+        self.inputs_pending = 0  # forward inputs whose gradients backward has yet to compute
         self._all_present: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
@@ -246,9 +247,21 @@ class ParamGroup:
         self._grads_expected = sum(1 for p in self.params if p.unsharded_param.requires_grad)
         self._grads_seen = 0
 
+    @property
+    def backward_done(self) -> bool:
+        """Every trainable gradient accumulated and every input gradient computed: no part
+        of this backward can still read the unsharded parameters (frozen weights are read
+        for input gradients after the trainable ones may be done)."""
+        return self._grads_seen >= self._grads_expected and self.inputs_pending <= 0
+
     def _grad_ready_hook(self, _param: torch.Tensor) -> None:
         self._grads_seen += 1
-        if self._grads_seen == self._grads_expected and self.on_grads_ready is not None:
+        if self.on_grads_ready is not None:
+            self.on_grads_ready()
+
+    def input_grads_ready(self) -> None:
+        self.inputs_pending -= 1
+        if self.on_grads_ready is not None:
             self.on_grads_ready()
 
     def has_unsharded_grads(self) -> bool:

@@ -10,13 +10,18 @@ Backward: an output-gradient hook gathers the unit and prefetches the unit that
           reduce-scatters asynchronously and frees its parameters. A final
           callback, queued when backward starts, reduces the units the countdown
           never completed for (unused parameters) and leaves everything sharded.
+          See Note [when a unit's backward is done].
 
-Note [why a gradient countdown, not an input hook]
-Counting AccumulateGrad hooks fires exactly once per backward even when a module
-runs twice in forward, needs no inputs that require grad (the first unit gets
-token ids), and never frees parameters that a pending part of the backward still
-reads. Units whose countdown cannot complete (a parameter unused in forward) are
-reduced in the final callback, in the same order on every rank.
+Note [when a unit's backward is done]
+Two signals together: a countdown of AccumulateGrad hooks (every trainable
+parameter's gradient is in; fires once per backward even when a module runs twice
+in forward, and needs no inputs that require grad: the first unit gets token ids),
+and, when the unit's inputs require grad, an identity autograd function on them
+whose backward runs once their gradients are computed. The second matters for
+frozen weights: the gradient of a LoRA layer's input still reads the frozen base
+weight after the adapters' gradients are done. Units whose countdown cannot
+complete (a parameter unused in forward) are reduced in the final callback, in the
+same order on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .group import GroupState, ParamGroup
 from .state import RootState, UnitState, lazy_init
@@ -89,7 +94,38 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         _prefetch(root, [u.group for u in unit.forward_prefetch])
     else:
         _prefetch(root, [root.next_group_in_forward(unit)])
-    return _cast_inputs(unit, args, kwargs)
+    cast = _cast_inputs(unit, args, kwargs)
+    args, kwargs = cast if cast is not None else (args, kwargs)
+    if group is not None and torch.is_grad_enabled():
+        return _watch_input_grads(group, args, kwargs)
+    return cast
+
+
+class _InputGradsReady(torch.autograd.Function):
+    """Identity on a unit's forward inputs whose backward runs once their gradients are
+    computed, i.e. once the unit's backward no longer needs its parameters."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.input_grads_ready()
+        return (None, *grads)
+
+
+def _watch_input_grads(group: ParamGroup, args: Any, kwargs: Any) -> Any:
+    leaves, spec = tree_flatten((args, kwargs))
+    slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not slots:
+        return args, kwargs
+    watched = _InputGradsReady.apply(group, *(leaves[i] for i in slots))
+    for i, t in zip(slots, watched):
+        leaves[i] = t
+    group.inputs_pending += 1
+    return tree_unflatten(leaves, spec)
 
 
 def _cast_inputs(unit: UnitState, args: Any, kwargs: Any) -> Any:
@@ -181,7 +217,7 @@ def _start_backward(root: RootState) -> None:
 
 
 def _on_grads_ready(root: RootState, group: ParamGroup) -> None:
-    if root.in_backward and group not in root.reduced:
+    if root.in_backward and group not in root.reduced and group.backward_done:
         _post_backward(root, group)
 
 
@@ -205,6 +241,7 @@ def _final_callback(root: RootState) -> None:
     # else: the last reduce-scatter overlaps whatever comes next; the next backward,
     # forward or optimizer step completes it first (set_is_last_backward(False))
     for group in root.members:
+        group.inputs_pending = 0  # inputs of forwards this backward did not reach
         if root.stays_gathered_after_backward(group):
             root.kept_gathered.add(group)
         else:
