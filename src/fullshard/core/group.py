@@ -137,14 +137,6 @@ class ParamGroup:
         """The dtype parameters are gathered and computed in."""
         return self.param_dtype or self.flat_shard.dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self.flat_shard.device
-
-    @property
-    def is_meta(self) -> bool:
-        return self.flat_shard.is_meta
-
     # -- unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
@@ -263,10 +255,6 @@ class ParamGroup:
         self.inputs_pending -= 1
         if self.on_grads_ready is not None:
             self.on_grads_ready()
-
-    def has_unsharded_grads(self) -> bool:
-        return self.unsharded is not None and any(
-            p.unsharded_param.grad is not None for p in self.params)
 
     def _presence_flags(self, had_grad: list[bool], like: torch.Tensor) -> torch.Tensor:
         """One flag per trainable param; the all-present vector is cached (no host copy)."""

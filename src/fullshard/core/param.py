@@ -80,11 +80,9 @@ class ShardedParam:
                 "on dim 0. Reshape it to shape (1,) or pass it in ignored_params.")
         self.refs = refs
         self.fqn = refs[0].fqn
-        self.mesh = mesh
         self.rank = rank
         self.world_size = world_size
         self.layout = ShardLayout.of(param.shape, rank, world_size)
-        self.dtype = param.dtype
         self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
         self.spec = DTensorSpec(
             mesh, self.placements,
@@ -143,7 +141,6 @@ class ShardedParam:
                 self.padded_shard[lay.valid_rows:].zero_()
             current._local_tensor = new_local
         self.sharded_param = current
-        self.dtype = current.dtype
         self.spec = current._spec
         optim.track(self)
         self.register(current)
