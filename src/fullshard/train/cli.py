@@ -1,0 +1,124 @@
+"""``fullshard train``: train a model, sharded over local (or several nodes') ranks.
+
+    fullshard train                                   the default: GPT on Tiny Shakespeare
+    fullshard train --preset debug --steps 40 --out runs/d
+    fullshard train --steps 60 --out runs/d --resume  continue to step 60
+    fullshard train --model hf:./my-llama --data notes.jsonl --parallel.precision bf16
+
+Without torchrun's environment it launches ``--nproc`` workers itself (2 on CPU, one
+per GPU); under ``torchrun ... -m fullshard.train`` each process is a worker.
+Configuration: a preset, then ``--config FILE.toml``, then ``--section.field VALUE``
+flags, each applied over the one before (on ``--resume``, OUT/config.toml replaces the
+preset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import SECTIONS, ConfigError, TrainConfig, validate
+from .config_io import (apply_overrides, field_docs, load_toml, metavar, scalar_fields,
+                        sections, type_hints)
+from .launch import LaunchOptions, is_worker, launch, start_worker, stop_worker
+from .presets import DEFAULT_PRESET, PRESETS, get_preset
+
+FIELD_DEST = "field:"  # argparse dest prefix of config fields
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fullshard train", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.split("\n\n")[1:]), allow_abbrev=False)
+    run = parser.add_argument_group("run")
+    run.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
+                     help=f"named configuration to start from (default {DEFAULT_PRESET})")
+    run.add_argument("--config", metavar="FILE.toml", help="TOML applied over the preset")
+    run.add_argument("--out", metavar="DIR", help="where metrics, plot, config and "
+                     "checkpoints go (default runs/PRESET)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the latest checkpoint in --out")
+    where = parser.add_argument_group("launch (ignored under torchrun)")
+    where.add_argument("--nproc", type=int, help="ranks on this node (default: one per GPU, "
+                       "2 on CPU)")
+    where.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    where.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    where.add_argument("--master-addr", help="address of node 0 (multi-node)")
+    where.add_argument("--master-port", type=int, default=29500, help="port on node 0")
+    template = TrainConfig()
+    for prefix, obj in sections(template):
+        summary = (type(obj).__doc__ or "").splitlines()[0].rstrip(".")
+        group = parser.add_argument_group(f"[{prefix[:-1]}] {summary}" if prefix else
+                                          "what to train")
+        docs = field_docs(type(obj))
+        for f in scalar_fields(obj):
+            names = {f"--{prefix}{f.name}", f"--{prefix}{f.name.replace('_', '-')}"}
+            hint = type_hints(type(obj))[f.name]
+            choices = f.metadata.get("choices")
+            group.add_argument(*sorted(names), dest=FIELD_DEST + prefix + f.name,
+                               default=argparse.SUPPRESS,
+                               metavar="|".join(choices) if choices else metavar(hint),
+                               help=docs.get(f.name, "").replace("%", "%%"))
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
+    """The run's config and output directory from parsed flags (see the module doc)."""
+    out = args.out or os.path.join("runs", args.preset)
+    cfg = get_preset(args.preset)
+    saved = os.path.join(out, "config.toml")
+    if args.resume and os.path.isfile(saved):
+        cfg = load_toml(cfg, saved)
+    if args.config:
+        cfg = load_toml(cfg, args.config)
+    overrides = {k[len(FIELD_DEST):]: v for k, v in vars(args).items()
+                 if k.startswith(FIELD_DEST)}
+    cfg = apply_overrides(cfg, overrides, "command line")
+    if cfg.optim.decay_steps == 0:  # fixed now, and saved in config.toml for --resume
+        cfg = apply_overrides(cfg, {"optim.decay_steps": cfg.steps}, "command line")
+    return validate(cfg), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        cfg, out = resolve_config(args)
+        _check_launch(args, cfg)
+    except ConfigError as err:
+        print(f"fullshard train: {err}", file=sys.stderr)
+        return 2
+    if not is_worker():
+        return launch(LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.master_addr,
+                                    args.master_port), argv)
+    return _work(cfg, out, args.resume)
+
+
+def _check_launch(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank: must be in [0, --nnodes={args.nnodes}), got "
+                          f"{args.node_rank}")
+    if args.nnodes > 1 and not args.master_addr:
+        raise ConfigError("--master-addr: needed with --nnodes > 1 (the address of node 0)")
+
+
+def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
+    from .loop import Trainer  # the launcher never needs the training stack
+
+    worker = start_worker()
+    try:
+        Trainer(cfg, out, worker).run(resume)
+    except ConfigError as err:
+        if worker.is_main:
+            print(f"fullshard train: {err}", file=sys.stderr)
+        return 2
+    finally:
+        stop_worker()
+    return 0
+
+
+__all__ = ["main", "build_parser", "resolve_config", "SECTIONS"]

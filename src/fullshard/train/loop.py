@@ -1,0 +1,233 @@
+"""The training loop of one worker: build, (resume,) train, evaluate, checkpoint, sample.
+
+Every rank runs the same sequence of collectives: the per-step statistics gather, the
+evaluations and the checkpoints happen at the same steps everywhere, decided from the
+step number and from the stop flag that the statistics gather makes common.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import checkpoints
+from .config import ConfigError, TrainConfig
+from .config_io import to_toml
+from .generate import sample
+from .launch import StopRequest, Worker
+from .metrics import MetricsLog, ProgressLine, peak_memory_bytes
+from .model import lm_loss
+from .optimizer import build_optimizer, learning_rate, set_learning_rate
+from .plot import plot_losses
+from .sampler import EpochSampler, validation_batches
+from .sharding import build_mesh, shard_model
+from .workload import Workload, build_workload
+
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class Trainer:
+    """One run on one rank. ``step`` counts the optimizer steps done."""
+
+    def __init__(self, cfg: TrainConfig, out: str, worker: Worker):
+        self.cfg, self.out, self.worker = cfg, out, worker
+        self.workload: Workload = build_workload(cfg)
+        mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
+        self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scaler = (torch.amp.GradScaler(worker.device.type)
+                       if cfg.parallel.precision == "fp16" else None)
+        batch = cfg.batch
+        self.sampler = EpochSampler(self.workload.train_tokens, batch.seq_len, batch.batch_size,
+                                    worker.rank, worker.world, cfg.seed)
+        self.val_batches = validation_batches(self.workload.val_tokens, batch.seq_len,
+                                              batch.batch_size, worker.rank, worker.world,
+                                              cfg.eval.batches)
+        self.tokens_per_step = worker.world * batch.grad_accum * batch.batch_size * batch.seq_len
+        self.step = 0
+        self.stop = StopRequest()
+        self.log: MetricsLog | None = None
+        self.progress: ProgressLine | None = None
+
+    # -- the run ----------------------------------------------------------------------
+
+    def run(self, resume: bool) -> None:
+        if resume:
+            point = checkpoints.load(self.out, self.model, self.optimizer, self.worker.device)
+            self.step = point.step
+            self.sampler.load_state_dict(point.data_position)
+            if self.scaler is not None and point.scaler is not None:
+                self.scaler.load_state_dict(point.scaler)
+        self._start_reporting(resume)
+        if not resume:
+            self._record({"step": 0, "val_loss": self._evaluate()})
+        self.stop.install()
+        try:
+            self._train()
+        finally:
+            self.stop.uninstall()
+            if self.progress is not None:
+                self.progress.close()
+            if self.log is not None:
+                self.log.close()
+        self._print_sample()
+
+    def _start_reporting(self, resume: bool) -> None:
+        if self.worker.is_main:
+            os.makedirs(self.out, exist_ok=True)
+            if not resume:
+                checkpoints.clear(self.out)
+            with open(os.path.join(self.out, "config.toml"), "w") as f:
+                f.write(to_toml(self.cfg))
+            self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl"),
+                                  self.step if resume else None)
+            self.progress = ProgressLine(self.step + 1, self.cfg.steps)
+            self._say(self._banner(resume))
+        dist.barrier()  # the old run's checkpoints are gone before anyone saves
+
+    def _banner(self, resume: bool) -> str:
+        params = sum(p.numel() for p in self.model.parameters())
+        w, cfg = self.worker, self.cfg
+        where = f"resuming at step {self.step}" if resume else "starting"
+        return (f"fullshard train: {cfg.model} ({params / 1e6:.2f}M parameters) sharded "
+                f"{cfg.parallel.strategy} over {w.world} {w.device.type} ranks, "
+                f"{cfg.parallel.precision}; data {cfg.data} ({self.workload.tokenizer.name}, "
+                f"{len(self.workload.train_tokens):,} training tokens); {where}, "
+                f"{cfg.steps} steps of {self.tokens_per_step:,} tokens; writing {self.out}")
+
+    def _train(self) -> None:
+        while self.step < self.cfg.steps:
+            self.step += 1
+            lr = learning_rate(self.step, self.cfg.optim)
+            set_learning_rate(self.optimizer, lr)
+            started = time.perf_counter()
+            loss, grad_norm = self._train_step()
+            stats = self._gather_stats(loss)
+            seconds = time.perf_counter() - started
+            stopping = bool(stats[:, 1].max() > 0)
+            record = self._step_record(lr, stats, grad_norm, seconds)
+            last = self.step == self.cfg.steps or stopping
+            if last or _due(self.step, self.cfg.eval.every):
+                record["val_loss"] = self._evaluate()
+            self._record(record)
+            if last or _due(self.step, self.cfg.checkpoint.every):
+                self._save()
+            if stopping:
+                self._say(f"stopped at step {self.step} on request; continue with --resume")
+                return
+
+    def _train_step(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean
+        loss and the global gradient norm (before clipping)."""
+        accum = self.cfg.batch.grad_accum
+        total = torch.zeros((), device=self.worker.device)
+        for micro in range(accum):
+            # Reduce-scatter only after the last micro-batch: the ones before accumulate
+            # unsharded gradients locally.
+            self.model.set_requires_gradient_sync(micro == accum - 1)
+            x, y = (t.to(self.worker.device) for t in self.sampler.next_batch())
+            loss = lm_loss(self.workload.logits(x).float(), y) / accum
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            total += loss.detach()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self._clip_gradients()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, grad_norm
+
+    def _clip_gradients(self) -> float:
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              clip if clip > 0 else float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _gather_stats(self, loss: torch.Tensor) -> torch.Tensor:
+        """One collective a step: every rank's (loss, stop requested, peak memory)."""
+        mine = torch.tensor([float(loss), float(self.stop.requested),
+                             float(peak_memory_bytes(self.worker.device))],
+                            dtype=torch.float64, device=self.worker.device)
+        everyone = torch.empty(self.worker.world * 3, dtype=torch.float64,
+                               device=self.worker.device)
+        _all_gather_single(everyone, mine)
+        return everyone.view(self.worker.world, 3).cpu()
+
+    # -- evaluation, checkpoints, sample ----------------------------------------------
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
+        """Mean loss over every rank's validation batches (the same batches each time)."""
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.worker.device)
+        for x, y in self.val_batches:
+            x, y = x.to(self.worker.device), y.to(self.worker.device)
+            total += lm_loss(self.workload.logits(x).float(), y).double()
+        dist.all_reduce(total)
+        self.model.train()
+        val_loss = total.item() / (len(self.val_batches) * self.worker.world)
+        self._say(f"step {self.step}: val loss {val_loss:.4f}")
+        return val_loss
+
+    def _save(self) -> None:
+        started = time.perf_counter()
+        path = checkpoints.save(self.out, self.step, self.model, self.optimizer,
+                                self.sampler.state_dict(), self.scaler, self.worker.device,
+                                self.cfg.checkpoint.keep)
+        self._say(f"step {self.step}: saved {path} ({time.perf_counter() - started:.1f} s)")
+
+    def _print_sample(self) -> None:
+        n = self.cfg.eval.sample_tokens
+        if n == 0:
+            return
+        prompt = self.workload.tokenizer.encode(self.cfg.eval.sample_prompt)
+        if not prompt:
+            raise ConfigError("eval.sample_prompt: encodes to no tokens; give some text")
+        ids = sample(self.model, self.workload.logits, prompt, n, self.workload.context,
+                     self.cfg.eval.temperature, self.cfg.seed, self.worker.device)
+        if self.worker.is_main:
+            text = self.workload.tokenizer.decode(prompt + ids)
+            print(f"--- sample after {self.step} steps ---\n{text}\n---", flush=True)
+
+    # -- rank 0's reporting -------------------------------------------------------------
+
+    def _step_record(self, lr: float, stats: torch.Tensor, grad_norm: float,
+                     seconds: float) -> dict:
+        """The step's metrics (the mean loss over ranks); updates the progress line."""
+        loss = float(stats[:, 0].mean())
+        peaks = [int(m) for m in stats[:, 2]]
+        tokens_per_s = self.tokens_per_step / seconds
+        if self.progress is not None:
+            self.progress.update(self.step, loss, tokens_per_s, peaks)
+        return {"step": self.step, "loss": loss, "lr": lr,
+                "tokens_per_s": round(tokens_per_s, 1), "peak_mem_bytes": max(peaks),
+                "peak_mem_bytes_per_rank": peaks, "grad_norm": grad_norm,
+                "step_time_s": round(seconds, 4)}
+
+    def _record(self, record: dict) -> None:
+        """Append to metrics.jsonl; redraw loss.png after an evaluation."""
+        if self.log is None:
+            return
+        self.log.write(record)
+        if "val_loss" in record:
+            records = self.log.records
+            plot_losses(os.path.join(self.out, "loss.png"),
+                        [(r["step"], r["loss"]) for r in records if "loss" in r],
+                        [(r["step"], r["val_loss"]) for r in records if "val_loss" in r])
+
+    def _say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
