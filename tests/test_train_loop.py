@@ -1,0 +1,85 @@
+"""The training loop's options at world size 2, in-process through the test harness."""
+
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import run_distributed
+from fullshard.train.config import ConfigError
+from fullshard.train.config_io import apply_overrides
+from fullshard.train.launch import Worker
+from fullshard.train.loop import Trainer
+from fullshard.train.presets import get_preset
+
+QUIET = {"steps": 4, "eval.every": 0, "eval.sample_tokens": 0, "checkpoint.every": 0}
+
+
+def _losses(overrides: dict) -> list[float] | None:
+    """Train the debug preset with ``overrides``; rank 0 returns the step losses."""
+    cfg = apply_overrides(get_preset("debug"), {**QUIET, **overrides}, "test")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, rank, world, torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as out:
+        out = [out]
+        dist.broadcast_object_list(out)  # rank 0's directory for everyone
+        trainer = Trainer(cfg, out[0], worker)
+        trainer.run(resume=False)
+    if trainer.log is None:
+        return None
+    return [r["loss"] for r in trainer.log.records if "loss" in r]
+
+
+def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
+    return {name: _losses(overrides) for name, overrides in variants.items()}
+
+
+def test_strategies_accumulation_and_recomputation_train_the_same_model():
+    """Every strategy computes the same averaged gradient; 2 micro-batches of 2 are the
+    4 sequences of one batch of 4; recomputed activations are the stored ones."""
+    variants = {
+        "full_shard": {"batch.batch_size": 4},
+        "shard_grad_op": {"batch.batch_size": 4, "parallel.strategy": "shard_grad_op"},
+        "hybrid_shard": {"batch.batch_size": 4, "parallel.strategy": "hybrid_shard"},
+        "no_shard": {"batch.batch_size": 4, "parallel.strategy": "no_shard"},
+        "checkpointed": {"batch.batch_size": 4, "parallel.activation_checkpointing": True},
+        "accumulated": {"batch.batch_size": 2, "batch.grad_accum": 2},
+        "hpz": {"batch.batch_size": 4, "parallel.reshard_after_forward": 2},
+    }
+    losses = run_distributed(_variants, 2, variants)[0]
+    reference = losses.pop("full_shard")
+    assert len(reference) == 4 and reference[-1] < reference[0]
+    for name, got in losses.items():
+        assert got == pytest.approx(reference, rel=1e-5, abs=1e-6), name
+
+
+def test_bf16_and_fp16_train_close_to_fp32():
+    variants = {p: {"parallel.precision": p, "steps": 6} for p in ("fp32", "bf16", "fp16")}
+    losses = run_distributed(_variants, 2, variants)[0]
+    for precision in ("bf16", "fp16"):
+        assert losses[precision][-1] < losses[precision][0]
+        assert losses[precision] == pytest.approx(losses["fp32"], abs=0.05), precision
+
+
+def _config_error(overrides: dict) -> str:
+    try:
+        _losses(overrides)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_data_dependent_errors_name_the_field():
+    errors = run_distributed(_config_error, 2, {"gpt.vocab_size": 40})
+    assert errors[0] == errors[1]
+    assert "gpt.vocab_size: the data has 65 distinct characters, more than 40" in errors[0]
+    errors = run_distributed(_config_error, 2, {"parallel.strategy": "hybrid_shard",
+                                                "parallel.replicas": 3})
+    assert "parallel.replicas: 3 does not divide the world size 2" in errors[0]
+
+
+def test_quiet_overrides_are_fields():
+    cfg = apply_overrides(get_preset("debug"), QUIET, "test")
+    assert dataclasses.asdict(cfg)["eval"]["sample_tokens"] == 0
