@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.testing import run_distributed
 from fullshard.train.model import GPT, GPTConfig
 
@@ -60,8 +60,8 @@ def _unsupported_options():
     _raises(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.int8)), ValueError,
         r"fully_shard\(Linear\): mp_policy.param_dtype=torch.int8 is not a floating-point")
-    _raises(lambda: fully_shard(nn.Linear(2, 2), offload_policy=CPUOffloadPolicy()),
-            NotImplementedError, r"CPUOffloadPolicy is not implemented yet")
+    _raises(lambda: fully_shard(nn.Linear(2, 2), offload_policy="cpu"),
+            TypeError, r"offload_policy must be fullshard's OffloadPolicy\(\) or CPUOffloadPolicy")
     _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3),
             ValueError, r"reshard_after_forward=3 must divide the shard group size 2")
     _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"),

@@ -16,7 +16,7 @@ from .core import cpu_allocator, hooks
 from .core.group import ParamGroup
 from .core.param import ParamRef, ShardedParam
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 
 
@@ -39,7 +39,7 @@ class _OriginalOwners:
 
 
 _SHARDED_ORIGINALS = _OriginalOwners()
-_FSDP_CLASSES: dict[type, type] = {}
+_FSDP_CLASSES: dict[tuple[type, type], type] = {}
 
 
 class UnshardHandle:
@@ -58,8 +58,8 @@ class FSDPModule:
 
     def __new__(cls, *args, **kwargs):
         # Containers rebuild themselves with self.__class__(...) (nn.Sequential slicing):
-        # construct the original class then. mro: FSDP<Cls>, FSDPModule, Cls, ...
-        orig = cls.__mro__[2]
+        # construct the original class then.
+        orig = cls._fullshard_original_class
         self = orig.__new__(orig, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
@@ -191,7 +191,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         mp_policy: dtypes to gather/compute in (``param_dtype``), reduce gradients in
             (``reduce_dtype``) and cast outputs to (``output_dtype``); sharded parameters,
             gradients and optimizer states stay in the parameters' dtype.
-        offload_policy: FSDP2's; only the default (no offload) is supported so far.
+        offload_policy: ``CPUOffloadPolicy()`` keeps the sharded parameters, gradients and
+            optimizer states in CPU memory (pinned on CUDA machines) and copies each unit's
+            shard to the device for its all-gather; the default keeps them on the device.
         ignored_params: parameters to leave unsharded and unmanaged.
     """
     if isinstance(module, (list, tuple)):
@@ -213,7 +215,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
     if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
         reshard_after_forward = False  # each rank keeps everything: ZeRO-2
-    device = _mesh_device(mesh)
+    device = mesh_device(mesh)
     _check_compute_dtype(label, mp_policy.param_dtype, device)
     if device.type == "cpu":
         cpu_allocator.tune_for_sharded_training()
@@ -223,14 +225,16 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         params = [ShardedParam(refs, p, mesh, pg.rank(), pg.size())
                   for p, refs in refs_by_param.items()]
         group = ParamGroup(params, pg, label, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                           replicate_pg, post_forward_size)
+                           replicate_pg, post_forward_size,
+                           offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy)
+                           else None)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             _SHARDED_ORIGINALS.add(original, label)
     _move_buffers(module, device)
     unit = UnitState(module, label, mesh, group, reshard_after_forward is not False, mp_policy)
     module.__dict__["_fullshard_unit"] = unit
-    module.__class__ = _fsdp_class(type(module))
+    module.__class__ = fsdp_class(type(module))
     hooks.install(unit)
     _register_state_dict_hooks(unit)
     return module
@@ -317,10 +321,10 @@ def _check_arguments(label, mp_policy, offload_policy) -> None:
             raise ValueError(f"fully_shard({label}): mp_policy.{field}={dtype!r} is not a "
                              "floating-point torch.dtype (use torch.bfloat16, torch.float16 "
                              "or torch.float32).")
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"fully_shard({label}): {type(offload_policy).__name__} is not implemented yet; "
-            "keep the default OffloadPolicy().")
+    if type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
+        raise TypeError(f"fully_shard({label}): offload_policy must be fullshard's "
+                        f"OffloadPolicy() or CPUOffloadPolicy(), got "
+                        f"{type(offload_policy).__name__}.")
 
 
 def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
@@ -338,7 +342,7 @@ def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
+def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
@@ -350,7 +354,7 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter]
     """The parameters this unit manages: those of ``module`` and its submodules that no
     sharded submodule manages, each with every place it is registered (tied weights)."""
     refs: dict[nn.Parameter, list[ParamRef]] = {}
-    for prefix, sub in _managed_modules(module):
+    for prefix, sub in managed_modules(module):
         for name, p in sub._parameters.items():
             if p is None or p in ignored:
                 continue
@@ -366,16 +370,16 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter]
     return refs
 
 
-def _managed_modules(module: nn.Module, prefix: str = ""):
+def managed_modules(module: nn.Module, prefix: str = ""):
     yield prefix, module
     for name, child in module._modules.items():
         if child is None or isinstance(child, FSDPModule):
             continue
-        yield from _managed_modules(child, f"{prefix}.{name}" if prefix else name)
+        yield from managed_modules(child, f"{prefix}.{name}" if prefix else name)
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
-    for _, sub in _managed_modules(module):
+    for _, sub in managed_modules(module):
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
@@ -383,13 +387,17 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 
 def _original_class(module: nn.Module) -> type:
     cls = type(module)
-    return cls.__mro__[2] if isinstance(module, FSDPModule) else cls
+    return cls._fullshard_original_class if isinstance(module, FSDPModule) else cls
 
 
-def _fsdp_class(cls: type) -> type:
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _FSDP_CLASSES[cls]
+def fsdp_class(cls: type, front: type = FSDPModule) -> type:
+    """``FSDP<cls>``: a subclass of ``front`` (FSDPModule or a subclass) and ``cls``."""
+    cls = getattr(cls, "_fullshard_original_class", cls)
+    key = (cls, front)
+    if key not in _FSDP_CLASSES:
+        _FSDP_CLASSES[key] = type(f"FSDP{cls.__name__}", (front, cls),
+                                  {"_fullshard_original_class": cls})
+    return _FSDP_CLASSES[key]
 
 
 def _register_state_dict_hooks(unit: UnitState) -> None:

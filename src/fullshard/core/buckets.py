@@ -52,7 +52,8 @@ def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> boo
                  and ga.post_forward_size == gb.post_forward_size) or a is root
     return (a.mesh == b.mesh and same_rule and a.mp_policy == b.mp_policy
             and ga.flat_shard.dtype == gb.flat_shard.dtype
-            and ga.flat_shard.device == gb.flat_shard.device)
+            and ga.flat_shard.device == gb.flat_shard.device
+            and (ga.offload, ga.compute_device) == (gb.offload, gb.compute_device))
 
 
 def merge_small_units(units: "list[UnitState]", bucket_numel: int,
@@ -71,7 +72,8 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
         name = f"{run[0].name}..{run[-1].name}"
         first = run[0].group
         merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype,
-                            first.replicate_pg, first.post_forward_size)
+                            first.replicate_pg, first.post_forward_size,
+                            offload=first.offload, compute_device=first.compute_device)
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group = merged

@@ -87,8 +87,10 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
     return Pending(output, work, sum_copies)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum ``tensor`` in place over ``group`` (hybrid sharding's replica reduction)."""
-    if group.size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
-    return tensor
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = False) -> Pending:
+    """Sum ``tensor`` in place over ``group`` (the reduction across replicas)."""
+    if group.size() == 1:
+        return Pending(tensor, None)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _done(Pending(tensor, work), async_op)

@@ -41,16 +41,16 @@ class PendingReduce:
 
     def finish(self, world_size: int) -> None:
         out = self.pending.wait()
-        for buf in self._buffers:
-            if buf is not None:
-                self._pool.give(buf)
-        self._buffers = []
         if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
             all_reduce_sum(out, self._replicate_pg)
         out.div_(world_size)
-        if out is not self._dest:  # reduced in reduce_dtype: cast into the fp32 gradients
+        if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the CPU
             self._dest.copy_(out)
             out = self._dest
+        for buf in self._buffers:  # ``out`` may be one of them: give back after the copy
+            if buf is not None:
+                self._pool.give(buf)
+        self._buffers = []
         sizes = [p.layout.shard_numel for p in self.params]
         shards = torch.split(out, sizes + [len(self.params)])
         if all(self.had_grad):

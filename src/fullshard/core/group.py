@@ -22,21 +22,41 @@ buffers, so each transition is one collective and one copy:
 Gradients go the other way: ``_chunk_cat`` lays the unsharded gradients out
 rank-major (one copy-in), one reduce-scatter sums them, and each rank wraps its
 slice of the result as DTensor gradients without copying.
+
+Note [shard groups of one rank]
+With one rank per shard group (NO_SHARD: a (world, 1) replicate x shard mesh) the
+shard is the whole parameter. Without a cast or offload the unsharded parameters
+are views of ``flat_shard`` itself: nothing is gathered, copied or freed, and
+memory holds each parameter once, as DDP does. Gradients skip the reduce-scatter
+(a copy over one rank) and go straight to one asynchronous all-reduce across
+replicas.
+
+Note [CPU offload]
+With ``offload`` the flat shard, the sharded gradients and hence the optimizer
+states live in CPU memory (pinned when the compute device is CUDA, so the copies
+can run asynchronously); ``compute_device`` is where gathers, forward and backward
+run. Each unshard copies the shard to the compute device (the copy-in that also
+casts under mixed precision) before the all-gather; each reduce lands in a
+compute-device buffer that is then copied into the CPU gradients. On a CPU-only
+machine both devices are the CPU and the same copies run, so the path is tested.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import Pending, all_gather, needs_scratch, reduce_scatter_sum
+from .collectives import Pending, all_gather, all_reduce_sum, needs_scratch, reduce_scatter_sum
 from .gradients import PendingReduce, take_unsharded_grad
 from .param import ShardedParam
 from .post_forward import PostForwardShard
+
+if TYPE_CHECKING:
+    from ..policies import CPUOffloadPolicy
 
 
 class GroupState(enum.Enum):
@@ -53,8 +73,12 @@ class ParamGroup:
                  param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None,
                  replicate_pg: dist.ProcessGroup | None = None,
-                 post_forward_size: int | None = None):
+                 post_forward_size: int | None = None,
+                 offload: "CPUOffloadPolicy | None" = None,
+                 compute_device: torch.device | None = None):
         self.params = params
+        self.offload = offload  # Note [CPU offload]
+        self._compute_device = compute_device
         self.post_forward_size = post_forward_size
         self.post_forward: PostForwardShard | None = (
             PostForwardShard(pg, post_forward_size) if post_forward_size else None)
@@ -95,11 +119,30 @@ class ParamGroup:
                 f"fully_shard({self.unit_name}): all parameters of one unit must share a dtype "
                 f"to be gathered in one collective; found {found}. Cast them to one dtype or "
                 "shard the differing submodules in their own fully_shard call.")
-        device = torch.device("meta") if any(t.is_meta for t in originals) else device
-        self.flat_shard = torch.empty(self.shard_numel, dtype=originals[0].dtype, device=device)
+        self._compute_device = device
+        if any(t.is_meta for t in originals):
+            self.flat_shard = torch.empty(self.shard_numel, dtype=originals[0].dtype,
+                                          device="meta")
+        else:
+            self.flat_shard = self._new_flat_shard(originals[0].dtype, self.shard_device(device))
         for p, full, view in zip(self.params, originals, self._shard_views(self.flat_shard)):
-            p.shard_from(full.to(device) if not full.is_meta else full, view,
-                         requires_grad=full.requires_grad)
+            p.shard_from(full, view, requires_grad=full.requires_grad)
+
+    def shard_device(self, device: torch.device) -> torch.device:
+        """Where the flat shard lives when parameters are computed on ``device``."""
+        return torch.device("cpu") if self.offload is not None else device
+
+    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pin = (self.offload is not None and self.offload.pin_memory and device.type == "cpu"
+               and self.compute_device.type == "cuda")
+        return torch.empty(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where gathered parameters live and forward/backward run."""
+        if self.offload is not None or self.flat_shard is None:
+            return self._compute_device
+        return self.flat_shard.device
 
     def readopt(self) -> None:
         """Re-point every DTensor at ``flat_shard`` after a module ``_apply`` or an
@@ -108,9 +151,14 @@ class ParamGroup:
         first = self.params[0].refs[0]
         current = first.module._parameters[first.name]
         local = getattr(current, "_local_tensor", current)
+        device = local.device if local.is_meta else self.shard_device(local.device)
+        if self.offload is None and not local.is_meta:
+            self._compute_device = local.device  # .to()/.cuda() moved the module
         if self.flat_shard is None or (self.flat_shard.device, self.flat_shard.dtype) != (
-                local.device, local.dtype):
-            self.flat_shard = torch.empty(self.shard_numel, dtype=local.dtype, device=local.device)
+                device, local.dtype):
+            self.flat_shard = (torch.empty(self.shard_numel, dtype=local.dtype, device=device)
+                               if device.type == "meta" else
+                               self._new_flat_shard(local.dtype, device))
             self.unsharded = None
             self._copy_out_targets = []
         for p, view in zip(self.params, self._shard_views(self.flat_shard)):
@@ -119,11 +167,18 @@ class ParamGroup:
     def _shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, self.shard_sizes))
 
+    @property
+    def aliases_shard(self) -> bool:
+        """Whether the unsharded parameters are views of the flat shard itself
+        (Note [shard groups of one rank])."""
+        return (self.world_size == 1 and self.offload is None and self.post_forward is None
+                and self.compute_dtype == self.flat_shard.dtype)
+
     def _build_unsharded(self) -> None:
         """Allocate the unsharded buffer and the persistent unsharded params (once)."""
         w = self.world_size
-        self.unsharded = torch.empty(w * self.shard_numel, dtype=self.compute_dtype,
-                                     device=self.flat_shard.device)
+        self.unsharded = self.flat_shard if self.aliases_shard else torch.empty(
+            w * self.shard_numel, dtype=self.compute_dtype, device=self.compute_device)
         writer = self.unsharded.data  # own version counter: see Note [unsharded params are persistent views]
         self._writer = writer
         self._copy_out_targets = [v.view(w, -1) for v in torch.split(
@@ -150,14 +205,22 @@ class ParamGroup:
             return
         if self.state is not GroupState.SHARDED:
             return
-        self._gather_is_direct = False
         if self.unsharded is None:
             self._build_unsharded()
-        dtype, device = self.compute_dtype, self.flat_shard.device
+        if self.world_size == 1:  # Note [shard groups of one rank]: no collective
+            if self.unsharded is not self.flat_shard:
+                self._alloc_unsharded_storage()
+                self._writer.copy_(self.flat_shard, non_blocking=True)  # cast / to device
+            self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
+            self.state = GroupState.GATHERING
+            self.wait_unshard()
+            return
+        self._gather_is_direct = False
+        dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
-        if dtype != send.dtype:  # mixed precision: the one copy-in, a cast
+        if dtype != send.dtype or device != send.device:  # the one copy-in: cast / offload
             send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
-            send.copy_(self.flat_shard)
+            send.copy_(self.flat_shard, non_blocking=True)
         out = self.pool.take(self.world_size * self.shard_numel, dtype, device)
         self._gather = all_gather(out, send, self.pg, async_op=async_op)
         self.state = GroupState.GATHERING
@@ -219,12 +282,16 @@ class ParamGroup:
             self._cast_shard = None
 
     def _alloc_unsharded_storage(self) -> None:
+        if self.unsharded is self.flat_shard:
+            return
         storage = self.unsharded.untyped_storage()
         nbytes = self.unsharded.numel() * self.unsharded.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
 
     def _free_unsharded_storage(self) -> None:
+        if self.unsharded is self.flat_shard:
+            return  # Note [shard groups of one rank]: the shard is the parameter
         storage = self.unsharded.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)
@@ -298,11 +365,14 @@ class ParamGroup:
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
+        dest, views = self._grad_destination(trainable, numel, self.flat_shard)
+        if w == 1 and self.replicate_pg is not None:  # Note [shard groups of one rank]
+            pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
+            return PendingReduce(trainable, had_grad, pending, self.pool, [full], views, dest)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) \
             if needs_scratch(self.pg) else None
-        dest, views = self._grad_destination(trainable, numel, self.flat_shard)
-        out = dest if reduce_dtype == dest.dtype else torch.empty(numel, dtype=reduce_dtype,
-                                                                    device=ref.device)
+        out = dest if (reduce_dtype, ref.device) == (dest.dtype, dest.device) else torch.empty(
+            numel, dtype=reduce_dtype, device=ref.device)
         pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
         return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views,
                              dest, self.replicate_pg)

@@ -16,6 +16,14 @@ def float_batch(step: int, n: int, d_in: int, d_out: int) -> tuple[torch.Tensor,
     return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
 
 
+def token_batch(step: int, n: int, vocab_size: int, seq_len: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and their next-token targets (the ids rolled by one)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, vocab_size, (n, seq_len), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
 def mse_loss(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)
