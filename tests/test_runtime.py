@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import FSDPModule, fully_shard
 from fullshard.testing import run_distributed
-from fullshard.testing.counting import count_collectives
+from fullshard.testing.counting import count_collectives, count_forward_backward
 from fullshard.train.model import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
@@ -37,13 +37,9 @@ def _count_worker(raf, bucket_numel=0):
     per_step = []
     for step in range(3):
         x, y = _batch(step)
-        with count_collectives() as fwd:
-            loss = lm_loss(model(x), y)
-        with count_collectives() as bwd:
-            loss.backward()
+        per_step.append(count_forward_backward(lambda: lm_loss(model(x), y)))
         opt.step()
         opt.zero_grad()
-        per_step.append((dict(fwd), dict(bwd)))
     return per_step
 
 

@@ -6,10 +6,19 @@
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+
+and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
+
+    from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+    model = FSDP(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.FULL_SHARD)
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .checkpointing import apply_activation_checkpointing
+from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
+                    FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
+                    ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
+                    StateDictType)
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -21,6 +30,17 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "FullyShardedDataParallel",
+    "FSDP",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "StateDictType",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
 ]
 
 __version__ = "0.1.0"

@@ -9,6 +9,10 @@ in the direct form ``transformer_auto_wrap_policy(transformer_layer_cls={Block})
 
 ``apply_wrap_policy`` applies a policy with ``fully_shard`` (children first, root
 last); ``auto_wrap`` needs no policy: it shards the model's repeated blocks.
+A module that shares a parameter with a module outside it (an input embedding tied
+to the output head) is never made a unit of its own, whatever the policy says: a
+parameter belongs to exactly one unit, so it stays with the enclosing unit that
+holds both users.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ def apply_wrap_policy(root: nn.Module, policy: Policy,
     on ``root``; return the wrapped submodules (root excluded)."""
     wrapped: list[nn.Module] = []
     seen: set[int] = set()
+    registrations = _registrations(root)
 
     def visit(module: nn.Module) -> int:
         """Parameters under ``module`` that no wrapped descendant took."""
@@ -97,7 +102,8 @@ def apply_wrap_policy(root: nn.Module, policy: Policy,
         for child in module.children():
             if policy(module=child, recurse=True, nonwrapped_numel=_numel(child, seen)):
                 left = visit(child)
-                if policy(module=child, recurse=False, nonwrapped_numel=left):
+                if policy(module=child, recurse=False, nonwrapped_numel=left) \
+                        and not _shares_params_outside(child, registrations):
                     wrap(child)
                     wrapped.append(child)
                     left = 0
@@ -109,6 +115,17 @@ def apply_wrap_policy(root: nn.Module, policy: Policy,
     visit(root)
     wrap(root)
     return wrapped
+
+
+def _registrations(module: nn.Module) -> Counter:
+    """How many (module, name) slots hold each parameter (by id) under ``module``."""
+    return Counter(id(p) for m in module.modules() for p in m._parameters.values()
+                   if p is not None)
+
+
+def _shares_params_outside(module: nn.Module, everywhere: Counter) -> bool:
+    inside = _registrations(module)
+    return any(everywhere[key] > n for key, n in inside.items())
 
 
 def _numel(module: nn.Module, seen: set[int]) -> int:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from ..fsdp1.state_dict import native_state_dict
 from . import background
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
@@ -169,7 +170,8 @@ def _describe(model_state: dict[str, Any]) -> dict[str, dict]:
 
 def _check_fits(path: str, saved: dict[str, dict], model: nn.Module) -> None:
     """Name missing and unexpected keys and shape mismatches before reading anything."""
-    current = _describe(model.state_dict())
+    with native_state_dict():  # shapes only: never gather an FSDP1 model's full state dict
+        current = _describe(model.state_dict())
     missing = sorted(current.keys() - saved.keys())
     unexpected = sorted(saved.keys() - current.keys())
     mismatched = [f"{k}: checkpoint {tuple(saved[k]['shape'])}, model {tuple(v['shape'])}"

@@ -7,7 +7,9 @@ communication; full ones gather one tensor at a time, so ranks other than 0 neve
 hold more than one unsharded tensor, and with ``cpu_offload`` only rank 0 keeps the
 gathered tensors, on the CPU. Optimizer state is keyed by parameter FQN.
 ``broadcast_from_rank0`` loads a full state dict held only by rank 0 into a sharded
-model, including one still on the meta device.
+model, including one still on the meta device. Models built with
+``FullyShardedDataParallel`` are handled the same way whatever their FSDP1
+state-dict type.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
+
+from ..fsdp1.state_dict import native_state_dict
 
 
 @dataclass(frozen=True)
@@ -56,24 +60,28 @@ def _opts(options: StateDictOptions | None) -> _dsd.StateDictOptions:
 def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None
                          ) -> dict[str, Any]:
     """The model's parameters and buffers by FQN (DTensors unless ``full_state_dict``)."""
-    return _dsd.get_model_state_dict(model, options=_opts(options))
+    with native_state_dict():
+        return _dsd.get_model_state_dict(model, options=_opts(options))
 
 
 def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None):
     """Load ``state_dict`` (full or sharded) into the sharded ``model``; returns the
     missing and unexpected keys like ``nn.Module.load_state_dict``."""
-    return _dsd.set_model_state_dict(model, state_dict, options=_opts(options))
+    with native_state_dict():
+        return _dsd.set_model_state_dict(model, state_dict, options=_opts(options))
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
                              options: StateDictOptions | None = None) -> dict[str, Any]:
     """The optimizer's state keyed by parameter FQN (states as DTensors unless full)."""
-    return _dsd.get_optimizer_state_dict(model, optimizer, options=_opts(options))
+    with native_state_dict():
+        return _dsd.get_optimizer_state_dict(model, optimizer, options=_opts(options))
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                              state_dict: dict[str, Any], *,
                              options: StateDictOptions | None = None) -> None:
     """Load an FQN-keyed optimizer state dict (full or sharded) into ``optimizer``."""
-    _dsd.set_optimizer_state_dict(model, optimizer, state_dict, options=_opts(options))
+    with native_state_dict():
+        _dsd.set_optimizer_state_dict(model, optimizer, state_dict, options=_opts(options))

@@ -203,7 +203,7 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
         group.wait_unshard()
     if unit.backward_prefetch is not None:
         _prefetch(root, [u.group for u in unit.backward_prefetch])
-    else:
+    elif not unit.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(unit)])
     return None
 
@@ -225,6 +225,9 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
     if not root.stays_gathered_after_backward(group):
         group.reshard()  # free the parameters before the reduce allocates its buffers
+    first = root.members[group][0]
+    if first.backward_prefetch is None and first.backward_prefetch_after_grads:
+        _prefetch(root, [root.prev_group_in_forward(first)])
     if any(u.requires_gradient_sync for u in root.members[group]):
         root.pending_reduce = group.reduce_grads(async_op=True)
     else:  # accumulate unsharded until a backward with gradient sync reduces it all

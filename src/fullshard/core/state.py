@@ -50,6 +50,9 @@ class UnitState:
         # Explicit prefetch (set_modules_to_*_prefetch); None means implicit: next group
         self.forward_prefetch: list[UnitState] | None = None
         self.backward_prefetch: list[UnitState] | None = None
+        # True: the implicit backward prefetch starts once this unit's gradients are
+        # computed and its parameters freed (FSDP1's BACKWARD_POST), not when its backward starts
+        self.backward_prefetch_after_grads = False
         self.explicit_unshard = False   # the user called module.unshard(): keep it at pre-forward
         self.ran_forward_with_grad = False
 

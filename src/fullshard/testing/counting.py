@@ -4,30 +4,58 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from typing import Callable
 
+import torch
+
+from ..core import gradients as gradients_module
 from ..core import group as group_module
 from ..core import post_forward as post_forward_module
 
 
 @contextlib.contextmanager
 def count_collectives():
-    """Yield a Counter with keys ``all_gather``/``all_gather_async``/``reduce_scatter``
-    (gathers within a post-forward subgroup, ``reshard_after_forward=N``, count too)."""
+    """Yield a Counter with keys ``all_gather``/``all_gather_async``/``reduce_scatter``/
+    ``all_reduce`` (gathers within a post-forward subgroup, ``reshard_after_forward=N``,
+    count too; collectives over a group of one rank are not issued and not counted)."""
     counts: Counter = Counter()
     real_ag, real_rs = group_module.all_gather, group_module.reduce_scatter_sum
+    real_ar = group_module.all_reduce_sum
 
     def all_gather(out, shard, pg, async_op=False):
-        counts["all_gather_async" if async_op else "all_gather"] += 1
+        if pg.size() > 1:
+            counts["all_gather_async" if async_op else "all_gather"] += 1
         return real_ag(out, shard, pg, async_op=async_op)
 
     def reduce_scatter_sum(out, full, pg, async_op=False, scratch=None):
-        counts["reduce_scatter"] += 1
+        if pg.size() > 1:
+            counts["reduce_scatter"] += 1
         return real_rs(out, full, pg, async_op=async_op, scratch=scratch)
 
-    group_module.all_gather, group_module.reduce_scatter_sum = all_gather, reduce_scatter_sum
-    post_forward_module.all_gather = all_gather
+    def all_reduce_sum(tensor, pg, async_op=False):
+        if pg.size() > 1:
+            counts["all_reduce"] += 1
+        return real_ar(tensor, pg, async_op=async_op)
+
+    patches = [(group_module, "all_gather", all_gather),
+               (group_module, "reduce_scatter_sum", reduce_scatter_sum),
+               (post_forward_module, "all_gather", all_gather),
+               (group_module, "all_reduce_sum", all_reduce_sum),
+               (gradients_module, "all_reduce_sum", all_reduce_sum)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, fn in patches:
+        setattr(mod, name, fn)
     try:
         yield counts
     finally:
-        group_module.all_gather, group_module.reduce_scatter_sum = real_ag, real_rs
-        post_forward_module.all_gather = real_ag
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def count_forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[dict, dict]:
+    """Run ``forward()`` (returning a loss) and its backward; the collectives of each."""
+    with count_collectives() as fwd:
+        loss = forward()
+    with count_collectives() as bwd:
+        loss.backward()
+    return dict(fwd), dict(bwd)

@@ -1,0 +1,69 @@
+"""Clipping by the global gradient norm of a sharded model (``FSDP.clip_grad_norm_``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..api import mesh_device
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients in place so their norm over all ranks is at most ``max_norm``;
+    return that norm (before clipping) as a float32 tensor on the compute device.
+
+    Each rank sums ``|g|^p`` over its shards; one all-reduce per shard group adds the
+    ranks' parts (replicas hold the same shards, so only the shard dimension is summed).
+    Gradients of unsharded (ignored) parameters are counted once, as every rank has them.
+    """
+    max_norm, p = float(max_norm), float(norm_type)
+    if p <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}.")
+    grads = [t.grad for t in parameters if t.grad is not None]
+    sharded: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    local: list[torch.Tensor] = []
+    device = torch.device("cpu")
+    for g in grads:
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            sharded.setdefault(mesh.get_group(mesh.ndim - 1), []).append(g.to_local())
+            device = mesh_device(mesh)  # where the all-reduce runs (CPU shards under offload)
+        else:
+            local.append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group, tensors in sharded.items():
+        part = _combine([_norm_part(t, p) for t in tensors], p, device)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
+                        group=group)
+        total = _combine([total, part], p, device)
+    total = _combine([total] + [_norm_part(g, p) for g in local], p, device)
+    norm = total if math.isinf(p) else total ** (1.0 / p)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            target = g.to_local() if isinstance(g, DTensor) else g
+            target.mul_(coef.to(target.device, target.dtype))
+    return norm
+
+
+def _norm_part(t: torch.Tensor, p: float) -> torch.Tensor:
+    """``max |t|`` for the inf-norm, else ``sum |t|^p``, as a float32 scalar."""
+    t = t.detach().float()
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    if math.isinf(p):
+        return t.abs().max()
+    return torch.linalg.vector_norm(t, p) ** p
+
+
+def _combine(parts: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    parts = [x.to(device) for x in parts]
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    stacked = torch.stack(parts)
+    return stacked.max() if math.isinf(p) else stacked.sum()
