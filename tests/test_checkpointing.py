@@ -22,6 +22,19 @@ def _batch(step, n):
 
 
 def _shard(model, order, raf):
+    if order == "fsdp1_torch_style":  # the FSDP1 recipe, imports changed
+        from functools import partial
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, checkpoint_wrapper)
+
+        from fullshard import FSDP, ShardingStrategy
+        from fullshard.wrap import ModuleWrapPolicy
+        FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=(
+            ShardingStrategy.FULL_SHARD if raf else ShardingStrategy.SHARD_GRAD_OP))
+        wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=_is_block)
+        return
     if order == "ac_first":
         apply_activation_checkpointing(model, _is_block)
     for layer in model.layers:
@@ -39,7 +52,7 @@ def _parity(order, raf):
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=["zero3", "zero2"])
-@pytest.mark.parametrize("order", ["ac_first", "shard_first"])
+@pytest.mark.parametrize("order", ["ac_first", "shard_first", "fsdp1_torch_style"])
 def test_checkpointing_composes_with_sharding(order, raf):
     run_distributed(_parity, 2, order, raf)
 
@@ -68,3 +81,20 @@ def test_activations_fall_and_names_stay():
     assert after < 0.5 * before, (before, after)
     with pytest.raises(ValueError, match="Block is already checkpointed"):
         apply_activation_checkpointing(plain.layers[0], _is_block)
+
+
+def test_other_checkpoint_wrappers_raise():
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper, offload_wrapper)
+
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="reentrant checkpointing is not supported"):
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
+    with pytest.raises(ValueError, match="other than torch's checkpoint_wrapper"):
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=offload_wrapper)
+    chosen = apply_activation_checkpointing(
+        model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: isinstance(module, Block))
+    assert len(chosen) == CFG.n_layers

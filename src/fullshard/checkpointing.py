@@ -19,11 +19,18 @@ from torch.utils.checkpoint import checkpoint
 
 
 def apply_activation_checkpointing(model: nn.Module,
-                                   check_fn: Callable[[nn.Module], bool] = lambda m: True
+                                   check_fn: Callable[[nn.Module], bool] = lambda m: True, *,
+                                   checkpoint_wrapper_fn: Callable | None = None,
+                                   auto_wrap_policy: Callable | None = None
                                    ) -> list[nn.Module]:
-    """Checkpoint each submodule of ``model`` selected by ``check_fn``; returns them.
-    A selected module inside another selected one is left alone (its parent already
-    recomputes it)."""
+    """Checkpoint each submodule of ``model`` selected by ``check_fn`` (or, as in torch, by
+    ``auto_wrap_policy``); returns them. A selected module inside another selected one is
+    left alone (its parent already recomputes it). ``checkpoint_wrapper_fn`` is accepted
+    for torch compatibility when it is torch's non-reentrant ``checkpoint_wrapper``, which
+    is what fullshard does in place."""
+    _check_wrapper_fn(checkpoint_wrapper_fn)
+    if auto_wrap_policy is not None:
+        check_fn = functools.partial(_selected_by_policy, auto_wrap_policy)
     chosen: list[nn.Module] = []
     covered: set[int] = set()
     for module in model.modules():
@@ -36,6 +43,31 @@ def apply_activation_checkpointing(model: nn.Module,
         chosen.append(module)
         covered.update(id(m) for m in module.modules())
     return chosen
+
+
+def _selected_by_policy(policy: Callable, module: nn.Module) -> bool:
+    numel = sum(p.numel() for p in module.parameters())
+    return bool(policy(module=module, recurse=False, nonwrapped_numel=numel))
+
+
+def _check_wrapper_fn(wrapper_fn: Callable | None) -> None:
+    """Only torch's ``checkpoint_wrapper`` with non-reentrant checkpointing means what
+    fullshard does; anything else would silently change meaning, so it raises."""
+    if wrapper_fn is None:
+        return
+    func = getattr(wrapper_fn, "func", wrapper_fn)  # functools.partial(checkpoint_wrapper, ...)
+    keywords = getattr(wrapper_fn, "keywords", {}) or {}
+    impl = keywords.get("checkpoint_impl")
+    if getattr(func, "__name__", "") != "checkpoint_wrapper" or set(keywords) - {"checkpoint_impl"}:
+        raise ValueError(
+            "apply_activation_checkpointing: checkpoint_wrapper_fn other than torch's "
+            "checkpoint_wrapper is not supported; fullshard checkpoints the selected modules "
+            "in place (non-reentrant, names unchanged). Drop checkpoint_wrapper_fn.")
+    if impl is not None and getattr(impl, "name", str(impl)) != "NO_REENTRANT":
+        raise ValueError(
+            "apply_activation_checkpointing: reentrant checkpointing is not supported (it "
+            "breaks gradient hooks sharding relies on); use CheckpointImpl.NO_REENTRANT or "
+            "drop checkpoint_wrapper_fn.")
 
 
 def _checkpointed(forward: Callable) -> Callable:
