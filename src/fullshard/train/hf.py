@@ -34,6 +34,7 @@ def load_model(path: str) -> nn.Module:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model: {path!r} is not a Hugging Face model folder (no "
                           "config.json); hf:PATH takes a local folder, not a hub name")
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.config.use_cache = False  # training: no key/value cache to build
     return model.float().train()

@@ -76,7 +76,6 @@ class Trainer:
                 self.progress.close()
             if self.log is not None:
                 self.log.close()
-        self._print_sample()
 
     def _start_reporting(self, resume: bool) -> None:
         if self.worker.is_main:
@@ -121,6 +120,7 @@ class Trainer:
             if stopping:
                 self._say(f"stopped at step {self.step} on request; continue with --resume")
                 return
+        self._print_sample()  # not after a stop: Ctrl-C asks to be done quickly
 
     def _train_step(self) -> tuple[torch.Tensor, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean

@@ -1,0 +1,96 @@
+"""``fullshard train`` as a person runs it: launched, resumed, interrupted (subprocesses)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TIMEOUT_S = 240
+
+
+def _fullshard_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fullshard", "train", *args], env=ENV,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _checkpoint_step(out) -> int:
+    checkpoints = os.path.join(out, "checkpoints")
+    with open(os.path.join(checkpoints, "latest")) as f:
+        latest = f.read().strip()
+    return torch.load(os.path.join(checkpoints, latest, "extra.pt"), weights_only=False)["step"]
+
+
+def test_resume_continues_exactly_like_one_straight_run(tmp_path):
+    resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
+    # The first leg under an outside torchrun: the entry point must not launch again.
+    first = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", "-m", "fullshard.train", "--preset", "debug", "--steps", "40", "--out", resumed],
+        env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _checkpoint_step(resumed) == 40
+    second = _fullshard_train("--preset", "debug", "--steps", "60", "--out", resumed, "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming at step 40" in second.stderr
+    reference = _fullshard_train("--preset", "debug", "--steps", "60", "--out", straight)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    got, want = _metrics(resumed), _metrics(straight)
+    assert [r["step"] for r in got] == list(range(61))  # step 0: the first evaluation
+    assert [r["loss"] for r in got[41:]] == [r["loss"] for r in want[41:]]
+    assert got[60]["val_loss"] == want[60]["val_loss"]
+    for record in got[1:]:
+        assert {"step", "loss", "lr", "tokens_per_s", "peak_mem_bytes"} <= record.keys()
+        assert record["peak_mem_bytes"] > 0 and record["tokens_per_s"] > 0
+    evaluated = [r["step"] for r in got if "val_loss" in r]
+    assert evaluated == [0, 20, 40, 60]
+    assert got[60]["val_loss"] < got[0]["val_loss"]
+
+    assert _checkpoint_step(resumed) == 60
+    kept = sorted(n for n in os.listdir(os.path.join(resumed, "checkpoints"))
+                  if n.startswith("step_"))
+    assert kept == ["step_000040", "step_000060"]  # checkpoint.keep = 2
+    with open(os.path.join(resumed, "config.toml")) as f:
+        assert "steps = 60\n" in f.read()
+    with open(os.path.join(resumed, "loss.png"), "rb") as f:
+        png = f.read()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    assert "--- sample after 60 steps ---" in reference.stdout
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    out = str(tmp_path / "run")
+    log = open(tmp_path / "stderr.txt", "w")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fullshard", "train", "--preset", "debug", "--steps", "100000",
+         "--eval.every", "0", "--checkpoint.every", "0", "--out", out],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and launcher.poll() is None:
+            if os.path.exists(os.path.join(out, "metrics.jsonl")) and len(_metrics(out)) > 5:
+                break
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert code == 130, stderr[-3000:]
+    stopped = _metrics(out)[-1]["step"]
+    assert 5 <= stopped < 100000
+    assert f"stopped at step {stopped} on request" in stderr
+    assert _checkpoint_step(out) == stopped
+    assert "Traceback" not in stderr
