@@ -35,6 +35,10 @@ class BufferPool:
         self.allocations += 1
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def idle_bytes(self) -> int:
+        """Bytes held in the free lists (read-only accounting for fullshard.memory)."""
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer taken from this pool; it must no longer be in use."""
         if buf.numel() > self.max_numel:
