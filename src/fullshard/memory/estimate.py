@@ -1,0 +1,172 @@
+"""``estimate``: per-rank peak memory of fullshard training, line by line.
+
+The model is built on the meta device (nothing is allocated), its units and
+buckets are laid out as ``fully_shard`` and the root's lazy init would
+(units.py), one step is traced for activations (activations.py), and
+fullshard's buffer schedule is replayed over it (replay.py). See docs/memory.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkpointing import apply_activation_checkpointing
+from ..core.buffers import DEFAULT_MAX_NUMEL
+from ..core.state import DEFAULT_BUCKET_NUMEL
+from ..policies import MixedPrecisionPolicy
+from .activations import trace_step
+from .models import LossOf, workload_for
+from .process import current_rss_bytes
+from .replay import CATEGORIES, Replay, RunSettings
+from .units import find_units, layout_groups
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+# State tensors torch's optimizers keep per parameter (SGD: with momentum).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
+                    "rmsprop": 1}
+BASELINE = "process baseline"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes at the peak, and what was alive then."""
+
+    lines: dict[str, int]             # CATEGORIES + process baseline, at the peak
+    peak_phase: str                   # forward | backward | optimizer
+    phase_peaks: dict[str, int]       # each phase's peak, baseline included
+    host_bytes: int                   # offloaded shards, gradients, states (not on device)
+    num_params: int
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lines.values())
+
+    def table(self) -> str:
+        """The breakdown as an aligned text table (MiB)."""
+        s = self.settings
+        head = (f"{s['model']}: {self.num_params / 1e6:,.1f}M parameters, world size "
+                f"{s['world_size']}, {s['strategy']}, {s['dtype']}, batch {s['batch_size']} x "
+                f"{s['seq_len']}, {s['optimizer']}"
+                + (", activation checkpointing" if s["activation_checkpointing"] else "")
+                + (", offload" if s["offload"] else "") + f", {s['device']}")
+        rows = [(name, nbytes) for name, nbytes in self.lines.items()]
+        rows.append((f"peak per rank (in {self.peak_phase})", self.total))
+        width = max(len(n) for n, _ in rows)
+        out = [head, ""] + [f"  {n:<{width}}  {b / 2**20:>12,.1f} MiB" for n, b in rows]
+        out.append("  " + "  ".join(f"{p} peak {b / 2**20:,.0f} MiB"
+                                    for p, b in self.phase_peaks.items()))
+        if self.host_bytes:
+            out.append(f"  host memory for offloaded states  {self.host_bytes / 2**20:,.1f} MiB")
+        return "\n".join(out)
+
+
+def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_shard",
+             reshard_after_forward: bool | int | None = None,
+             mp_policy: MixedPrecisionPolicy | torch.dtype | None = None,
+             offload: bool = False, activation_checkpointing: bool = False,
+             batch_size: int = 1, seq_len: int | None = None, optimizer: str = "adamw",
+             device: str = "cuda", bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+             process_baseline: int | None = None, loss_of: LossOf | None = None
+             ) -> MemoryEstimate:
+    """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
+
+    Args:
+        model_or_config: a GPTConfig, a preset name, a Hugging Face config (config.json
+            path, directory, dict or PretrainedConfig), or an nn.Module on the meta device.
+        world_size: ranks training together.
+        strategy: ``full_shard`` (ZeRO-3), ``shard_grad_op`` (ZeRO-2: parameters stay
+            gathered from forward to backward) or ``no_shard`` (replicated, as DDP).
+        reshard_after_forward: overrides ``strategy`` with fully_shard's argument (an int N
+            keeps parameters sharded N ways between forward and backward: hpZ).
+        mp_policy: a MixedPrecisionPolicy, or a dtype meaning param_dtype=dtype with fp32
+            gradient reduction.
+        offload: shards, gradients and optimizer states on the host (CPUOffloadPolicy).
+        activation_checkpointing: every unit but the root recomputes its forward.
+        batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
+        optimizer: adamw, adam, sgd, sgd-momentum, adagrad or rmsprop.
+        device: ``cuda`` (NCCL; figures comparable to torch.cuda.max_memory_allocated)
+            or ``cpu`` (gloo; figures comparable to peak RSS).
+        bucket_numel: fullshard's small-unit merging threshold (set_bucket_numel).
+        process_baseline: bytes the process holds before the model exists; default 0 on
+            cuda, this process's RSS on cpu.
+        loss_of: fn(model, batch, seq) -> loss, for modules that are not GPT or HF LMs.
+    """
+    workload = workload_for(model_or_config, loss_of)
+    seq = workload.seq_len_or(seq_len)
+    raf = _reshard_rule(strategy, reshard_after_forward, world_size)
+    shard_size = 1 if strategy == "no_shard" and reshard_after_forward is None else world_size
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"estimate: optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
+    policy = MixedPrecisionPolicy(param_dtype=mp_policy, reduce_dtype=torch.float32) \
+        if isinstance(mp_policy, torch.dtype) else (mp_policy or MixedPrecisionPolicy())
+
+    model = workload.build()
+    units = find_units(model)
+    param_dtype = next(model.parameters()).dtype
+    compute_dtype = policy.param_dtype or param_dtype
+    reduce_dtype = policy.reduce_dtype or compute_dtype
+    model.to(compute_dtype)  # the trace computes in the dtype fullshard gathers in
+    if policy.output_dtype is not None:
+        model.register_forward_hook(lambda _m, _a, out: out.to(policy.output_dtype)
+                                    if isinstance(out, torch.Tensor) else out)
+    if activation_checkpointing:
+        checkpointed = {id(u) for u in units[:-1]}
+        apply_activation_checkpointing(model, lambda m: id(m) in checkpointed)
+    groups = layout_groups(units, shard_size, raf, bucket_numel)
+    trace = trace_step(model, units, lambda m: workload.loss_of(m, batch_size, seq))
+
+    settings = RunSettings(
+        param_bytes=param_dtype.itemsize, compute_bytes=compute_dtype.itemsize,
+        reduce_bytes=reduce_dtype.itemsize, optimizer_states=OPTIMIZER_STATES[optimizer],
+        foreach_optimizer=device != "cpu", scratch_for_reduce=device == "cpu",
+        pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload,
+        replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu")
+    replay = Replay(groups, trace, settings, [type(u).__name__ for u in units])
+    peaks = replay.run()
+    if process_baseline is None:
+        process_baseline = current_rss_bytes() if device == "cpu" else 0
+    phase, peak = max(peaks.items(), key=lambda kv: kv[1].total)
+    lines = {c: peak.breakdown[c] for c in CATEGORIES}
+    lines[BASELINE] = process_baseline
+    return MemoryEstimate(
+        lines=lines, peak_phase=phase,
+        phase_peaks={p: v.total + process_baseline for p, v in peaks.items()},
+        host_bytes=replay.ledger.host, num_params=sum(p.numel() for p in model.parameters()),
+        settings={"model": workload.name, "world_size": world_size,
+                  "strategy": _strategy_name(strategy, reshard_after_forward),
+                  "dtype": _dtype_name(policy, param_dtype), "batch_size": batch_size,
+                  "seq_len": seq, "optimizer": optimizer, "offload": offload,
+                  "activation_checkpointing": activation_checkpointing, "device": device})
+
+
+def _reshard_rule(strategy: str, reshard_after_forward: bool | int | None,
+                  world_size: int) -> bool | int:
+    if reshard_after_forward is not None:
+        if isinstance(reshard_after_forward, bool):
+            return reshard_after_forward
+        n = reshard_after_forward
+        if n < 1 or world_size % n:
+            raise ValueError(f"estimate: reshard_after_forward={n} must divide world_size "
+                             f"{world_size}")
+        return False if n == 1 else (True if n == world_size else n)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"estimate: strategy {strategy!r} not in {STRATEGIES}")
+    return strategy == "full_shard"
+
+
+def _strategy_name(strategy: str, reshard_after_forward: bool | int | None) -> str:
+    if reshard_after_forward is None:
+        return strategy
+    return f"reshard_after_forward={reshard_after_forward}"
+
+
+def _dtype_name(policy: MixedPrecisionPolicy, param_dtype: torch.dtype) -> str:
+    if policy.param_dtype is None:
+        return str(param_dtype).removeprefix("torch.")
+    reduce = policy.reduce_dtype or policy.param_dtype
+    return (f"{str(policy.param_dtype).removeprefix('torch.')} compute, "
+            f"{str(reduce).removeprefix('torch.')} reduce")

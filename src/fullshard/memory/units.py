@@ -1,0 +1,138 @@
+"""Which modules become units and how their parameters are laid out per rank.
+
+The estimator never calls ``fully_shard``: it needs no process group and keeps the
+model on the meta device. It picks units the way ``fullshard.wrap.auto_wrap`` does
+(every repeated block, or Hugging Face ``_no_split_modules`` block, then the root),
+collects each unit's parameters the way ``fully_shard`` does (those of the module
+not managed by a unit below it, tied parameters once), pads them into dim-0 shards
+as ``ShardLayout`` does, and merges small adjacent units as the root does at its
+first forward (Note [buckets: units share a group] in core/buckets.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..wrap import ModuleWrapPolicy, apply_wrap_policy, repeated_block_classes
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as a unit sees it."""
+
+    key: int          # id() of the parameter object in the traced model
+    numel: int
+    rows: int         # dim-0 size, the dimension fullshard shards
+    trainable: bool
+
+    def shard_numel(self, shard_size: int) -> int:
+        """Elements of this rank's padded dim-0 shard (Note [padded dim-0 shards])."""
+        return math.ceil(self.rows / shard_size) * (self.numel // max(self.rows, 1))
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """What one collective moves: a unit, or a run of small units merged into one."""
+
+    name: str
+    units: tuple[int, ...]          # indices into the unit list, in module order
+    params: tuple[ParamShape, ...]
+    shard_size: int                 # ranks the parameters are sharded over
+    is_root: bool
+    reshard_after_forward: bool | int
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(p.shard_numel(self.shard_size) for p in self.params)
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Size of the gathered flat buffer (padded rows included)."""
+        return self.shard_size * self.shard_numel
+
+    @property
+    def trainable(self) -> tuple[ParamShape, ...]:
+        return tuple(p for p in self.params if p.trainable)
+
+    @property
+    def grad_numel(self) -> int:
+        """Unsharded gradient elements autograd accumulates (unpadded)."""
+        return sum(p.numel for p in self.trainable)
+
+    @property
+    def reduce_numel(self) -> int:
+        """Per-rank elements of the reduce-scatter: shards plus one presence flag each."""
+        trainable = self.trainable
+        return sum(p.shard_numel(self.shard_size) for p in trainable) + len(trainable)
+
+
+def find_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``auto_wrap`` shards, children first, then the root (last)."""
+    classes = repeated_block_classes(model)
+    chosen = apply_wrap_policy(model, ModuleWrapPolicy(classes), lambda _m: None) \
+        if classes else []
+    return [*chosen, model]
+
+
+def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """Each unit's own parameters: under its module, not under a unit nested in it."""
+    unit_ids = {id(u) for u in units}
+    owned: list[list[nn.Parameter]] = []
+    seen: set[int] = set()
+    for unit in units:  # children first, so a nested unit claims its parameters first
+        params: list[nn.Parameter] = []
+        stack = [unit]
+        while stack:
+            module = stack.pop()
+            for p in module._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+            stack.extend(c for c in module._modules.values()
+                         if c is not None and id(c) not in unit_ids)
+        owned.append(params)
+    return owned
+
+
+def layout_groups(units: list[nn.Module], shard_size: int,
+                  reshard_after_forward: bool | int, bucket_numel: int) -> list[GroupLayout]:
+    """Groups in module order (root first), small adjacent units merged as fullshard does."""
+    params = unit_params(units)
+    order = sorted(range(len(units)), key=_module_order(units))
+    root = len(units) - 1
+    shapes = [tuple(ParamShape(id(p), p.numel(), p.shape[0] if p.dim() else 1, p.requires_grad)
+                    for p in params[i]) for i in range(len(units))]
+    singles = [GroupLayout(type(units[i]).__name__, (i,), shapes[i], shard_size, i == root,
+                           False if i == root else reshard_after_forward)
+               for i in order if shapes[i]]
+    return _merge_small(singles, bucket_numel)
+
+
+def _module_order(units: list[nn.Module]):
+    position = {id(m): n for n, m in enumerate(units[-1].modules())}
+    return lambda i: position[id(units[i])]
+
+
+def _merge_small(groups: list[GroupLayout], bucket_numel: int) -> list[GroupLayout]:
+    """Runs of adjacent groups whose unsharded sizes sum to <= ``bucket_numel``; a run
+    that starts at the root follows the root's rule (core/buckets.py's plan_buckets)."""
+    if bucket_numel <= 0:
+        return groups
+    runs: list[list[GroupLayout]] = []
+    size = 0
+    for g in groups:
+        same_rule = runs and (runs[-1][0].is_root
+                              or runs[-1][0].reshard_after_forward == g.reshard_after_forward)
+        if runs and same_rule and size + g.unsharded_numel <= bucket_numel:
+            runs[-1].append(g)
+            size += g.unsharded_numel
+        else:
+            runs.append([g])
+            size = g.unsharded_numel
+    return [run[0] if len(run) == 1 else GroupLayout(
+        f"{run[0].name}..{run[-1].name}", tuple(u for g in run for u in g.units),
+        tuple(p for g in run for p in g.params), run[0].shard_size, run[0].is_root,
+        run[0].reshard_after_forward) for run in runs]
