@@ -1,0 +1,142 @@
+"""``fullshard estimate`` and ``fullshard plan``.
+
+    fullshard estimate --preset llama-1b --world-size 8 --strategy full_shard --dtype bf16 \\
+        --batch 4 --seq 2048 [--ac] [--offload] [--sweep]
+    fullshard estimate --hf-config path/to/config.json --world-size 8 --seq 4096
+    fullshard estimate --zero-table --params 7.5e9 --world-size 64
+    fullshard plan --preset gpt2-124m --world-size 8 --budget-gib 24
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from .estimate import OPTIMIZER_STATES, STRATEGIES, estimate
+from .plan import plan
+from .zero_table import format_zero_table
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--preset", help="a `fullshard train` preset (its batch, sequence "
+                       "length, precision and checkpointing are the defaults)")
+    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or "
+                       "model directory); needs transformers")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks training together")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (bf16/fp16: "
+                        "fp32 shards, optimizer states and gradient reduction)")
+    parser.add_argument("--batch", type=int, help="sequences per rank per micro-batch")
+    parser.add_argument("--seq", type=int, help="sequence length")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda: figures compare with max_memory_allocated; cpu: with "
+                        "peak RSS (gloo buffers, this process's RSS as the baseline)")
+    parser.add_argument("--baseline-mib", type=float, help="process baseline to add "
+                        "(default: 0 on cuda, this process's RSS on cpu)")
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The model source and estimate() keywords, preset values under explicit flags."""
+    defaults: dict[str, Any] = {"batch": 1, "seq": None, "dtype": "fp32", "ac": False,
+                                "strategy": "full_shard"}
+    if args.hf_config:
+        source = args.hf_config
+    else:
+        from ..train.presets import DEFAULT_PRESET, get_preset
+
+        cfg = get_preset(args.preset or DEFAULT_PRESET)
+        source = cfg.gpt
+        defaults.update(batch=cfg.batch.batch_size, seq=cfg.batch.seq_len,
+                        dtype=cfg.parallel.precision, strategy=cfg.parallel.strategy,
+                        ac=cfg.parallel.activation_checkpointing)
+    pick = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
+            for k, v in defaults.items()}
+    kwargs = {"batch_size": pick["batch"], "seq_len": pick["seq"],
+              "mp_policy": DTYPES[pick["dtype"]], "optimizer": args.optimizer,
+              "device": args.device, "activation_checkpointing": pick["ac"],
+              "process_baseline": None if args.baseline_mib is None
+              else int(args.baseline_mib * 2 ** 20)}
+    return source, kwargs, pick
+
+
+def estimate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fullshard estimate",
+                                     description="Per-rank peak memory of fullshard training.")
+    _model_arguments(parser)
+    parser.add_argument("--strategy", choices=[s for s in STRATEGIES])
+    parser.add_argument("--reshard-after-forward", type=int, metavar="N",
+                        help="hpZ: keep parameters sharded N ways between forward and backward")
+    parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
+                        help="activation checkpointing of every block")
+    parser.add_argument("--offload", action="store_true", help="shards, gradients and "
+                        "optimizer states in host memory (CPUOffloadPolicy)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="peak for world sizes 1, 2, 4, ... up to --world-size, each strategy")
+    parser.add_argument("--zero-table", action="store_true", help="model states only, in the "
+                        "ZeRO paper's accounting (2+2+12 bytes/param); needs --params")
+    parser.add_argument("--params", type=float, help="parameter count for --zero-table")
+    args = parser.parse_args(argv)
+    if args.zero_table:
+        if args.params is None:
+            parser.error("--zero-table needs --params")
+        print(format_zero_table(args.params, args.world_size))
+        return 0
+    source, kwargs, pick = _resolve(args)
+    kwargs["offload"] = args.offload
+    if args.sweep:
+        print(_sweep(source, args.world_size, kwargs))
+        return 0
+    est = estimate(source, world_size=args.world_size, strategy=pick["strategy"],
+                   reshard_after_forward=args.reshard_after_forward, **kwargs)
+    print(est.table())
+    return 0
+
+
+def _sweep(source: Any, max_world: int, kwargs: dict[str, Any]) -> str:
+    sizes, n = [], 1
+    while n < max_world:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_world)
+    rows = [f"{'world size':>10}  " + "  ".join(f"{s:>14}" for s in STRATEGIES)]
+    for ws in sizes:
+        cells = [estimate(source, world_size=ws, strategy=s, **kwargs).total for s in STRATEGIES]
+        rows.append(f"{ws:>10}  " + "  ".join(f"{c / 2**20:>10,.0f} MiB" for c in cells))
+    return "peak per rank (MiB)\n" + "\n".join(rows)
+
+
+def plan_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fullshard plan", description="The fastest configuration that fits a per-device "
+        "memory budget, and the `fullshard train` flags that run it.")
+    _model_arguments(parser)
+    parser.add_argument("--budget-gib", type=float, required=True,
+                        help="memory per device, GiB")
+    parser.add_argument("--margin", type=float, default=0.10,
+                        help="headroom over the estimate (default 0.10)")
+    parser.add_argument("--allow-offload", action="store_true",
+                        help="consider CPU offload (the trainer has no flag for it)")
+    args = parser.parse_args(argv)
+    source, kwargs, pick = _resolve(args)
+    del kwargs["activation_checkpointing"]
+    batch, seq = kwargs.pop("batch_size"), kwargs.pop("seq_len")
+    result = plan(source, world_size=args.world_size, budget_bytes=int(args.budget_gib * 2**30),
+                  batch_size=batch, seq_len=seq, margin=args.margin,
+                  allow_offload=args.allow_offload, **kwargs)
+    print(result.explain())
+    if result.choice is None:
+        return 1
+    print()
+    print(result.estimate.table())
+    print()
+    if result.choice.offload:
+        print("offload has no `fullshard train` flag: pass offload_policy=CPUOffloadPolicy() "
+              "to fully_shard in your own loop")
+    preset = f"--preset {args.preset} " if args.preset else ""
+    print(f"fullshard train {preset}" + result.train_flags(pick["dtype"]))
+    return 0

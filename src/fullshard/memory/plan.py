@@ -1,0 +1,125 @@
+"""``plan``: the fastest training configuration whose estimated peak fits a budget.
+
+Note [how plans are ranked]
+Each candidate gets an explicit relative step-time cost, and the cheapest that
+fits wins:
+
+    strategy   no_shard 1.00 < shard_grad_op 1.05 < full_shard 1.10
+               (full_shard gathers every unit again in backward; shard_grad_op
+               keeps it gathered; no_shard gathers nothing and all-reduces)
+    + activation checkpointing   x 1.33  (forward runs twice for the blocks)
+    + offload (only if allowed)  x 2.00  (host-device copies and a CPU optimizer)
+    micro-batch                  x 1.15 per halving below the requested size
+                                 (smaller kernels; gradient accumulation keeps
+                                 the global batch)
+
+"Fits" means the estimate times ``1 + margin`` is within the budget: the
+estimate's measured error is a few percent (docs/memory.md), the margin covers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .estimate import MemoryEstimate, estimate
+
+STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
+CHECKPOINTING_COST = 1.33
+OFFLOAD_COST = 2.00
+HALVING_COST = 1.15
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    activation_checkpointing: bool
+    offload: bool
+    micro_batch: int
+    grad_accum: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen candidate, its estimate, and the ones ruled out before it."""
+
+    choice: Candidate | None
+    estimate: MemoryEstimate | None
+    budget_bytes: int
+    rejected: list[tuple[Candidate, int]]  # (candidate, estimated bytes), cheapest first
+
+    def explain(self) -> str:
+        mib = 2 ** 20
+        lines = []
+        for cand, nbytes in self.rejected[:4]:
+            lines.append(f"  {_describe(cand)}: {nbytes / mib:,.0f} MiB estimated, over budget")
+        if len(self.rejected) > 4:
+            lines.append(f"  ... {len(self.rejected) - 4} more over budget")
+        if self.choice is None:
+            return "\n".join([f"nothing fits in {self.budget_bytes / mib:,.0f} MiB:"] + lines)
+        head = (f"chosen: {_describe(self.choice)}: {self.estimate.total / mib:,.0f} MiB "
+                f"estimated (peak in {self.estimate.peak_phase}) of "
+                f"{self.budget_bytes / mib:,.0f} MiB; relative step cost "
+                f"{self.choice.cost:.2f} (ranking: docs/memory.md)")
+        return "\n".join([head] + (["faster options ruled out:"] + lines if lines else []))
+
+    def train_flags(self, precision: str | None = None) -> str:
+        """The ``fullshard train`` flags that run the chosen configuration."""
+        c = self.choice
+        flags = [f"--parallel.strategy {c.strategy}",
+                 f"--parallel.activation_checkpointing {str(c.activation_checkpointing).lower()}",
+                 f"--batch.batch_size {c.micro_batch}", f"--batch.grad_accum {c.grad_accum}"]
+        if precision:
+            flags.append(f"--parallel.precision {precision}")
+        return " ".join(flags)
+
+
+def _describe(c: Candidate) -> str:
+    parts = [c.strategy] + (["activation checkpointing"] if c.activation_checkpointing else []) \
+        + (["offload"] if c.offload else [])
+    return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
+
+
+def candidates(batch_size: int, allow_offload: bool) -> list[Candidate]:
+    """Every configuration considered, cheapest first (Note [how plans are ranked])."""
+    micro_batches, mb = [], batch_size
+    while mb >= 1:
+        micro_batches.append(mb)
+        mb //= 2
+    out = []
+    for strategy, base in STRATEGY_COST.items():
+        for ac in (False, True):
+            for offload in ((False, True) if allow_offload else (False,)):
+                if offload and strategy != "full_shard":
+                    continue
+                for halvings, mb in enumerate(micro_batches):
+                    cost = base * (CHECKPOINTING_COST if ac else 1) \
+                        * (OFFLOAD_COST if offload else 1) * HALVING_COST ** halvings
+                    out.append(Candidate(strategy, ac, offload, mb,
+                                         -(-batch_size // mb), round(cost, 4)))
+    return sorted(out, key=lambda c: (c.cost, -c.micro_batch))
+
+
+def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size: int,
+         seq_len: int | None = None, margin: float = 0.10, allow_offload: bool = False,
+         **estimate_kwargs: Any) -> Plan:
+    """The cheapest candidate whose estimate x (1 + margin) fits ``budget_bytes``.
+
+    ``batch_size`` is the per-rank batch wanted per optimizer step; smaller micro-batches
+    reach it by gradient accumulation. Other keywords go to ``estimate``."""
+    rejected: list[tuple[Candidate, int]] = []
+    cache: dict[tuple, MemoryEstimate] = {}
+    for cand in candidates(batch_size, allow_offload):
+        key = (cand.strategy, cand.activation_checkpointing, cand.offload, cand.micro_batch)
+        if key not in cache:
+            cache[key] = estimate(model_or_config, world_size=world_size,
+                                  strategy=cand.strategy,
+                                  activation_checkpointing=cand.activation_checkpointing,
+                                  offload=cand.offload, batch_size=cand.micro_batch,
+                                  seq_len=seq_len, **estimate_kwargs)
+        est = cache[key]
+        if est.total * (1 + margin) <= budget_bytes:
+            return Plan(cand, est, budget_bytes, rejected)
+        rejected.append((cand, est.total))
+    return Plan(None, None, budget_bytes, rejected)
