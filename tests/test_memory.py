@@ -1,0 +1,103 @@
+"""The memory estimator without training: ZeRO's Table 1, the breakdown, the trace, the CLI."""
+
+import pytest
+import torch
+
+from fullshard.memory import estimate, plan, zero_model_state_bytes
+from fullshard.memory.activations import trace_step
+from fullshard.memory.cli import estimate_main, plan_main
+from fullshard.memory.process import current_rss_bytes
+from fullshard.memory.units import find_units
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+# blocks of 3.1M parameters: above the 2**20 merging threshold, so each is its own unit
+SMALL = GPTConfig(vocab_size=1000, seq_len=256, d_model=512, n_layers=4, n_heads=8)
+
+
+@pytest.mark.parametrize("params, world, expected", [
+    (7.5e9, 64, {1: 31.4, 2: 16.6, 3: 1.88}),
+    (128e9, 64, {1: 536, 2: 284, 3: 32}),
+    (1e12, 1024, {1: 4011, 2: 2013, 3: 15.6}),
+])
+def test_zero_paper_table_1(params, world, expected):
+    for stage, gb in expected.items():
+        got = zero_model_state_bytes(params, world, stage) / 1e9
+        # the paper prints 3 significant digits and truncates 2013.67 and 4011.72
+        assert abs(got - gb) < max(0.01 * gb, 0.7) + 1e-9 and got >= gb - 0.05, (stage, got)
+
+
+def test_estimate_allocates_nothing_and_its_lines_add_up():
+    cfg = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
+    before = current_rss_bytes()
+    est = estimate(cfg, world_size=8, batch_size=8, seq_len=1024, mp_policy=torch.bfloat16)
+    assert current_rss_bytes() - before < 64 * 2**20  # a 124M model at batch 8 would be GBs
+    assert est.total == sum(est.lines.values())
+    params = cfg.num_params()
+    assert est.num_params == params
+    # fp32 shards (padded rows are at most one row per parameter per rank)
+    assert 4 * params / 8 <= est.lines["sharded parameters"] < 4 * params / 8 * 1.01
+    assert est.lines["optimizer states"] >= 2 * est.lines["sharded parameters"] * 0.99
+    assert est.phase_peaks[est.peak_phase] == est.total
+
+
+def test_strategies_checkpointing_and_world_size_order_the_peaks():
+    def total(**kw):
+        return estimate(SMALL, batch_size=4, seq_len=256, **kw).total
+
+    assert total(world_size=4) < total(world_size=4, strategy="shard_grad_op") \
+        < total(world_size=4, strategy="no_shard")
+    assert total(world_size=4) < total(world_size=2) < total(world_size=1)
+    assert total(world_size=4, activation_checkpointing=True) < total(world_size=4)
+    assert total(world_size=4, offload=True) < total(world_size=4)
+
+
+def test_trace_keeps_what_fused_attention_keeps():
+    """Not the seq x seq attention matrix of SDPA's math path (meta's default)."""
+    cfg = GPTConfig(vocab_size=64, seq_len=2048, d_model=64, n_layers=2, n_heads=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    trace = trace_step(model, find_units(model), lambda m: lm_loss(m(tokens), tokens))
+    attention_matrix = 4 * 2048 * 2048 * 4  # heads x seq x seq fp32, one layer
+    assert 0 < trace.saved_at_forward_end < attention_matrix
+    kinds = [e.kind for e in trace.events]
+    assert kinds.count("pre_backward") == 3 and kinds[-1] == "backward_end"
+
+
+def test_hugging_face_config(tmp_path):
+    pytest.importorskip("transformers")
+    import json
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 500, "max_position_embeddings": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    est = estimate(str(path), world_size=2, batch_size=2, seq_len=64)
+    assert est.lines["activations"] > 0 and est.num_params > 0
+    assert "llama" in est.settings["model"]
+
+
+def test_cli_estimate_sweep_and_zero_table(capsys):
+    assert estimate_main(["--preset", "debug", "--world-size", "2", "--batch", "2"]) == 0
+    assert "peak per rank" in capsys.readouterr().out
+    assert estimate_main(["--preset", "debug", "--world-size", "4", "--sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "no_shard" in out and len(out.strip().splitlines()) == 5  # title, head, 1 2 4
+    assert estimate_main(["--zero-table", "--params", "7.5e9", "--world-size", "64"]) == 0
+    assert "31.406" in capsys.readouterr().out
+
+
+def test_plan_takes_the_cheapest_configuration_that_fits(capsys):
+    kwargs = dict(world_size=4, batch_size=4, seq_len=256, device="cpu", process_baseline=0)
+    by_strategy = {s: estimate(SMALL, strategy=s, **kwargs).total
+                   for s in ("no_shard", "shard_grad_op", "full_shard")}
+    budget = int(by_strategy["full_shard"] * 1.1) + 1
+    assert budget < by_strategy["no_shard"] * 1.1
+    chosen = plan(SMALL, budget_bytes=budget, margin=0.1, **kwargs)
+    assert chosen.choice is not None and chosen.estimate.total * 1.1 <= budget
+    assert chosen.choice.cost >= 1.0 and chosen.rejected  # something cheaper did not fit
+    assert all(c.cost <= chosen.choice.cost for c, _ in chosen.rejected)
+    assert plan(SMALL, budget_bytes=1, **kwargs).choice is None
+    assert plan_main(["--preset", "debug", "--world-size", "2", "--budget-gib", "1"]) == 0
+    assert "fullshard train --preset debug --parallel.strategy" in capsys.readouterr().out

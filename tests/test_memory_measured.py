@@ -1,0 +1,98 @@
+"""The estimate against real training: per-rank peak RSS of 2 AdamW steps on CPU.
+
+Each rank measures its baseline (warmed up, Note [a warm baseline]) before building
+a meta-device GPT, shards it, materializes it and trains 2 steps under a
+MemoryTracker; the second step's peak must be within 10% of ``estimate``.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import fully_shard
+from fullshard.memory import MemoryTracker, estimate, plan
+from fullshard.testing import run_distributed
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+BATCH, SEQ = 1, 64
+MIB = 2 ** 20
+
+
+def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool):
+    from fullshard.checkpointing import apply_activation_checkpointing
+
+    tracker = MemoryTracker(warm_up=True)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=strategy == "full_shard")
+    fully_shard(model, reshard_after_forward=strategy == "full_shard")
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, lambda m: m in set(model.layers))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    tracker.watch(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=gen)
+        with tracker.phase("forward"):
+            loss = lm_loss(model(tokens), torch.roll(tokens, -1, 1))
+        with tracker.phase("backward"):
+            loss.backward()
+        with tracker.phase("optimizer"):
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        report = tracker.step_report()
+    return report
+
+
+@pytest.mark.parametrize("world_size, d_model, n_layers", [
+    (1, 768, 6),   # 67M parameters
+    (2, 768, 8),   # 81M
+    (4, 640, 8),   # 60M
+])
+def test_estimate_within_10_percent_of_measured_peak(world_size, d_model, n_layers):
+    cfg = GPTConfig(vocab_size=32000, seq_len=SEQ, d_model=d_model, n_layers=n_layers,
+                    n_heads=d_model // 64)
+    reports = run_distributed(train_and_track, world_size, cfg, "full_shard", BATCH, False,
+                              timeout=300)
+    for rank, report in enumerate(reports):
+        est = estimate(cfg, world_size=world_size, batch_size=BATCH, seq_len=SEQ,
+                       device="cpu", process_baseline=report["baseline_bytes"])
+        measured = report["peak_bytes"]
+        error = (est.total - measured) / measured
+        print(f"world {world_size} rank {rank} {est.num_params / 1e6:.0f}M: measured "
+              f"{measured / MIB:.0f} MiB, estimated {est.total / MIB:.0f} MiB ({error:+.1%}); "
+              f"phases measured {_mib(report['phases'])} estimated "
+              f"{ {p: round(b / MIB) for p, b in est.phase_peaks.items()} }")
+        assert abs(error) <= 0.10, (rank, measured / MIB, est.table())
+
+
+def _mib(phases: dict) -> dict:
+    return {p: round(v["peak_bytes"] / MIB) for p, v in phases.items()}
+
+
+def test_planned_configuration_runs_under_its_budget():
+    """A budget below shard_grad_op's estimate: the plan has to reshard after forward or
+    checkpoint activations, and the run it prescribes must stay under the budget."""
+    cfg = GPTConfig(vocab_size=16000, seq_len=SEQ, d_model=512, n_layers=8, n_heads=8)
+    world, batch = 2, 4
+    baseline = run_distributed(_baseline, world)[0]
+    kwargs = dict(world_size=world, seq_len=SEQ, device="cpu", process_baseline=baseline)
+    zero2 = estimate(cfg, strategy="shard_grad_op", batch_size=batch, **kwargs).total
+    zero3 = estimate(cfg, strategy="full_shard", batch_size=batch, **kwargs).total
+    budget = (zero2 + int(zero3 * 1.1)) // 2
+    chosen = plan(cfg, budget_bytes=budget, batch_size=batch, margin=0.1, **kwargs)
+    assert chosen.choice is not None
+    assert chosen.choice.strategy == "full_shard", chosen.explain()
+    reports = run_distributed(train_and_track, world, cfg, chosen.choice.strategy,
+                              chosen.choice.micro_batch, chosen.choice.activation_checkpointing,
+                              timeout=300)
+    peak = max(r["peak_bytes"] for r in reports)
+    print(f"plan: {chosen.explain()}\nmeasured {peak / MIB:.0f} MiB, budget {budget / MIB:.0f} MiB")
+    assert peak <= budget
+
+
+def _baseline() -> int:
+    return MemoryTracker(warm_up=True).baseline_bytes
