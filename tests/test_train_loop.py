@@ -1,6 +1,5 @@
 """The training loop's options at world size 2, in-process through the test harness."""
 
-import dataclasses
 import tempfile
 
 import pytest
@@ -79,7 +78,3 @@ def test_data_dependent_errors_name_the_field():
                                                 "parallel.replicas": 3})
     assert "parallel.replicas: 3 does not divide the world size 2" in errors[0]
 
-
-def test_quiet_overrides_are_fields():
-    cfg = apply_overrides(get_preset("debug"), QUIET, "test")
-    assert dataclasses.asdict(cfg)["eval"]["sample_tokens"] == 0

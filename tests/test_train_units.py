@@ -67,7 +67,12 @@ def test_unknown_toml_field_is_named(tmp_path, capsys):
     assert "unknown field optim.lrr (fields there: beta1," in capsys.readouterr().err
 
 
-def test_decay_steps_follow_steps_unless_set(tmp_path):
+def test_resume_without_a_checkpoint_is_refused_before_launching(tmp_path, capsys):
+    assert cli.main(["--preset", "debug", "--out", str(tmp_path), "--resume"]) == 2
+    assert f"--resume: no checkpoint in {tmp_path}/checkpoints" in capsys.readouterr().err
+
+
+def test_decay_steps_follow_steps_unless_set():
     args = cli.build_parser().parse_args(["--steps", "77", "--optim.decay-steps", "0"])
     assert cli.resolve_config(args)[0].optim.decay_steps == 77
     args = cli.build_parser().parse_args(["--preset", "debug", "--steps", "40"])

@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-from .config import SECTIONS, ConfigError, TrainConfig, validate
+from .checkpoints import checkpoint_dir, has_checkpoint
+from .config import ConfigError, TrainConfig, validate
 from .config_io import (apply_overrides, field_docs, load_toml, metavar, scalar_fields,
                         sections, type_hints)
 from .launch import LaunchOptions, is_worker, launch, start_worker, stop_worker
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg, out = resolve_config(args)
-        _check_launch(args, cfg)
+        _check_launch(args, out)
     except ConfigError as err:
         print(f"fullshard train: {err}", file=sys.stderr)
         return 2
@@ -96,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     return _work(cfg, out, args.resume)
 
 
-def _check_launch(args: argparse.Namespace, cfg: TrainConfig) -> None:
+def _check_launch(args: argparse.Namespace, out: str) -> None:
+    if args.resume and not has_checkpoint(out):
+        raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run without "
+                          "--resume to start there")
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -119,6 +123,3 @@ def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
     finally:
         stop_worker()
     return 0
-
-
-__all__ = ["main", "build_parser", "resolve_config", "SECTIONS"]
