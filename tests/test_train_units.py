@@ -161,3 +161,14 @@ def test_loss_plot_is_a_png_of_the_asked_size_with_both_curves(tmp_path):
     assert 2000 < non_white < 0.5 * width * height
     plot_losses(path, [], [])  # before any step: axes only, still a valid PNG
     assert _png_size_and_pixels(open(path, "rb").read())[:2] == (640, 400)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--preset", "nope"], "argument --preset: invalid choice: 'nope' (choose from 'debug',"),
+    (["--nproc", "x"], "argument --nproc: invalid int value: 'x'"),
+])
+def test_flag_errors_are_one_line_too(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1

@@ -28,8 +28,14 @@ from .presets import DEFAULT_PRESET, PRESETS, get_preset
 FIELD_DEST = "field:"  # argparse dest prefix of config fields
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line (no usage block): the message names the flag."""
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fullshard train", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n\n")[1:]), allow_abbrev=False)
