@@ -1,1 +1,1 @@
-"""Models and (soon) the trainer built on fullshard."""
+"""The trainer (``fullshard train``), its GPT model, data and presets."""

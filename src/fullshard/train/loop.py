@@ -82,8 +82,11 @@ class Trainer:
             os.makedirs(self.out, exist_ok=True)
             if not resume:
                 checkpoints.clear(self.out)
-            with open(os.path.join(self.out, "config.toml"), "w") as f:
+            # Atomically: on --resume the other ranks may be reading it as they start.
+            config_path = os.path.join(self.out, "config.toml")
+            with open(config_path + ".partial", "w") as f:
                 f.write(to_toml(self.cfg))
+            os.replace(config_path + ".partial", config_path)
             self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl"),
                                   self.step if resume else None)
             self.progress = ProgressLine(self.step + 1, self.cfg.steps)
