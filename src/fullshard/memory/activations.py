@@ -160,7 +160,11 @@ def _fused_attention() -> Iterator[None]:
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 scale=None, enable_gqa=False):
-    if attn_mask is not None or enable_gqa or query.shape[-3] != key.shape[-3]:
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped-query attention
+        repeats = query.shape[-3] // key.shape[-3]  # (a GQA kernel keeps k, v unrepeated:
+        key = key.repeat_interleave(repeats, -3)    # these copies are a small overcount)
+        value = value.repeat_interleave(repeats, -3)
+    if attn_mask is not None or query.shape[-3] != key.shape[-3]:
         return None  # the math path keeps what it keeps: counted as is (conservative)
     out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, scale=scale)
