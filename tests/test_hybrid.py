@@ -127,9 +127,9 @@ def _hpz_collective_sizes():
     seen = []
     real = group_module.all_gather
 
-    def recording(out, shard, pg, async_op=False):
+    def recording(out, shard, pg, async_op=False, **kwargs):
         seen.append((phase[0], pg.size(), out.numel()))
-        return real(out, shard, pg, async_op=async_op)
+        return real(out, shard, pg, async_op=async_op, **kwargs)
     phase = ["forward"]
     group_module.all_gather = post_forward_module.all_gather = recording
     try:

@@ -168,7 +168,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+                ignored_params: set[nn.Parameter] | None = None,
+                debug: bool = False) -> nn.Module:
     """Shard ``module``'s parameters across ``mesh`` (data parallel, ZeRO-3 / ZeRO-2).
 
     Apply it to submodules first (e.g. each transformer block), then to the root.
@@ -195,12 +196,17 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             optimizer states in CPU memory (pinned on CUDA machines) and copies each unit's
             shard to the device for its all-gather; the default keeps them on the device.
         ignored_params: parameters to leave unsharded and unmanaged.
+        debug: on the root (or with ``FULLSHARD_DEBUG=1``): compare a fingerprint of every
+            collective across ranks first, so ranks that take different paths raise an
+            error naming the unit instead of hanging (slower; for debugging).
     """
     if isinstance(module, (list, tuple)):
         raise NotImplementedError("fully_shard: a list of modules as one unit is not supported "
                                   "yet; wrap them in one nn.Module and shard that.")
     label = _original_class(module).__name__
     _check_arguments(label, mp_policy, offload_policy)
+    if not isinstance(debug, bool):
+        raise TypeError(f"fully_shard({label}): debug must be a bool, got {debug!r}.")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {label}; apply it once per "
                          "module (submodules first, then the root).")
@@ -232,7 +238,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         for original in refs_by_param:
             _SHARDED_ORIGINALS.add(original, label)
     _move_buffers(module, device)
-    unit = UnitState(module, label, mesh, group, reshard_after_forward is not False, mp_policy)
+    unit = UnitState(module, label, mesh, group, reshard_after_forward is not False, mp_policy,
+                     debug)
     module.__dict__["_fullshard_unit"] = unit
     module.__class__ = fsdp_class(type(module))
     hooks.install(unit)

@@ -28,6 +28,10 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(RuntimeError):
+    """A fullshard collective failed or timed out; the message names the unit."""
+
+
 class Pending(NamedTuple):
     """A collective in flight; ``wait()`` returns its output once it has arrived."""
 
@@ -35,26 +39,36 @@ class Pending(NamedTuple):
     work: dist.Work | None
     finish: Callable[[], None] | None = None  # local work after the data arrived
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, what: str = "a fullshard collective") -> torch.Tensor:
+        """Wait for the data; ``what`` ("all-gather of layers.3") names it in errors."""
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as err:
+                raise CollectiveError(
+                    f"fullshard: {what} failed on rank {dist.get_rank()}: {err}. If it timed out "
+                    "or a peer went away, ranks probably took different paths (a forward or "
+                    "backward on some ranks only, a layer skipped on one rank, a rank that "
+                    "stopped early); run with FULLSHARD_DEBUG=1 to find where they diverged."
+                ) from err
         if self.finish is not None:
             self.finish()
         return self.output
 
 
-def _done(pending: Pending, async_op: bool) -> Pending:
-    return pending if async_op else Pending(pending.wait(), None)
+def _done(pending: Pending, async_op: bool, what: str) -> Pending:
+    return pending if async_op else Pending(pending.wait(what), None)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = False) -> Pending:
-    """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major)."""
+               async_op: bool = False, what: str = "an all-gather") -> Pending:
+    """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major). ``what``
+    names the collective in errors (as in ``Pending.wait``)."""
     if group.size() == 1:
         output.copy_(shard)
         return Pending(output, None)
     work = _all_gather_flat(output, shard, group=group, async_op=True)
-    return _done(Pending(output, work), async_op)
+    return _done(Pending(output, work), async_op, what)
 
 
 def needs_scratch(group: dist.ProcessGroup) -> bool:
@@ -63,7 +77,8 @@ def needs_scratch(group: dist.ProcessGroup) -> bool:
 
 
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                       async_op: bool = False, scratch: torch.Tensor | None = None) -> Pending:
+                       async_op: bool = False, scratch: torch.Tensor | None = None,
+                       what: str = "a reduce-scatter") -> Pending:
     """Sum ``full`` (rank-major chunks) over ranks; this rank's chunk lands in ``output``.
     ``scratch`` (``full``-sized, see ``needs_scratch``) is used and may be reused after."""
     if group.size() == 1:
@@ -71,9 +86,10 @@ def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
         return Pending(output, None)
     if dist.get_backend(group) == "gloo":
         received = scratch if scratch is not None else torch.empty_like(full)
-        return _done(_reduce_scatter_by_all_to_all(output, full, received, group), async_op)
+        return _done(_reduce_scatter_by_all_to_all(output, full, received, group), async_op,
+                     what)
     work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _done(Pending(output, work), async_op)
+    return _done(Pending(output, work), async_op, what)
 
 
 def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
@@ -88,9 +104,9 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = False) -> Pending:
+                   async_op: bool = False, what: str = "an all-reduce") -> Pending:
     """Sum ``tensor`` in place over ``group`` (the reduction across replicas)."""
     if group.size() == 1:
         return Pending(tensor, None)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _done(Pending(tensor, work), async_op)
+    return _done(Pending(tensor, work), async_op, what)

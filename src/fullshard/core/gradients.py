@@ -27,9 +27,11 @@ def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
 class PendingReduce:
     """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
 
-    def __init__(self, params: list[ShardedParam], had_grad: list[bool], pending: Pending,
+    def __init__(self, unit_name: str, params: list[ShardedParam], had_grad: list[bool],
+                 pending: Pending,
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None):
+        self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
@@ -40,9 +42,10 @@ class PendingReduce:
         self._replicate_pg = replicate_pg
 
     def finish(self, world_size: int) -> None:
-        out = self.pending.wait()
+        out = self.pending.wait(f"gradient reduction of {self.unit_name}")
         if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
-            all_reduce_sum(out, self._replicate_pg)
+            all_reduce_sum(out, self._replicate_pg,
+                           what=f"gradient all-reduce across replicas of {self.unit_name}")
         out.div_(world_size)
         if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the CPU
             self._dest.copy_(out)

@@ -57,6 +57,7 @@ from .post_forward import PostForwardShard
 
 if TYPE_CHECKING:
     from ..policies import CPUOffloadPolicy
+    from .divergence import DivergenceChecker
 
 
 class GroupState(enum.Enum):
@@ -108,6 +109,12 @@ class ParamGroup:
         self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
+        self.checker: "DivergenceChecker | None" = None  # FULLSHARD_DEBUG (core/divergence.py)
+
+    def _announce(self, op: str) -> None:
+        """Debug mode: compare this collective's fingerprint across ranks before issuing it."""
+        if self.checker is not None:
+            self.checker.check(self.unit_name, op)
 
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
@@ -197,6 +204,7 @@ class ParamGroup:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
         if self.state is GroupState.POST_FORWARD:
             self._alloc_unsharded_storage()
+            self._announce("all-gather (post-forward subgroup)")
             self._gather = self.post_forward.gather_into(self._writer, async_op=async_op)
             self._gather_is_direct = True
             self.state = GroupState.GATHERING
@@ -222,7 +230,9 @@ class ParamGroup:
             send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
             send.copy_(self.flat_shard, non_blocking=True)
         out = self.pool.take(self.world_size * self.shard_numel, dtype, device)
-        self._gather = all_gather(out, send, self.pg, async_op=async_op)
+        self._announce("all-gather")
+        self._gather = all_gather(out, send, self.pg, async_op=async_op,
+                                  what=f"all-gather of {self.unit_name}")
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -231,7 +241,7 @@ class ParamGroup:
         """Finish a pending gather: copy out and register the unsharded params."""
         if self.state is not GroupState.GATHERING:
             return
-        gathered = self._gather.wait()
+        gathered = self._gather.wait(f"all-gather of {self.unit_name}")
         self._gather = None
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
             self._release_cast_shard()
@@ -265,7 +275,8 @@ class ParamGroup:
         if self.state is GroupState.POST_FORWARD:  # parameters already registered sharded
             self.post_forward.drop()
         elif self.state is GroupState.GATHERING:
-            gathered = self._gather.wait()  # never drop a buffer under a live collective
+            # never drop a buffer under a live collective
+            gathered = self._gather.wait(f"all-gather of {self.unit_name}")
             self._gather = None
             if not self._gather_is_direct:
                 self.pool.give(gathered)
@@ -334,8 +345,8 @@ class ParamGroup:
             return cached
         return torch.tensor(had_grad, dtype=like.dtype).to(like.device)
 
-    def reduce_grads(self, async_op: bool) -> "PendingReduce | None":
-        """Reduce-scatter the unsharded gradients (sum) and free them.
+    def reduce_grads(self) -> "PendingReduce | None":
+        """Start reducing the unsharded gradients (sum, asynchronously) and free them.
 
         Note [gradient presence flags]
         A parameter unused on one rank has no gradient there but may have one on
@@ -367,15 +378,19 @@ class ParamGroup:
             p.unsharded_param.grad = None
         dest, views = self._grad_destination(trainable, numel, self.flat_shard)
         if w == 1 and self.replicate_pg is not None:  # Note [shard groups of one rank]
+            self._announce("all-reduce")
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
-            return PendingReduce(trainable, had_grad, pending, self.pool, [full], views, dest)
+            return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
+                                 [full], views, dest)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) \
             if needs_scratch(self.pg) else None
         out = dest if (reduce_dtype, ref.device) == (dest.dtype, dest.device) else torch.empty(
             numel, dtype=reduce_dtype, device=ref.device)
-        pending = reduce_scatter_sum(out, full, self.pg, async_op=async_op, scratch=scratch)
-        return PendingReduce(trainable, had_grad, pending, self.pool, [full, scratch], views,
-                             dest, self.replicate_pg)
+        if w > 1:
+            self._announce("reduce-scatter")
+        pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
+        return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
+                             [full, scratch], views, dest, self.replicate_pg)
 
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync: move this backward's unsharded gradients into a

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .divergence import DivergenceChecker, debug_enabled
 from .group import GroupState, ParamGroup
 from .state import RootState, UnitState, lazy_init
 
@@ -56,8 +57,11 @@ def ensure_root(unit: UnitState) -> RootState:
     for u in units:
         u.rename(names[u.module])
     root = lazy_init(unit, units, unit.bucket_numel)
+    checker = DivergenceChecker(root, unit.mesh.mesh.flatten().tolist()) \
+        if debug_enabled(unit.debug) else None
     for group in root.members:
         group.on_grads_ready = partial(_on_grads_ready, root, group)
+        group.checker = checker
     return root
 
 
@@ -229,7 +233,7 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
     if first.backward_prefetch is None and first.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(first)])
     if any(u.requires_gradient_sync for u in root.members[group]):
-        root.pending_reduce = group.reduce_grads(async_op=True)
+        root.pending_reduce = group.reduce_grads()
     else:  # accumulate unsharded until a backward with gradient sync reduces it all
         group.accumulate_unsharded_grads()
     root.reduced.add(group)

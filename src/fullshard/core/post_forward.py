@@ -52,7 +52,8 @@ class PostForwardShard:
     def gather_into(self, unsharded: torch.Tensor, async_op: bool) -> Pending:
         """All-gather the chunks within the subgroup straight into ``unsharded``."""
         chunk, self.chunk = self.chunk, None
-        return all_gather(unsharded, chunk, self.group, async_op=async_op)
+        return all_gather(unsharded, chunk, self.group, async_op=async_op,
+                          what="all-gather within a post-forward subgroup")
 
     def drop(self) -> None:
         self.chunk = None

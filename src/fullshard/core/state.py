@@ -31,7 +31,7 @@ class UnitState:
 
     def __init__(self, module: nn.Module, name: str, mesh: DeviceMesh,
                  group: ParamGroup | None, reshard_after_forward: bool,
-                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()):
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), debug: bool = False):
         self.module = module
         self.label = name  # the module's class name, for messages about the root
         self.name = name
@@ -42,6 +42,7 @@ class UnitState:
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
         self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root
+        self.debug = debug  # when this unit becomes the root: Note [collective fingerprints]
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
@@ -59,6 +60,8 @@ class UnitState:
     def rename(self, path: str) -> None:
         """Name the unit and its parameters by their path from the root (for messages)."""
         self.name = path or self.label
+        if self.group is not None:
+            self.group.unit_name = self.name  # messages name units by path
         for p in self.own_params:
             p.fqn = f"{path}.{p.refs[0].fqn}" if path else p.refs[0].fqn
 

@@ -22,20 +22,20 @@ def count_collectives():
     real_ag, real_rs = group_module.all_gather, group_module.reduce_scatter_sum
     real_ar = group_module.all_reduce_sum
 
-    def all_gather(out, shard, pg, async_op=False):
+    def all_gather(out, shard, pg, async_op=False, **kwargs):
         if pg.size() > 1:
             counts["all_gather_async" if async_op else "all_gather"] += 1
-        return real_ag(out, shard, pg, async_op=async_op)
+        return real_ag(out, shard, pg, async_op=async_op, **kwargs)
 
-    def reduce_scatter_sum(out, full, pg, async_op=False, scratch=None):
+    def reduce_scatter_sum(out, full, pg, async_op=False, **kwargs):
         if pg.size() > 1:
             counts["reduce_scatter"] += 1
-        return real_rs(out, full, pg, async_op=async_op, scratch=scratch)
+        return real_rs(out, full, pg, async_op=async_op, **kwargs)
 
-    def all_reduce_sum(tensor, pg, async_op=False):
+    def all_reduce_sum(tensor, pg, async_op=False, **kwargs):
         if pg.size() > 1:
             counts["all_reduce"] += 1
-        return real_ar(tensor, pg, async_op=async_op)
+        return real_ar(tensor, pg, async_op=async_op, **kwargs)
 
     patches = [(group_module, "all_gather", all_gather),
                (group_module, "reduce_scatter_sum", reduce_scatter_sum),

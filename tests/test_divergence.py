@@ -1,0 +1,83 @@
+"""Ranks that take different paths fail with an error naming the unit, not a hang."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import fully_shard
+from fullshard.testing import run_distributed
+from fullshard.testing.models import token_batch
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
+
+
+def _model(debug=True):
+    os.environ["FULLSHARD_DEBUG_TIMEOUT"] = "20"
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model, debug=debug)
+    model.set_bucket_numel(0)  # one collective per layer, so a skipped layer is visible
+    return model
+
+
+def _skip_layer():
+    model = _model()
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    if dist.get_rank() == 1:  # from the second step on, rank 1 skips layers.1
+        model.layers[1] = torch.nn.Identity()
+    lm_loss(model(x), y).backward()
+
+
+def _extra_forward_on_rank0():
+    model = _model()
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    if dist.get_rank() == 0:  # an evaluation on rank 0 only
+        with torch.no_grad():
+            model(x)
+    lm_loss(model(x), y).backward()
+
+
+def _unshard_different_modules():
+    model = _model()
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    model.layers[dist.get_rank()].unshard()
+
+
+@pytest.mark.parametrize("scenario,expected", [
+    (_skip_layer, ["rank 0: all-gather of 'layers.1'", "rank 1: all-gather of 'layers.0'"]),
+    (_extra_forward_on_rank0, ["forward without grad", "(collective #"]),
+    (_unshard_different_modules, ["all-gather of 'layers.0'", "all-gather of 'layers.1'"]),
+], ids=["skip_layer", "extra_forward", "unshard"])
+def test_divergence_raises_on_every_rank(scenario, expected):
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(scenario, 2, timeout=120)
+    text = str(failure.value)
+    assert "2 of 2 ranks failed" in text, text[-3000:]
+    assert text.count("DivergenceError: fullshard debug: ranks diverged") == 2, text[-3000:]
+    for phrase in expected:
+        assert phrase in text, (phrase, text[-3000:])
+
+
+def _peer_stops_early():
+    model = _model(debug=False)
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    if dist.get_rank() == 1:
+        return  # rank 1 stops; rank 0 goes on into a forward that needs it
+    lm_loss(model(x), y).backward()
+
+
+def test_without_debug_a_failed_collective_names_the_unit():
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(_peer_stops_early, 2, timeout=120)
+    text = str(failure.value)
+    assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
+    assert "all-gather of" in text and "FULLSHARD_DEBUG=1" in text, text[-3000:]
