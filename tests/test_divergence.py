@@ -10,6 +10,7 @@ from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.train.model import GPT, GPTConfig, lm_loss
+from test_error_catalogue import documented, matches_documented
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 
@@ -64,6 +65,14 @@ def test_divergence_raises_on_every_rank(scenario, expected):
     assert text.count("DivergenceError: fullshard debug: ranks diverged") == 2, text[-3000:]
     for phrase in expected:
         assert phrase in text, (phrase, text[-3000:])
+    assert matches_documented("E29", _raised(text, "DivergenceError")), text[-3000:]
+
+
+def _raised(report: str, error_type: str) -> str:
+    """The first ``error_type: message`` a rank's traceback in ``report`` ends with."""
+    start = report.index(error_type + ": ")
+    end = report.find("\n\n--- rank", start)
+    return report[start:end if end >= 0 else None].strip()
 
 
 def _peer_stops_early():
@@ -81,3 +90,4 @@ def test_without_debug_a_failed_collective_names_the_unit():
     text = str(failure.value)
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
     assert "all-gather of" in text and "FULLSHARD_DEBUG=1" in text, text[-3000:]
+    assert matches_documented("E30", _raised(text, "CollectiveError")), text[-3000:]

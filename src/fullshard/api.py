@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -14,31 +13,13 @@ from torch.distributed.tensor import DTensor
 
 from .core import cpu_allocator, hooks
 from .core.group import ParamGroup
+from .core.originals import SHARDED_ORIGINALS
 from .core.param import ParamRef, ShardedParam
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 
 
-class _OriginalOwners:
-    """Original (pre-shard) parameter -> label of the unit that sharded it. A parameter
-    object another module still holds after its unit replaced it with a DTensor is
-    shared across units (see _collect_params). Keyed by id with weak references:
-    tensors cannot be WeakKeyDictionary keys (their == is elementwise)."""
-
-    def __init__(self):
-        self._owners: dict[int, tuple[weakref.ref, str]] = {}
-
-    def add(self, param: nn.Parameter, label: str) -> None:
-        key = id(param)
-        self._owners[key] = (weakref.ref(param, lambda _r: self._owners.pop(key, None)), label)
-
-    def get(self, param: nn.Parameter) -> str | None:
-        entry = self._owners.get(id(param))
-        return entry[1] if entry is not None and entry[0]() is param else None
-
-
-_SHARDED_ORIGINALS = _OriginalOwners()
 _FSDP_CLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -236,7 +217,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                            else None)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
-            _SHARDED_ORIGINALS.add(original, label)
+            SHARDED_ORIGINALS.add(original, label)
     _move_buffers(module, device)
     unit = UnitState(module, label, mesh, group, reshard_after_forward is not False, mp_policy,
                      debug)
@@ -366,13 +347,24 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter]
             if p is None or p in ignored:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            owner = _SHARDED_ORIGINALS.get(p) if not isinstance(p, DTensor) else "another unit"
-            if isinstance(p, DTensor) or owner is not None:
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' is already a sharded DTensor: "
+                    "fully_shard was applied to a module enclosing this one (or the parameter "
+                    "is shared with a unit sharded earlier). Apply fully_shard bottom-up: "
+                    "submodules first, then their parent, the root last.")
+            owner = SHARDED_ORIGINALS.get(p)
+            if owner is not None:
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' is also managed by fully_shard"
                     f"({owner}); a parameter shared between two units is not supported. Shard "
                     "the modules that share it together: apply fully_shard to their common "
                     "parent only (e.g. leave tied embeddings to the root).")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "
+                    "shards floating-point parameters (their gradients are averaged). Register "
+                    "it as a buffer (module.register_buffer) or pass it in ignored_params.")
             refs.setdefault(p, []).append(ParamRef(sub, name, fqn))
     return refs
 

@@ -25,6 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .core.originals import SHARDED_ORIGINALS
+
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -39,6 +41,8 @@ _installed = False
 _SHARDED: dict[int, weakref.ref] = {}
 # optimizer -> what the pre-hook swapped, restored by the post-hook
 _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+# optimizers whose parameters were checked against SHARDED_ORIGINALS (on their first step)
+_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
 def set_local_step(enabled: bool) -> None:
@@ -79,6 +83,9 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
 
     finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     _restore(opt)  # a previous step that raised left its swap behind
+    if opt not in _CHECKED:
+        _check_not_built_before_sharding(opt)
+        _CHECKED.add(opt)
     if not _enabled or type(opt) not in ELEMENTWISE_OPTIMIZERS:
         return
     swaps = []
@@ -103,6 +110,19 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
         group["params"] = local_params
     if swaps:
         _SWAPPED[opt] = swaps
+
+
+def _check_not_built_before_sharding(opt: torch.optim.Optimizer) -> None:
+    for i, group in enumerate(opt.param_groups):
+        for j, p in enumerate(group["params"]):
+            unit = SHARDED_ORIGINALS.get(p)
+            if unit is not None:
+                raise RuntimeError(
+                    f"fullshard: {type(opt).__name__} param_groups[{i}]['params'][{j}] (shape "
+                    f"{tuple(p.shape)}) is a parameter that fully_shard({unit}) replaced by a "
+                    "sharded DTensor: the optimizer was created before fully_shard and would "
+                    "update a tensor the model no longer uses. Create the optimizer after "
+                    "sharding: fully_shard(...) first, then torch.optim.X(model.parameters()).")
 
 
 def _local_view(p: DTensor) -> torch.Tensor | None:

@@ -88,6 +88,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
             group.wait_unshard()
         return _cast_inputs(unit, args, kwargs)
     if unit is root.unit:
+        _check_input_devices(unit, args, kwargs)
         _root_pre_forward(root)
     root.record_pre_forward(unit)
     if group is not None:
@@ -103,6 +104,23 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
     if group is not None and torch.is_grad_enabled():
         return _watch_input_grads(group, args, kwargs)
     return cast
+
+
+def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
+    """Catch inputs that cannot meet the gathered parameters before torch fails deep
+    inside a layer: meta tensors, tensors on another accelerator, and floating-point
+    tensors on the CPU for a model computing elsewhere (integer CPU tensors such as
+    sequence lengths are legitimate inputs to CUDA models)."""
+    device_type = unit.mesh.device_type
+    leaves, _ = tree_flatten((args, kwargs))
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor) or t.device.type == device_type:
+            continue
+        if t.is_meta or t.device.type != "cpu" or t.is_floating_point():
+            raise ValueError(
+                f"fullshard: input #{i} of {unit.name} (shape {tuple(t.shape)}, {t.dtype}) is "
+                f"on {t.device} but the model computes on {device_type}; move the batch there "
+                f"first (e.g. batch.to('{device_type}')).")
 
 
 class _InputGradsReady(torch.autograd.Function):

@@ -1,0 +1,241 @@
+"""Every entry of docs/errors.md, produced and compared with the documented text.
+
+The doc shows each error as ``ExceptionType: message`` in a ``text`` block under a
+``### Ennn`` heading; ``…`` stands for a part that varies (a path, a port). This test
+triggers each case and requires the message to match the doc exactly otherwise, so
+the catalogue cannot drift from what users see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fullshard.testing import run_distributed
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+_ENTRY = re.compile(r"^### (E\d+) [^\n]*\n(?:(?!^### ).)*?```text\n(.*?)\n```", re.S | re.M)
+
+
+def documented() -> dict[str, str]:
+    return {code: text.strip() for code, text in _ENTRY.findall(DOC.read_text())}
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the point is to report whatever is raised
+        return f"{type(err).__name__}: {err}"
+    return "NO ERROR RAISED"
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _sharded(model, **kwargs):
+    from fullshard import fully_shard
+    return fully_shard(model, **kwargs)
+
+
+def _library_cases(tmp: str) -> dict[str, str]:
+    """The cases that need a process group (world size 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import (FSDP, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy,
+                           StateDictType, apply_activation_checkpointing, fully_shard)
+    from fullshard import checkpoint as ckpt
+
+    out = {}
+
+    def optimizer_first():
+        model = _Pair()
+        opt = torch.optim.AdamW(model.parameters())
+        fully_shard(model)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    out["E01"] = _message(optimizer_first)
+
+    def child_after_parent():
+        model = _Pair()
+        fully_shard(model)
+        fully_shard(model.a)
+    out["E02"] = _message(child_after_parent)
+
+    def twice():
+        model = fully_shard(_Pair())
+        fully_shard(model)
+    out["E03"] = _message(twice)
+    out["E05"] = _message(lambda: fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
+
+    def shared_across_units():
+        model = _Pair()
+        model.b.weight = model.a.weight
+        fully_shard(model.a)
+        fully_shard(model.b)
+    out["E06"] = _message(shared_across_units)
+
+    def zero_dim():
+        model = nn.Linear(2, 2)
+        model.scale = nn.Parameter(torch.tensor(1.0))
+        fully_shard(model)
+    out["E07"] = _message(zero_dim)
+
+    def integer_param():
+        model = nn.Linear(2, 2)
+        model.steps = nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
+        fully_shard(model)
+    out["E08"] = _message(integer_param)
+    out["E09"] = _message(lambda: fully_shard(_mixed()))
+    out["E10"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
+        "cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))))
+    out["E11"] = _message(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
+    out["E12"] = _message(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.int8)))
+
+    def meta_at_forward():
+        with torch.device("meta"):
+            model = nn.Linear(4, 4)
+        fully_shard(model)
+        model(torch.randn(2, 4))
+    out["E13"] = _message(meta_at_forward)
+
+    def plain_over_dtensor():
+        model = fully_shard(nn.Linear(4, 4))
+        model.weight = nn.Parameter(torch.zeros(4, 4))
+        model(torch.randn(2, 4))
+    out["E14"] = _message(plain_over_dtensor)
+    out["E15"] = _message(lambda: fully_shard(nn.Linear(4, 4))(torch.randn(2, 4, device="meta")))
+
+    def bucket_after_forward():
+        model = fully_shard(nn.Linear(4, 4))
+        model(torch.randn(2, 4))
+        model.set_bucket_numel(0)
+    out["E16"] = _message(bucket_after_forward)
+    out["E17"] = _message(lambda: fully_shard(nn.Linear(4, 4)).set_requires_gradient_sync(1))
+    out["E18"] = _message(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="FULL_SHARD"))
+    out["E19"] = _message(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(
+        param_dtype=torch.float16, keep_low_precision_grads=True)))
+    out["E20"] = _message(lambda: FSDP.set_state_dict_type(
+        FSDP(nn.Linear(2, 2)), StateDictType.LOCAL_STATE_DICT))
+    out["E21"] = _message(lambda: FSDP(nn.Linear(2, 2), sharding_strategy=(
+        ShardingStrategy.HYBRID_SHARD), process_group=(dist.group.WORLD, dist.group.WORLD)))
+    out["E22"] = _message(lambda: FSDP(nn.Linear(2, 2), device_id=0))
+
+    def sync_meta():
+        with torch.device("meta"):
+            model = nn.Linear(2, 2)
+        FSDP(model, sync_module_states=True, param_init_fn=lambda m: None)
+    out["E23"] = _message(sync_meta)
+
+    def summon_rank0_writeback():
+        model = FSDP(nn.Linear(2, 2))
+        with FSDP.summon_full_params(model, rank0_only=True):
+            pass
+    out["E24"] = _message(summon_rank0_writeback)
+
+    def reentrant():
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, checkpoint_wrapper)
+        apply_activation_checkpointing(_Pair(), checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
+    out["E25"] = _message(reentrant)
+
+    path = os.path.join(tmp, "step_1")
+    ckpt.save(path, fully_shard(_Pair()))
+    out["E26"] = _message(lambda: ckpt.load(path, fully_shard(nn.Linear(4, 4))))
+    dist.barrier()
+    if dist.get_rank() == 0:  # flip bytes in one shard file
+        shard = sorted(p for p in Path(path).iterdir() if p.suffix == ".distcp")[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    out["E27"] = _message(lambda: ckpt.load(path, fully_shard(_Pair())))
+    out["E28"] = _message(lambda: ckpt.load(os.path.join(tmp, "nothing_here"),
+                                            fully_shard(_Pair())))
+    return out
+
+
+def _mixed():
+    model = _Pair()
+    model.b.double()
+    return model
+
+
+def _no_process_group_case() -> dict[str, str]:
+    from fullshard import fully_shard
+    assert not dist.is_initialized()
+    return {"E04": _message(lambda: fully_shard(nn.Linear(2, 2)))}
+
+
+def _trainer_cases(tmp: str) -> dict[str, str]:
+    from fullshard.train.cli import _check_launch, build_parser, resolve_config
+
+    def resolve(*argv):
+        args = build_parser().parse_args(list(argv))
+        resolve_config(args)
+        _check_launch(args, resolve_config(args)[1])
+
+    return {
+        "E31": _message(lambda: resolve("--batch.val_fraction", "1.5")),
+        "E32": _message(lambda: resolve("--parallel.strategy", "zero3")),
+        "E33": _message(lambda: resolve("--resume", "--out", os.path.join(tmp, "empty"))),
+    }
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory) -> dict[str, str]:
+    tmp = str(tmp_path_factory.mktemp("errors"))
+    messages = _no_process_group_case()
+    messages.update(_trainer_cases(tmp))
+    ranks = run_distributed(_library_cases, 2, tmp)
+    messages.update(ranks[0])
+    return messages
+
+
+def _matches(doc_text: str, actual: str) -> bool:
+    pattern = ".*?".join(re.escape(part) for part in doc_text.split("…"))
+    return re.fullmatch(pattern, actual, re.S) is not None
+
+
+def matches_documented(code: str, actual: str) -> bool:
+    """Whether ``actual`` ("Type: message") is the text docs/errors.md gives for ``code``."""
+    return _matches(documented()[code], actual)
+
+
+def test_catalogue_has_at_least_25_tested_entries(produced):
+    entries = documented()
+    assert len(entries) >= 25
+    untested = sorted(set(entries) - set(produced) - set(_TESTED_ELSEWHERE))
+    assert not untested, f"documented but not produced here: {untested}"
+    undocumented = sorted(set(produced) - set(entries))
+    assert not undocumented, f"produced but missing from docs/errors.md: {undocumented}"
+
+
+def test_each_message_is_the_documented_text(produced):
+    entries = documented()
+    wrong = {code: produced[code] for code in produced
+             if code in entries and not _matches(entries[code], produced[code])}
+    assert not wrong, "\n\n".join(f"{c}:\n  doc:    {entries[c]}\n  actual: {m}"
+                                  for c, m in wrong.items())
+
+
+# Entries whose scenario needs its own run; each names the test that checks its text.
+_TESTED_ELSEWHERE = {
+    "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
+    "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
+}
