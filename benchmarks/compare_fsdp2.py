@@ -2,6 +2,10 @@
 
     OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py            # every row of the table
     OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py --workloads W2 --world-size 4
+    OMP_NUM_THREADS=1 python benchmarks/compare_fsdp2.py --workloads W2,W1 --impls fullshard-fsdp1,fsdp1
+
+``fullshard-fsdp1`` and ``fsdp1`` are the FSDP1 wrapper APIs (fullshard's
+``FullyShardedDataParallel`` and torch's) with one unit per block and torch's defaults.
 
 Every implementation trains its own copy of the same model (same initial weights,
 same batches) inside one set of ranks. Steps are interleaved (A B C D A B C D ...)
@@ -63,6 +67,23 @@ def build(impl: str, base: GPT, reshard_after_forward: bool,
         fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         if impl == "fullshard" and bucket_numel is not None:
             model.set_bucket_numel(bucket_numel)
+    elif impl in ("fullshard-fsdp1", "fsdp1"):
+        from fullshard.train.model import Block
+        if impl == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+            from torch.distributed.fsdp import MixedPrecision
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        else:
+            from fullshard import FSDP, MixedPrecision, ShardingStrategy
+            from fullshard.wrap import ModuleWrapPolicy
+        strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward \
+            else ShardingStrategy.SHARD_GRAD_OP
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else None
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                     sharding_strategy=strategy, mixed_precision=mixed, device_id=device)
     elif impl == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model
@@ -145,6 +166,9 @@ def report(wl: Workload, world: int, raf: bool, res: dict, bf16: bool = False) -
     for phase in next(iter(res["phases_s"].values())):
         lines.append(f"| {phase} | " + " | ".join(
             f"{p[phase] * 1e3:.1f}" for p in res["phases_s"].values()) + " |")
+    if "fsdp1" in med and "fullshard-fsdp1" in med:
+        lines.append(f"\nFSDP1 API: fullshard-fsdp1 / fsdp1 = "
+                     f"{med['fullshard-fsdp1'] / med['fsdp1']:.2f}")
     if "fsdp2" in res["losses"] and "fullshard" in res["losses"]:
         diff = max(abs(a - b) for a, b in zip(res["losses"]["fullshard"], res["losses"]["fsdp2"]))
         lines.append(f"\nmax |loss(fullshard) - loss(fsdp2)| over all steps: {diff:.2e}")
