@@ -232,3 +232,34 @@ def _errors():
 
 def test_misuse_errors():
     run_distributed(_errors, 2)
+
+
+def _process_group_and_device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    torch.manual_seed(0)
+    model = FSDP(GPT(CFG), auto_wrap_policy=POLICY, process_group=pair)
+    w = model.layers[0].mlp.fc.weight
+    x, y = _batch(rank // 2)  # each pair trains on its own data
+    lm_loss(model(x), y).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    full = w.full_tensor()  # gathered within the pair
+    everyone = [torch.empty_like(full) for _ in range(4)]
+    dist.all_gather(everyone, full)
+    torch.manual_seed(0)
+    on_mesh = FSDP(GPT(CFG), auto_wrap_policy=POLICY,
+                   device_mesh=init_device_mesh("cpu", (4,)))
+    return {
+        "sharded_in_pairs": w.to_local().shape[0] == w.shape[0] // 2,
+        "pair_agrees": torch.equal(everyone[rank], everyone[rank ^ 1]),
+        "pairs_differ": not torch.equal(everyone[0], everyone[2]),
+        "mesh_quarters": on_mesh.layers[0].mlp.fc.weight.to_local().shape[0] == w.shape[0] // 4,
+    }
+
+
+def test_process_group_and_device_mesh_arguments():
+    for out in run_distributed(_process_group_and_device_mesh, 4):
+        assert all(out.values()), out
