@@ -3,7 +3,8 @@
 
 Besides the model and the optimizer, a checkpoint's ``extra`` holds what else decides
 the steps after it: the step, the data position (Note [epochs of disjoint windows]),
-every rank's RNG state (dropout in Hugging Face models) and the fp16 loss scaler.
+every rank's RNG state (dropout in Hugging Face models), the fp16 loss scaler, and the
+torchrun job that saved it (Note [restarts] in elastic.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
+from . import faults
 from .config import ConfigError
+from .launch import job_id
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -49,7 +52,8 @@ def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     rng_states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, _rng_state(device))
     extra = {"step": step, "data": data_position, "rng": rng_states,
-             "scaler": scaler.state_dict() if scaler is not None else None}
+             "scaler": scaler.state_dict() if scaler is not None else None, "job": job_id(),
+             **faults.in_save_extra(step, dist.get_rank())}
     path = checkpoint.save(os.path.join(checkpoint_dir(out), f"step_{step:06d}"), model,
                            optimizer, extra=extra)
     if dist.get_rank() == 0:
@@ -65,6 +69,21 @@ def _prune(directory: str, keep: int) -> None:
 
 def has_checkpoint(out: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint_dir(out), checkpoint.io.LATEST))
+
+
+def latest_name(out: str) -> str | None:
+    """The name ``latest`` holds (e.g. ``step_000040``), or None before the first save."""
+    if not has_checkpoint(out):
+        return None
+    with open(os.path.join(checkpoint_dir(out), checkpoint.io.LATEST)) as f:
+        return f.read().strip()
+
+
+def saved_job(out: str) -> str | None:
+    """The torchrun job id the latest checkpoint in ``out`` was saved by (None: unknown)."""
+    latest = checkpoint.io.resolve(checkpoint_dir(out))
+    extra = torch.load(os.path.join(latest, checkpoint.io.EXTRA), weights_only=False)
+    return extra.get("job")
 
 
 def load(out: str, model: nn.Module, optimizer: torch.optim.Optimizer,

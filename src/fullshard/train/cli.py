@@ -4,12 +4,18 @@
     fullshard train --preset debug --steps 40 --out runs/d
     fullshard train --steps 60 --out runs/d --resume  continue to step 60
     fullshard train --model hf:./my-llama --data notes.jsonl --parallel.precision bf16
+    fullshard train --max-restarts 3                  restart failed workers from the
+                                                      latest checkpoint, up to 3 times
 
 Without torchrun's environment it launches ``--nproc`` workers itself (2 on CPU, one
 per GPU); under ``torchrun ... -m fullshard.train`` each process is a worker.
 Configuration: a preset, then ``--config FILE.toml``, then ``--section.field VALUE``
 flags, each applied over the one before (on ``--resume``, OUT/config.toml replaces the
 preset).
+
+Exit codes: 0 done (or stopped on request, saved), 2 a configuration error, 3 the
+loss stopped being finite (nothing saved after the last good checkpoint); the launcher
+passes those on, and returns 1 when a worker failed otherwise, 130 when stopped by a signal.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from .checkpoints import checkpoint_dir, has_checkpoint
 from .config import ConfigError, TrainConfig, validate
 from .config_io import (apply_overrides, field_docs, load_toml, metavar, scalar_fields,
                         sections, type_hints)
-from .launch import LaunchOptions, is_worker, launch, start_worker, stop_worker
+from .elastic import divergence_of_this_job, resumes_after_restart
+from .launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, is_worker, launch,
+                     start_worker, stop_worker)
 from .presets import DEFAULT_PRESET, PRESETS, get_preset
 
 FIELD_DEST = "field:"  # argparse dest prefix of config fields
@@ -54,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--node-rank", type=int, default=0, help="this node's index")
     where.add_argument("--master-addr", help="address of node 0 (multi-node)")
     where.add_argument("--master-port", type=int, default=29500, help="port on node 0")
+    where.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="when a worker fails, restart all of them from the latest "
+                       "checkpoint, up to N times (default 0)")
     template = TrainConfig()
     for prefix, obj in sections(template):
         summary = (type(obj).__doc__ or "").splitlines()[0].rstrip(".")
@@ -96,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         _check_launch(args, out)
     except ConfigError as err:
         print(f"fullshard train: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
     if not is_worker():
         return launch(LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.master_addr,
-                                    args.master_port), argv)
+                                    args.master_port, args.max_restarts), argv)
     return _work(cfg, out, args.resume)
 
 
@@ -112,20 +123,32 @@ def _check_launch(args: argparse.Namespace, out: str) -> None:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank: must be in [0, --nnodes={args.nnodes}), got "
                           f"{args.node_rank}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.nnodes > 1 and not args.master_addr:
         raise ConfigError("--master-addr: needed with --nnodes > 1 (the address of node 0)")
 
 
 def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
-    from .loop import Trainer  # the launcher never needs the training stack
+    from .loop import Diverged, Trainer  # the launcher never needs the training stack
 
+    diverged_before = divergence_of_this_job(out)
+    if diverged_before is not None:  # a restart would only diverge again: Note [restarts]
+        if os.environ.get("RANK") == "0":
+            print(f"fullshard train: {diverged_before}", file=sys.stderr)
+        return DIVERGED_EXIT
+    resume = resume or resumes_after_restart(out)
     worker = start_worker()
     try:
         Trainer(cfg, out, worker).run(resume)
     except ConfigError as err:
         if worker.is_main:
             print(f"fullshard train: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
+    except Diverged as err:
+        if worker.is_main:
+            print(f"fullshard train: {err}", file=sys.stderr)
+        return DIVERGED_EXIT
     finally:
         stop_worker()
     return 0

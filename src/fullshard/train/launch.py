@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 SHUTDOWN_TIMEOUT_S = "300"
+# A worker's own exit codes, which the launcher passes on (any other failure: 1).
+CONFIG_ERROR_EXIT = 2
+DIVERGED_EXIT = 3
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class LaunchOptions:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int = 29500
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,17 @@ def is_worker() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def restart_count() -> int:
+    """Which attempt of the job this worker is: 0 first (and outside torchrun), then
+    1, 2, ... after torchrun restarted the job (see Note [restarts] in elastic.py)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def job_id() -> str | None:
+    """torchrun's id of the job (the same on every attempt); None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
 def default_nproc() -> int:
     """One rank per GPU; on CPU two ranks (sharding needs at least two to mean much)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
@@ -78,7 +93,12 @@ def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
         threads = max(1, (os.cpu_count() or 1) // nproc)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
-    args = ["--nproc_per_node", str(nproc)]
+    if options.max_restarts > 0:
+        # Restarted workers must not meet in the rendezvous store that the agent shares
+        # with them: it still holds the previous attempt's gloo/NCCL addresses, and they
+        # connect to dead workers (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    args = ["--nproc_per_node", str(nproc), "--max-restarts", str(options.max_restarts)]
     if options.nnodes == 1 and options.master_addr is None:
         args.append("--standalone")  # a free local port, no port clashes
     else:
@@ -91,8 +111,9 @@ def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         print(f"fullshard train: rank {rank} failed with exit code {failure.exitcode} "
-              "(its error is printed above)", file=sys.stderr)
-        return 1
+              "(the error is printed above)", file=sys.stderr)
+        return failure.exitcode if failure.exitcode in (CONFIG_ERROR_EXIT, DIVERGED_EXIT) \
+            else 1
     except SignalException as err:
         print(f"fullshard train: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
         return 130

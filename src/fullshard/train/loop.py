@@ -2,11 +2,14 @@
 
 Every rank runs the same sequence of collectives: the per-step statistics gather, the
 evaluations and the checkpoints happen at the same steps everywhere, decided from the
-step number and from the stop flag that the statistics gather makes common.
+step number and from the stop flag that the statistics gather makes common. A step
+whose loss, averaged over ranks, is not finite ends the run on every rank at once
+(:class:`Diverged`) without saving: the last checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -14,22 +17,33 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoints
+from . import checkpoints, elastic, faults
 from .config import ConfigError, TrainConfig
 from .config_io import to_toml
 from .generate import sample
 from .launch import StopRequest, Worker
-from .metrics import MetricsLog, ProgressLine, peak_memory_bytes
+from .metrics import MetricsLog, ProgressLine
 from .model import lm_loss
 from .optimizer import build_optimizer, learning_rate, set_learning_rate
 from .plot import plot_losses
 from .sampler import EpochSampler, validation_batches
 from .sharding import build_mesh, shard_model
+from .step_memory import (FIGURES, StepMemory, estimate_line, estimated_peak_bytes,
+                          metrics_fields)
 from .workload import Workload, build_workload
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+# The estimate is printed beside the largest peak of a run's first steps: the first step
+# creates the optimizer states and pays fullshard's lazy initialization, the second is
+# the first of the steady state that the estimate describes.
+STEPS_BEFORE_ESTIMATE_LINE = 2
+
+
+class Diverged(RuntimeError):
+    """The loss (mean over ranks) is not finite; raised on every rank at the same step."""
 
 
 class Trainer:
@@ -37,9 +51,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, out: str, worker: Worker):
         self.cfg, self.out, self.worker = cfg, out, worker
+        self.memory = StepMemory(worker.device)  # collective, and before the model exists
         self.workload: Workload = build_workload(cfg)
         mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
         self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
+        self.memory.watch(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = (torch.amp.GradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
@@ -54,6 +70,8 @@ class Trainer:
         self.stop = StopRequest()
         self.log: MetricsLog | None = None
         self.progress: ProgressLine | None = None
+        self.estimated_peak: int | None = None  # rank 0
+        self.measured_peak = 0  # rank 0: the largest over ranks in this run's first steps
 
     # -- the run ----------------------------------------------------------------------
 
@@ -82,6 +100,8 @@ class Trainer:
             os.makedirs(self.out, exist_ok=True)
             if not resume:
                 checkpoints.clear(self.out)
+            if elastic.restart_count() == 0:
+                elastic.forget_divergence(self.out)
             # Atomically: on --resume the other ranks may be reading it as they start.
             config_path = os.path.join(self.out, "config.toml")
             with open(config_path + ".partial", "w") as f:
@@ -91,6 +111,9 @@ class Trainer:
                                   self.step if resume else None)
             self.progress = ProgressLine(self.step + 1, self.cfg.steps)
             self._say(self._banner(resume))
+            self.estimated_peak = estimated_peak_bytes(self.cfg, self.worker.world,
+                                                       self.worker.device,
+                                                       self.memory.baseline_bytes)
         dist.barrier()  # the old run's checkpoints are gone before anyone saves
 
     def _banner(self, resume: bool) -> str:
@@ -104,16 +127,24 @@ class Trainer:
                 f"{cfg.steps} steps of {self.tokens_per_step:,} tokens; writing {self.out}")
 
     def _train(self) -> None:
+        first_step = self.step + 1
+        estimate_step = min(self.step + STEPS_BEFORE_ESTIMATE_LINE, self.cfg.steps)
         while self.step < self.cfg.steps:
             self.step += 1
+            faults.at_step_start(self.step, self.worker.rank)
+            self.memory.begin_step(self.step)
             lr = learning_rate(self.step, self.cfg.optim)
             set_learning_rate(self.optimizer, lr)
             started = time.perf_counter()
             loss, grad_norm = self._train_step()
             stats = self._gather_stats(loss)
             seconds = time.perf_counter() - started
+            loss = float(stats[:, 0].mean())
+            if not math.isfinite(loss):
+                raise self._diverged(loss)
             stopping = bool(stats[:, 1].max() > 0)
-            record = self._step_record(lr, stats, grad_norm, seconds)
+            record = self._step_record(loss, lr, stats, grad_norm, seconds)
+            self._compare_with_estimate(record, first_step, estimate_step)
             last = self.step == self.cfg.steps or stopping
             if last or _due(self.step, self.cfg.eval.every):
                 record["val_loss"] = self._evaluate()
@@ -135,18 +166,21 @@ class Trainer:
             # unsharded gradients locally.
             self.model.set_requires_gradient_sync(micro == accum - 1)
             x, y = (t.to(self.worker.device) for t in self.sampler.next_batch())
-            loss = lm_loss(self.workload.logits(x).float(), y) / accum
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            with self.memory.phase("forward"):
+                loss = lm_loss(self.workload.logits(x).float(), y) / accum
+            with self.memory.phase("backward"):
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self._clip_gradients()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.memory.phase("optimizer"):
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            grad_norm = self._clip_gradients()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return total, grad_norm
 
     def _clip_gradients(self) -> float:
@@ -156,14 +190,25 @@ class Trainer:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _gather_stats(self, loss: torch.Tensor) -> torch.Tensor:
-        """One collective a step: every rank's (loss, stop requested, peak memory)."""
+        """One collective a step: every rank's loss, stop request and memory ``FIGURES``
+        (float64 holds byte counts exactly up to 8 PiB)."""
         mine = torch.tensor([float(loss), float(self.stop.requested),
-                             float(peak_memory_bytes(self.worker.device))],
+                             *map(float, self.memory.step_figures())],
                             dtype=torch.float64, device=self.worker.device)
-        everyone = torch.empty(self.worker.world * 3, dtype=torch.float64,
+        everyone = torch.empty(self.worker.world * mine.numel(), dtype=torch.float64,
                                device=self.worker.device)
         _all_gather_single(everyone, mine)
-        return everyone.view(self.worker.world, 3).cpu()
+        return everyone.view(self.worker.world, mine.numel()).cpu()
+
+    def _diverged(self, loss: float) -> Diverged:
+        latest = checkpoints.latest_name(self.out)
+        kept = f"{latest} is still the latest checkpoint" if latest else "no checkpoint saved"
+        message = (f"step {self.step}: the loss is {loss} (mean over ranks); stopped "
+                   f"without saving ({kept}). Lower --optim.lr or raise "
+                   "--optim.warmup-steps, then --resume.")
+        if self.worker.is_main:
+            elastic.record_divergence(self.out, message)
+        return Diverged(message)
 
     # -- evaluation, checkpoints, sample ----------------------------------------------
 
@@ -203,18 +248,27 @@ class Trainer:
 
     # -- rank 0's reporting -------------------------------------------------------------
 
-    def _step_record(self, lr: float, stats: torch.Tensor, grad_norm: float,
+    def _step_record(self, loss: float, lr: float, stats: torch.Tensor, grad_norm: float,
                      seconds: float) -> dict:
-        """The step's metrics (the mean loss over ranks); updates the progress line."""
-        loss = float(stats[:, 0].mean())
-        peaks = [int(m) for m in stats[:, 2]]
+        """The step's metrics (``loss``: the mean over ranks); updates the progress line."""
+        memory = metrics_fields(stats[:, 2:2 + len(FIGURES)])
         tokens_per_s = self.tokens_per_step / seconds
         if self.progress is not None:
-            self.progress.update(self.step, loss, tokens_per_s, peaks)
+            self.progress.update(self.step, loss, tokens_per_s,
+                                 memory["peak_mem_bytes_per_rank"])
         return {"step": self.step, "loss": loss, "lr": lr,
-                "tokens_per_s": round(tokens_per_s, 1), "peak_mem_bytes": max(peaks),
-                "peak_mem_bytes_per_rank": peaks, "grad_norm": grad_norm,
+                "tokens_per_s": round(tokens_per_s, 1), **memory, "grad_norm": grad_norm,
                 "step_time_s": round(seconds, 4)}
+
+    def _compare_with_estimate(self, record: dict, first_step: int, estimate_step: int
+                               ) -> None:
+        """Rank 0: one line, the estimate beside the peak measured up to ``estimate_step``."""
+        if self.estimated_peak is None or self.step > estimate_step:
+            return
+        self.measured_peak = max(self.measured_peak, record["peak_mem_bytes"])
+        if self.step == estimate_step:
+            self._say(estimate_line(self.estimated_peak, self.measured_peak, first_step,
+                                    self.step))
 
     def _record(self, record: dict) -> None:
         """Append to metrics.jsonl; redraw loss.png after an evaluation."""

@@ -1,26 +1,15 @@
-"""What a person sees: the progress line, eval log lines, ``metrics.jsonl``, peak memory.
+"""What a person sees: the progress line, eval log lines, ``metrics.jsonl``.
 
-Everything here runs on rank 0 only, except :func:`peak_memory_bytes`, which every rank
-measures for itself (the loop gathers them).
+Everything here runs on rank 0 only (the memory figures come from step_memory.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from typing import TextIO
-
-import torch
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak: allocated device memory on CUDA, resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 class MetricsLog:
