@@ -1,0 +1,120 @@
+"""Failures in a run: a loss that stops being finite, workers killed mid-step and inside a
+checkpoint save (``fullshard train`` subprocesses, faults injected by train/faults.py)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import checkpoint
+from fullshard.testing import run_distributed
+from fullshard.train.config_io import apply_overrides
+from fullshard.train.faults import KILL_AT_STEP, KILL_IN_SAVE
+from fullshard.train.launch import Worker
+from fullshard.train.loop import Trainer
+from fullshard.train.presets import build_model, get_preset
+from test_train_cli import ENV, TIMEOUT_S, _metrics
+
+STEPS, EVERY = 12, 4
+FLAGS = {"steps": STEPS, "checkpoint.every": EVERY, "eval.every": 0, "eval.sample_tokens": 0}
+
+
+def _fullshard_train(out: str, *flags: str, env: dict | None = None
+                     ) -> subprocess.CompletedProcess:
+    options = [f"--{k}={v}" for k, v in FLAGS.items()]
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard", "train", "--preset", "debug", *options,
+         "--out", out, *flags], env={**ENV, **(env or {})}, capture_output=True, text=True,
+        timeout=TIMEOUT_S)
+
+
+def _checkpoints(out: str) -> tuple[str, list[str]]:
+    """``latest``, and every entry of the checkpoint directory but ``latest``."""
+    directory = os.path.join(out, "checkpoints")
+    with open(os.path.join(directory, "latest")) as f:
+        return f.read().strip(), sorted(set(os.listdir(directory)) - {"latest"})
+
+
+def _final_weights(out: str) -> dict[str, torch.Tensor]:
+    model = build_model(get_preset("debug").gpt)  # a plain module: the full tensors
+    checkpoint.load(os.path.join(out, "checkpoints", f"step_{STEPS:06d}"), model)
+    return model.state_dict()
+
+
+def _train_uninterrupted(out: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = apply_overrides(get_preset("debug"), FLAGS, "test")
+    Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu"))).run(resume=False)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The step losses and final weights of the same run without faults (in-process: the
+    trainer computes the same bits there as under torchrun)."""
+    out = str(tmp_path_factory.mktemp("uninterrupted"))
+    run_distributed(_train_uninterrupted, 2, out)
+    return [r["loss"] for r in _metrics(out) if "loss" in r], _final_weights(out)
+
+
+def _assert_same_result(out: str, uninterrupted) -> None:
+    losses, weights = uninterrupted
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(STEPS + 1))
+    assert [r["loss"] for r in records if "loss" in r] == losses
+    got = _final_weights(out)
+    assert got.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_worker_killed_mid_step_restarts_from_the_last_checkpoint(tmp_path, uninterrupted):
+    out = str(tmp_path / "run")
+    run = _fullshard_train(out, "--max-restarts", "1", env={KILL_AT_STEP: "6"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"exitcode: -9\) local_rank: 1", run.stderr)  # torchrun saw the kill
+    assert run.stderr.count("resuming at step 4,") == 1
+    assert "memory: estimated peak" in run.stderr
+    _assert_same_result(out, uninterrupted)
+    assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
+
+
+def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
+    out = str(tmp_path / "run")
+    killed = _fullshard_train(out, env={KILL_IN_SAVE: "8"})  # no restarts: look at the debris
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    assert re.search(r"exitcode: -9\) local_rank: 0", killed.stderr)
+    latest, entries = _checkpoints(out)
+    assert (latest, entries) == ("step_000004", [".step_000008.tmp", "step_000004"])
+    partial = os.listdir(os.path.join(out, "checkpoints", ".step_000008.tmp"))
+    assert any(name.endswith(".distcp") for name in partial)  # shards written, not committed
+    assert "fullshard.json" not in partial
+
+    resumed = _fullshard_train(out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 4," in resumed.stderr
+    _assert_same_result(out, uninterrupted)
+    assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
+
+
+def test_a_loss_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
+    out = str(tmp_path / "run")
+    run = _fullshard_train(out, "--optim.lr", "1e6", "--checkpoint.every", "2",
+                           "--max-restarts", "1")
+    assert run.returncode == 3, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "the loss is" in line]
+    # Rank 0 of the first attempt, then the restart, which repeats it instead of training.
+    assert len(errors) == 2 and errors[0] == errors[1], run.stderr[-3000:]
+    found = re.fullmatch(r"fullshard train: step (\d+): the loss is (nan|inf|-inf) \(mean over "
+                         r"ranks\); stopped without saving \((step_\d+) is still the latest "
+                         r"checkpoint\)\. .*", errors[0])
+    assert found, errors[0]
+    step, latest = int(found[1]), found[3]
+    assert "resuming" not in run.stderr
+    good = (step - 1) // 2 * 2  # the last step a checkpoint was due at before it diverged
+    assert good >= 2 and latest == f"step_{good:06d}"
+    assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(2, good + 1, 2)][-2:])
+    assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step
