@@ -17,6 +17,7 @@ from fullshard.train.faults import KILL_AT_STEP, KILL_IN_SAVE
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
 from fullshard.train.presets import build_model, get_preset
+from test_error_catalogue import matches_documented
 from test_train_cli import ENV, TIMEOUT_S, _metrics
 
 STEPS, EVERY = 12, 4
@@ -112,6 +113,7 @@ def test_a_loss_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
                          r"ranks\); stopped without saving \((step_\d+) is still the latest "
                          r"checkpoint\)\. .*", errors[0])
     assert found, errors[0]
+    assert matches_documented("E34", "Diverged: " + errors[0].removeprefix("fullshard train: "))
     step, latest = int(found[1]), found[3]
     assert "resuming" not in run.stderr
     good = (step - 1) // 2 * 2  # the last step a checkpoint was due at before it diverged
