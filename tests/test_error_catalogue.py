@@ -154,6 +154,11 @@ def _library_cases(tmp: str) -> dict[str, str]:
             checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
     out["E25"] = _message(reentrant)
 
+    from torch.distributed.device_mesh import DeviceMesh
+    rank0_only_mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; rank 1 is outside
+    if dist.get_rank() == 1:
+        out["E35"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=rank0_only_mesh))
+
     path = os.path.join(tmp, "step_1")
     ckpt.save(path, fully_shard(_Pair()))
     out["E26"] = _message(lambda: ckpt.load(path, fully_shard(nn.Linear(4, 4))))
@@ -204,6 +209,7 @@ def produced(tmp_path_factory) -> dict[str, str]:
     messages.update(_trainer_cases(tmp))
     ranks = run_distributed(_library_cases, 2, tmp)
     messages.update(ranks[0])
+    messages["E35"] = ranks[1]["E35"]  # the rank outside the mesh
     return messages
 
 

@@ -327,6 +327,12 @@ def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
             f"fully_shard({label}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; "
             "fullshard shards over a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid "
             "sharding. Pass those dimensions, e.g. mesh['replicate', 'shard'].")
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard({label}): this rank ({dist.get_rank()}) is not in the mesh (ranks "
+            f"{mesh.mesh.flatten().tolist()}) of world size {dist.get_world_size()}; every rank "
+            "that runs the model must be in its mesh. Build the mesh over those ranks, e.g. "
+            "init_device_mesh(device_type, (world_size,)).")
     return mesh
 
 
