@@ -91,3 +91,34 @@ def test_without_debug_a_failed_collective_names_the_unit():
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
     assert "all-gather of" in text and "FULLSHARD_DEBUG=1" in text, text[-3000:]
     assert matches_documented("E30", _raised(text, "CollectiveError")), text[-3000:]
+
+
+def _peer_never_arrives():
+    import datetime
+    import time
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    if dist.get_rank() == 1:
+        time.sleep(8)  # busy elsewhere past the group's timeout
+        return
+    lm_loss(model(x), y).backward()
+
+
+def test_without_debug_a_timed_out_collective_names_the_unit():
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(_peer_never_arrives, 2, timeout=120)
+    text = str(failure.value)
+    assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
+    raised = _raised(text, "CollectiveError")
+    # the root and its small layers share one group (merged units are named first..last)
+    assert "all-gather of GPT..layers.2 failed on rank 0" in raised and "imed out" in raised, raised
+    assert matches_documented("E30", raised), raised
