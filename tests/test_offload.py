@@ -2,6 +2,9 @@
 compute device for each gather. On a CPU-only machine both devices are the CPU and
 the same copies run, so parity checks the offload path itself."""
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -78,3 +81,22 @@ def _parity_offload_mixed_precision():
 
 def test_offload_with_mixed_precision_parity():
     run_distributed(_parity_offload_mixed_precision, 2)
+
+
+def _parity_fsdp1_offload(strategy_name):
+    from fullshard import ShardingStrategy
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    strategy = ShardingStrategy[strategy_name]
+    report = check_parity(
+        lambda: GPT(CFG),
+        lambda model: FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                           sharding_strategy=strategy, cpu_offload=CPUOffload(True)),
+        _batch, lambda model, b: lm_loss(model(b[0]), b[1]), steps=3)
+    return report.max_weight_diff
+
+
+@pytest.mark.parametrize("strategy,world", [("NO_SHARD", 2), ("SHARD_GRAD_OP", 2),
+                                            ("HYBRID_SHARD", 4)])
+def test_offload_with_each_strategy_parity(strategy, world):
+    run_distributed(_parity_fsdp1_offload, world, strategy)
