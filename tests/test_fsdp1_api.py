@@ -263,3 +263,30 @@ def _process_group_and_device_mesh():
 def test_process_group_and_device_mesh_arguments():
     for out in run_distributed(_process_group_and_device_mesh, 4):
         assert all(out.values()), out
+
+
+def _torch_option_types():
+    from torch.distributed import fsdp as tfsdp
+
+    model = FSDP(GPT(CFG), auto_wrap_policy=POLICY,
+                 sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP,
+                 mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.float16),
+                 cpu_offload=tfsdp.CPUOffload(offload_params=True),
+                 backward_prefetch=tfsdp.BackwardPrefetch.BACKWARD_POST)
+    unit = model.layers[0]._unit
+    x, y = _batch(0)
+    lm_loss(model(x), y).backward()
+    with FSDP.state_dict_type(model, tfsdp.StateDictType.FULL_STATE_DICT,
+                              tfsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        sd = model.state_dict()
+    return {"zero2": not unit.reshard_after_forward,
+            "fp16": unit.mp_policy.param_dtype == torch.float16,
+            "offload": unit.group.offload is not None,
+            "post": unit.backward_prefetch_after_grads,
+            "rank0_only": (len(sd) > 0) == (dist.get_rank() == 0)}
+
+
+def test_torch_option_types_are_accepted():
+    """Code that changed only the FSDP import still passes torch's enums and configs."""
+    for out in run_distributed(_torch_option_types, 2):
+        assert all(out.values()), out
