@@ -34,14 +34,24 @@ from .process import peak_rss_bytes, reset_peak_rss
 
 def fullshard_buffer_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes fullshard holds for ``model`` right now, by kind (read-only)."""
+    return _buffer_bytes(_units_of(model), list(model.parameters()))
+
+
+def _units_of(model: nn.Module) -> list:
+    return [m.__dict__["_fullshard_unit"] for m in model.modules()
+            if "_fullshard_unit" in m.__dict__]
+
+
+def _buffer_bytes(units: list, params: list[torch.Tensor]) -> dict[str, int]:
+    """What ``fullshard_buffer_bytes`` counts, from the units and parameters listed once
+    (a tracker samples this before every unit's forward: no walk over the modules)."""
     counts = {"sharded parameters": 0, "unsharded parameters": 0, "gradients": 0,
               "pooled communication buffers": 0}
     roots, groups = set(), set()
-    for module in model.modules():
-        unit = module.__dict__.get("_fullshard_unit")
-        if unit is None or unit.group is None:
+    for unit in units:
+        group = unit.group  # read each time: small units merge at the first forward
+        if group is None:
             continue
-        group = unit.group
         if group not in groups:
             groups.add(group)
             counts["sharded parameters"] += _nbytes(group.flat_shard)
@@ -53,7 +63,7 @@ def fullshard_buffer_bytes(model: nn.Module) -> dict[str, int]:
             roots.add(id(unit.root))
             counts["pooled communication buffers"] += unit.root.pool.idle_bytes()
     storages = {}
-    for p in model.parameters():
+    for p in params:
         grad = p.grad
         if grad is not None:
             local = getattr(grad, "_local_tensor", grad)
@@ -85,21 +95,24 @@ class MemoryTracker:
         self._phase_peaks: dict[str, int] = {}
         self._buffer_peaks: dict[str, dict[str, int]] = {}
         self._hooks: list = []
+        self._units: list = []  # listed once by watch(): sampling walks no modules
+        self._params: list[torch.Tensor] = []
 
     # -- what the trainer calls -------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
         """Sample fullshard's buffers of ``model`` at phase edges and before each unit's
         forward (after fullshard has gathered it and issued the prefetch)."""
         self.model = model
-        for module in model.modules():
-            if "_fullshard_unit" in module.__dict__:
-                self._hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _a: self._sample_buffers()))
+        self._units = _units_of(model)
+        self._params = list(model.parameters())
+        for unit in self._units:
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                lambda _m, _a: self._sample_buffers()))
 
     def unwatch(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks, self.model = [], None
+        self._hooks, self.model, self._units, self._params = [], None, [], []
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -155,7 +168,7 @@ class MemoryTracker:
         if self.model is None or self._phase is None:
             return
         peaks = self._buffer_peaks.setdefault(self._phase, {})
-        for kind, nbytes in fullshard_buffer_bytes(self.model).items():
+        for kind, nbytes in _buffer_bytes(self._units, self._params).items():
             peaks[kind] = max(peaks.get(kind, 0), nbytes)
 
     def _is_cuda(self) -> bool:

@@ -6,9 +6,9 @@ tracker's phases; the phase peaks are reset at every phase start (CPU: the RSS
 high-water mark; CUDA: ``max_memory_allocated``), so a step's figures are that step's
 own, not the process's peak since it started. That costs ~0.2 ms a step on CPU.
 fullshard's own buffers (sharded and gathered parameters, gradients, pooled communication
-buffers) are sampled at phase edges and before each unit's forward, by walking the
-model: ~0.1 ms a sample, ~1 ms a step for the debug preset's 3 units, 7% of its step
-time. So they are sampled on every ``BUFFERS_EVERY``-th step only.
+buffers) are sampled at phase edges and before each unit's forward: ~0.05 ms a sample
+(over the units and parameters the tracker listed once), ~0.3 ms a step for the debug
+preset, 3% of its step time. So they are sampled on every ``BUFFERS_EVERY``-th step only.
 """
 
 from __future__ import annotations
