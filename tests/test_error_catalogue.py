@@ -245,5 +245,5 @@ _TESTED_ELSEWHERE = {
     "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E34": "tests/test_train_reliability.py::"
-           "test_a_loss_that_stops_being_finite_ends_the_run_without_saving",
+           "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
 }

@@ -101,22 +101,24 @@ def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, un
     assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
 
 
-def test_a_loss_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
+def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
+    """lr 1e6 makes the gradients non-finite within a few steps: the run stops at that
+    step, before its optimizer step could write non-finite weights or a checkpoint."""
     out = str(tmp_path / "run")
-    run = _fullshard_train(out, "--optim.lr", "1e6", "--checkpoint.every", "2",
+    run = _fullshard_train(out, "--optim.lr", "1e6", "--checkpoint.every", "1",
                            "--max-restarts", "1")
     assert run.returncode == 3, run.stderr[-3000:]
-    errors = [line for line in run.stderr.splitlines() if "the loss is" in line]
+    errors = [line for line in run.stderr.splitlines() if "stopped without saving" in line]
     # Rank 0 of the first attempt, then the restart, which repeats it instead of training.
     assert len(errors) == 2 and errors[0] == errors[1], run.stderr[-3000:]
-    found = re.fullmatch(r"fullshard train: step (\d+): the loss is (nan|inf|-inf) \(mean over "
-                         r"ranks\); stopped without saving \((step_\d+) is still the latest "
-                         r"checkpoint\)\. .*", errors[0])
+    found = re.fullmatch(r"fullshard train: step (\d+): the (loss|gradient norm) is "
+                         r"(nan|inf|-inf) \((mean over|over all) ranks\); stopped without "
+                         r"saving \((step_\d+) is still the latest checkpoint\)\. .*", errors[0])
     assert found, errors[0]
     assert matches_documented("E34", "Diverged: " + errors[0].removeprefix("fullshard train: "))
-    step, latest = int(found[1]), found[3]
+    step, latest = int(found[1]), found[5]
     assert "resuming" not in run.stderr
-    good = (step - 1) // 2 * 2  # the last step a checkpoint was due at before it diverged
-    assert good >= 2 and latest == f"step_{good:06d}"
-    assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(2, good + 1, 2)][-2:])
+    good = step - 1  # checkpoints every step: the last finite step is the latest one
+    assert good >= 1 and latest == f"step_{good:06d}"
+    assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(1, good + 1)][-2:])
     assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step

@@ -14,7 +14,8 @@ flags, each applied over the one before (on ``--resume``, OUT/config.toml replac
 preset).
 
 Exit codes: 0 done (or stopped on request, saved), 2 a configuration error, 3 the
-loss stopped being finite (nothing saved after the last good checkpoint); the launcher
+loss or gradient norm stopped being finite (nothing saved after the last good
+checkpoint); the launcher
 passes those on, and returns 1 when a worker failed otherwise, 130 when stopped by a signal.
 """
 

@@ -3,7 +3,7 @@
 Every rank runs the same sequence of collectives: the per-step statistics gather, the
 evaluations and the checkpoints happen at the same steps everywhere, decided from the
 step number and from the stop flag that the statistics gather makes common. A step
-whose loss, averaged over ranks, is not finite ends the run on every rank at once
+whose loss (averaged over ranks) or gradient norm is not finite ends the run on every rank at once
 (:class:`Diverged`) without saving: the last checkpoint stays the latest.
 """
 
@@ -141,7 +141,7 @@ class Trainer:
             seconds = time.perf_counter() - started
             loss = float(stats[:, 0].mean())
             if not math.isfinite(loss):
-                raise self._diverged(loss)
+                raise self._diverged("the loss", loss)
             stopping = bool(stats[:, 1].max() > 0)
             record = self._step_record(loss, lr, stats, grad_norm, seconds)
             self._compare_with_estimate(record, first_step, estimate_step)
@@ -175,6 +175,11 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             grad_norm = self._clip_gradients()
+            if self.scaler is None and not math.isfinite(grad_norm):
+                # The norm is global, so every rank stops here, before the step that would
+                # write non-finite weights (and a checkpoint of them); fp16's scaler instead
+                # skips such steps by design.
+                raise self._diverged("the gradient norm", grad_norm)
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -200,10 +205,11 @@ class Trainer:
         _all_gather_single(everyone, mine)
         return everyone.view(self.worker.world, mine.numel()).cpu()
 
-    def _diverged(self, loss: float) -> Diverged:
+    def _diverged(self, what: str, value: float) -> Diverged:
         latest = checkpoints.latest_name(self.out)
         kept = f"{latest} is still the latest checkpoint" if latest else "no checkpoint saved"
-        message = (f"step {self.step}: the loss is {loss} (mean over ranks); stopped "
+        over = "mean over ranks" if what == "the loss" else "over all ranks"
+        message = (f"step {self.step}: {what} is {value} ({over}); stopped "
                    f"without saving ({kept}). Lower --optim.lr or raise "
                    "--optim.warmup-steps, then --resume.")
         if self.worker.is_main:
