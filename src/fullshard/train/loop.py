@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checkpoint import StateDictOptions, set_model_state_dict
 from . import checkpoints, elastic, faults
 from .config import ConfigError, TrainConfig
 from .config_io import to_toml
@@ -52,9 +53,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, out: str, worker: Worker):
         self.cfg, self.out, self.worker = cfg, out, worker
         self.memory = StepMemory(worker.device)  # collective, and before the model exists
-        self.workload: Workload = build_workload(cfg)
+        self.workload: Workload = build_workload(cfg, worker.rank)
         mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
         self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
+        if self.workload.initial_state is not None:  # rank 0's weights, one tensor at a time
+            set_model_state_dict(self.model, self.workload.initial_state, options=(
+                StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))
+            self.workload.initial_state = None
         self.memory.watch(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = (torch.amp.GradScaler(worker.device.type)

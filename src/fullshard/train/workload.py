@@ -25,11 +25,18 @@ class Workload:
     val_tokens: torch.Tensor
     context: int
     """Longest input the model is given (the sample's sliding window)."""
+    initial_state: dict | None = None
+    """Rank 0's initial weights (a full state dict; empty on other ranks, whose model is
+    on the meta device) to broadcast into the sharded model; None: every rank built them."""
 
 
-def build_workload(cfg: TrainConfig) -> Workload:
-    """Load the data and build the model on the CPU, identically on every rank."""
+def build_workload(cfg: TrainConfig, rank: int) -> Workload:
+    """Load the data and build the model: a Hugging Face model on the CPU on every rank; a
+    GPT on rank 0 only (on the CPU, from ``cfg.seed``), the other ranks building it on the
+    meta device and receiving rank 0's weights after sharding, so a large preset needs host
+    memory for one full copy per node instead of one per rank."""
     documents = read_documents(cfg.data)
+    initial_state = None
     if cfg.is_hf:
         model = hf.load_model(cfg.hf_path)
         tokenizer = hf.load_tokenizer(cfg.hf_path, hf.vocab_size(model))
@@ -40,8 +47,10 @@ def build_workload(cfg: TrainConfig) -> Workload:
             raise ConfigError(f"gpt.vocab_size: the data has {tokenizer.vocab_size} distinct "
                               f"characters, more than {cfg.gpt.vocab_size}; raise it to "
                               f"at least {tokenizer.vocab_size}")
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = build_model(cfg.gpt, "cpu")
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.gpt, "cpu" if rank == 0 else "meta")
+        initial_state = model.state_dict() if rank == 0 else {}
         logits = model
     train_tokens, val_tokens = split(tokenize(documents, tokenizer), cfg.batch.val_fraction)
-    return Workload(model, logits, tokenizer, train_tokens, val_tokens, cfg.batch.seq_len)
+    return Workload(model, logits, tokenizer, train_tokens, val_tokens, cfg.batch.seq_len,
+                    initial_state)
