@@ -46,21 +46,33 @@ def _save_gpt2_with_tokenizer(path: str) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _fine_tune(model_dir: str, data: str, out: str) -> dict | None:
+def _matches_saved_model(model, model_dir: str) -> bool:
+    """Every parameter and buffer (non-persistent ones too) of the sharded model equals the
+    saved model's: only rank 0 read the folder, the others received its weights."""
+    saved = transformers.AutoModelForCausalLM.from_pretrained(model_dir).float()
+    expected = {**dict(saved.named_parameters()), **dict(saved.named_buffers())}
+    actual = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert actual.keys() == expected.keys()
+    return all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, expected[k])
+               for k, v in actual.items())
+
+
+def _fine_tune(model_dir: str, data: str, out: str) -> dict:
     cfg = apply_overrides(get_preset("debug"), {
         "model": f"hf:{model_dir}", "data": data, "steps": 4, "batch.seq_len": 16,
         "batch.batch_size": 2, "optim.lr": 1e-2, "optim.warmup_steps": 1, "eval.every": 0,
         "eval.sample_tokens": 4, "checkpoint.every": 0}, "test")
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu")))
+    initial_match = _matches_saved_model(trainer.model, model_dir)
     trainer.run(resume=False)
     if trainer.log is None:
-        return None
+        return {"initial_match": initial_match}
     records = trainer.log.records
     block_names = set(trainer.model._no_split_modules)
     decoder_layers = [m for m in trainer.model.modules()  # sharded classes subclass them
                       if block_names & {c.__name__ for c in type(m).__mro__}]
-    return {"tokenizer": trainer.workload.tokenizer.name,
+    return {"initial_match": initial_match, "tokenizer": trainer.workload.tokenizer.name,
             "val": [r["val_loss"] for r in records if "val_loss" in r],
             "losses": [r["loss"] for r in records if "loss" in r],
             "layers_sharded": [isinstance(m, FSDPModule) for m in decoder_layers]}
@@ -74,8 +86,10 @@ def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
         for paragraph in load_text()[:30_000].split("\n\n"):
             f.write(json.dumps({"text": paragraph}) + "\n")
     for name, tokenizer in (("llama", "bytes"), ("gpt2", "the model's tokenizer")):
-        result = run_distributed(_fine_tune, 2, str(tmp_path / name), str(data),
-                                 str(tmp_path / f"out-{name}"), timeout=240)[0]
+        results = run_distributed(_fine_tune, 2, str(tmp_path / name), str(data),
+                                  str(tmp_path / f"out-{name}"), timeout=240)
+        assert all(r["initial_match"] for r in results), name
+        result = results[0]
         assert result["tokenizer"] == tokenizer
         assert result["layers_sharded"] == [True, True], name
         assert len(result["losses"]) == 4 and all(map(torch.isfinite, map(torch.tensor,

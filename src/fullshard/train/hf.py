@@ -1,8 +1,9 @@
 """Hugging Face causal LMs from a local folder (``--model hf:PATH``), no hub access.
 
-Every rank loads the full model on the CPU in fp32 (the sharded parameters and the
-optimizer work in fp32; ``parallel.precision`` picks the compute dtype) and shards it
-afterwards: the decoder layers named by the model's ``_no_split_modules`` become units.
+Rank 0 loads the full model on the CPU in fp32 (the sharded parameters and the
+optimizer work in fp32; ``parallel.precision`` picks the compute dtype), the other ranks
+build it from its config on the meta device; the decoder layers named by the model's
+``_no_split_modules`` become units, and the other ranks then receive rank 0's weights.
 The folder's tokenizer is used when it has one; see ``corpus.py`` for the fallback.
 """
 
@@ -28,14 +29,20 @@ def _transformers():
     return transformers
 
 
-def load_model(path: str) -> nn.Module:
-    """The causal LM saved in ``path`` (``save_pretrained`` layout), in fp32, train mode."""
+def load_model(path: str, on_meta: bool = False) -> nn.Module:
+    """The causal LM saved in ``path`` (``save_pretrained`` layout), in fp32, train mode;
+    with ``on_meta`` only its structure, on the meta device (no weights read)."""
     transformers = _transformers()
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model: {path!r} is not a Hugging Face model folder (no "
                           "config.json); hf:PATH takes a local folder, not a hub name")
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    if on_meta:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.config.use_cache = False  # training: no key/value cache to build
     return model.float().train()
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..checkpoint import StateDictOptions, set_model_state_dict
 from . import checkpoints, elastic, faults
 from .config import ConfigError, TrainConfig
 from .config_io import to_toml
 from .generate import sample
+from .initial_weights import receive_initial_weights
 from .launch import StopRequest, Worker
 from .metrics import MetricsLog, ProgressLine
 from .model import lm_loss
@@ -56,10 +56,8 @@ class Trainer:
         self.workload: Workload = build_workload(cfg, worker.rank)
         mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
         self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
-        if self.workload.initial_state is not None:  # rank 0's weights, one tensor at a time
-            set_model_state_dict(self.model, self.workload.initial_state, options=(
-                StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)))
-            self.workload.initial_state = None
+        receive_initial_weights(self.model, self.workload.initial_state, worker.device)
+        self.workload.initial_state = {}
         self.memory.watch(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = (torch.amp.GradScaler(worker.device.type)

@@ -25,20 +25,18 @@ class Workload:
     val_tokens: torch.Tensor
     context: int
     """Longest input the model is given (the sample's sliding window)."""
-    initial_state: dict | None = None
+    initial_state: dict
     """Rank 0's initial weights (a full state dict; empty on other ranks, whose model is
-    on the meta device) to broadcast into the sharded model; None: every rank built them."""
+    on the meta device), to broadcast into the sharded model (initial_weights.py)."""
 
 
 def build_workload(cfg: TrainConfig, rank: int) -> Workload:
-    """Load the data and build the model: a Hugging Face model on the CPU on every rank; a
-    GPT on rank 0 only (on the CPU, from ``cfg.seed``), the other ranks building it on the
-    meta device and receiving rank 0's weights after sharding, so a large preset needs host
-    memory for one full copy per node instead of one per rank."""
+    """Load the data and the model: rank 0 loads the Hugging Face model or builds the GPT
+    (on the CPU, from ``cfg.seed``); the other ranks build it on the meta device and receive
+    rank 0's weights after sharding (initial_weights.py)."""
     documents = read_documents(cfg.data)
-    initial_state = None
     if cfg.is_hf:
-        model = hf.load_model(cfg.hf_path)
+        model = hf.load_model(cfg.hf_path, on_meta=rank != 0)
         tokenizer = hf.load_tokenizer(cfg.hf_path, hf.vocab_size(model))
         logits = functools.partial(hf.logits, model)
     else:
@@ -49,8 +47,8 @@ def build_workload(cfg: TrainConfig, rank: int) -> Workload:
                               f"at least {tokenizer.vocab_size}")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.gpt, "cpu" if rank == 0 else "meta")
-        initial_state = model.state_dict() if rank == 0 else {}
         logits = model
+    initial_state = model.state_dict() if rank == 0 else {}
     train_tokens, val_tokens = split(tokenize(documents, tokenizer), cfg.batch.val_fraction)
     return Workload(model, logits, tokenizer, train_tokens, val_tokens, cfg.batch.seq_len,
                     initial_state)
