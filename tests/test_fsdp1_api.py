@@ -290,3 +290,30 @@ def test_torch_option_types_are_accepted():
     """Code that changed only the FSDP import still passes torch's enums and configs."""
     for out in run_distributed(_torch_option_types, 2):
         assert all(out.values()), out
+
+
+def _older_optimizer_state_dict_methods():
+    model, opt = _trained()
+    full = FSDP.full_optim_state_dict(model, opt)  # rank0_only=True, as torch
+    sharded = FSDP.sharded_optim_state_dict(model, opt)
+    key = "layers.0.mlp.fc.weight"
+    state = sharded["state"][key]["exp_avg"]
+    out = {"rank0_full": (len(full) > 0) == (dist.get_rank() == 0),
+           "sharded": isinstance(state, DTensor)}
+    if dist.get_rank() == 0:
+        out["same"] = torch.equal(full["state"][key]["exp_avg"], state.full_tensor())
+    else:
+        state.full_tensor()  # the collective rank 0 runs above
+    for method, args in (("shard_full_optim_state_dict", (full, model)),
+                         ("scatter_full_optim_state_dict", (full, model)),
+                         ("rekey_optim_state_dict", (full, None, model))):
+        with pytest.raises(NotImplementedError, match="optim_state_dict"):
+            getattr(FSDP, method)(*args)
+    with pytest.raises(NotImplementedError, match="reduce_dtype"):
+        model.register_comm_hook(None, None)
+    return out
+
+
+def test_older_optimizer_state_dict_methods():
+    for out in run_distributed(_older_optimizer_state_dict_methods, 2):
+        assert all(out.values()), out

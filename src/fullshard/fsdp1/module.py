@@ -151,6 +151,52 @@ class FullyShardedDataParallel(FSDPModule):
             set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
         return optim.state_dict()
 
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input=None,
+                              rank0_only: bool = True, group=None) -> dict[str, Any]:
+        """torch's older spelling: the full optimizer state keyed by name, on rank 0 only
+        (on the CPU) when ``rank0_only``."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+
+        _no_optim_input("full_optim_state_dict", optim_input)
+        with sd.native_state_dict():
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=rank0_only))
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                                 group=None) -> dict[str, Any]:
+        """torch's older spelling: the optimizer state as DTensor shards keyed by name."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with sd.native_state_dict():
+            return get_optimizer_state_dict(model, optim)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict, model, *args, **kwargs):
+        raise NotImplementedError(_NEEDS_OPTIMIZER.format("shard_full_optim_state_dict"))
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict, model, *args, **kwargs):
+        raise NotImplementedError(_NEEDS_OPTIMIZER.format("scatter_full_optim_state_dict"))
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim):
+        raise NotImplementedError(_NEEDS_OPTIMIZER.format("flatten_sharded_optim_state_dict"))
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, *args, **kwargs):
+        raise NotImplementedError(
+            "FSDP.rekey_optim_state_dict: fullshard's optimizer state dicts are always keyed "
+            "by parameter name (FSDP.optim_state_dict) and loaded with "
+            "FSDP.optim_state_dict_to_load, which needs no re-keying.")
+
+    def register_comm_hook(self, state, hook) -> None:
+        raise NotImplementedError(
+            "FSDP.register_comm_hook: fullshard does not take communication hooks; for "
+            "low-precision reduction use MixedPrecision(reduce_dtype=...).")
+
     # -- other torch FSDP1 methods --------------------------------------------------------
     @staticmethod
     def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
@@ -177,6 +223,18 @@ class FullyShardedDataParallel(FSDPModule):
     def check_is_root(self) -> bool:
         unit = self._unit
         return unit.root is None or unit.is_root
+
+
+_NEEDS_OPTIMIZER = (
+    "FSDP.{}: fullshard loads optimizer state with the optimizer at hand; use "
+    "FSDP.optim_state_dict_to_load(model, optim, optim_state_dict), then "
+    "optim.load_state_dict(result).")
+
+
+def _no_optim_input(method: str, optim_input) -> None:
+    if optim_input is not None:
+        raise ValueError(f"FSDP.{method}: optim_input is not supported (deprecated in torch); "
+                         "pass the optimizer itself.")
 
 
 FSDP = FullyShardedDataParallel
