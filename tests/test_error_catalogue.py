@@ -132,7 +132,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E20"] = _message(lambda: FSDP.set_state_dict_type(
         FSDP(nn.Linear(2, 2)), StateDictType.LOCAL_STATE_DICT))
     out["E21"] = _message(lambda: FSDP(nn.Linear(2, 2), sharding_strategy=(
-        ShardingStrategy.HYBRID_SHARD), process_group=(dist.group.WORLD, dist.group.WORLD)))
+        ShardingStrategy.FULL_SHARD), process_group=(dist.group.WORLD, dist.group.WORLD)))
     out["E22"] = _message(lambda: FSDP(nn.Linear(2, 2), device_id=0))
 
     def sync_meta():

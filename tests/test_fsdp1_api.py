@@ -215,7 +215,7 @@ def _errors():
            "pass ignored_modules or ignored_states, not both")
     raises(lambda: FSDP(nn.Linear(2, 2), process_group=(dist.group.WORLD, dist.group.WORLD),
                         sharding_strategy=ShardingStrategy.HYBRID_SHARD), ValueError,
-           re.escape("a (intra-node, inter-node) process-group pair is not supported"))
+           "the process-group pair does not form a grid")
     raises(lambda: FSDP(nn.Linear(2, 2), auto_wrap_policy=3), TypeError,
            "auto_wrap_policy must be callable")
     raises(lambda: FSDP(nn.Linear(2, 2), cpu_offload=True), TypeError,
@@ -317,3 +317,26 @@ def _older_optimizer_state_dict_methods():
 def test_older_optimizer_state_dict_methods():
     for out in run_distributed(_older_optimizer_state_dict_methods, 2):
         assert all(out.values()), out
+
+
+def _hybrid_from_process_group_pair():
+    from fullshard.testing.parity import check_parity
+
+    rank = dist.get_rank()
+    intra = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    inter = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    report = check_parity(lambda: GPT(CFG), lambda m: FSDP(
+        m, auto_wrap_policy=POLICY, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        process_group=(intra, inter)), lambda s: _batch(s, 8),
+        lambda model, b: lm_loss(model(b[0]), b[1]), steps=3)
+    model = FSDP(GPT(CFG), auto_wrap_policy=POLICY, process_group=(intra, inter),
+                 sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    w = model.layers[0].mlp.fc.weight
+    return {"placements": [type(p).__name__ for p in w.placements],
+            "halves": w.to_local().shape[0] == w.shape[0] // 2,
+            "parity": report.max_weight_diff < 1e-5}
+
+
+def test_hybrid_shard_from_an_intra_inter_process_group_pair():
+    for out in run_distributed(_hybrid_from_process_group_pair, 4):
+        assert out["placements"] == ["Replicate", "Shard"] and out["halves"] and out["parity"]

@@ -41,10 +41,10 @@ def resolve_mesh(strategy: ShardingStrategy, process_group, device_mesh: DeviceM
             return device_mesh
         process_group = device_mesh.get_group(0)
     if isinstance(process_group, tuple):
-        raise ValueError(
-            f"{where}: a (intra-node, inter-node) process-group pair is not supported; pass "
-            "device_mesh=init_device_mesh(device_type, (num_nodes, ranks_per_node), "
-            "mesh_dim_names=('replicate', 'shard')) instead.")
+        if not hybrid:
+            raise ValueError(f"{where}: a process-group pair is for the hybrid strategies; "
+                             f"sharding_strategy={strategy.name} takes one process group.")
+        return _mesh_from_pair(process_group, device_type)
     default_process_group_or_raise(where)
     pg = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size()
@@ -60,6 +60,37 @@ def resolve_mesh(strategy: ShardingStrategy, process_group, device_mesh: DeviceM
     key = (device_type, "group", tuple(dist.get_process_group_ranks(pg)))
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh.from_group(pg, device_type)
+    return _MESHES[key]
+
+
+def _mesh_from_pair(pair: tuple, device_type: str) -> DeviceMesh:
+    """The (replicate, shard) mesh of an (intra-node, inter-node) process-group pair, as
+    FSDP1's hybrid strategies take it: rows are the intra-node (shard) groups, columns
+    the inter-node (replicate) ones. Every rank shares its intra group's ranks once."""
+    if len(pair) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in pair):
+        raise TypeError("FullyShardedDataParallel: process_group for a hybrid strategy is one "
+                        "ProcessGroup or an (intra-node, inter-node) pair of them.")
+    intra, inter = pair
+    key = (device_type, "pair", id(intra), id(inter))
+    if key in _MESHES:
+        return _MESHES[key]
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(intra))
+    groups = sorted({tuple(r) for r in rows})
+    inter_ranks = dist.get_process_group_ranks(inter)
+    grid = len({len(g) for g in groups}) == 1
+    mesh = torch.tensor(groups) if grid else None
+    if grid:
+        column = (mesh == dist.get_rank()).nonzero()[0, 1].item()
+        grid = sorted(mesh[:, column].tolist()) == sorted(inter_ranks)
+    if not grid:
+        raise ValueError(
+            f"FullyShardedDataParallel: the process-group pair does not form a grid: the "
+            f"intra-node groups are {[list(g) for g in groups]} and this rank's inter-node "
+            f"group is {inter_ranks}. Pass device_mesh=init_device_mesh(device_type, "
+            "(num_nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')) instead.")
+    _MESHES[key] = DeviceMesh.from_group([inter, intra], device_type, mesh=mesh,
+                                         mesh_dim_names=("replicate", "shard"))
     return _MESHES[key]
 
 
