@@ -8,7 +8,7 @@ model's own and every unit is both its original class and ``FullyShardedDataPara
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -252,7 +252,3 @@ def _configure(unit: nn.Module, forward_prefetch: bool,
     state.backward_prefetch_after_grads = backward_prefetch is BackwardPrefetch.BACKWARD_POST
     unit.__dict__["_fullshard_state_dict_settings"] = StateDictSettings(
         StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
-
-
-def fsdp1_units(module: nn.Module, front: type) -> Iterable[nn.Module]:
-    return (m for m in module.modules() if isinstance(m, front))

@@ -14,9 +14,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..api import FSDPModule, managed_modules
+from .state_dict import local_shard
 
 
 def _sharded_slots(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, str, DTensor]]:
@@ -74,7 +75,4 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
 
 def _write_back(sharded: DTensor, full: torch.Tensor) -> None:
     """Copy this rank's rows of ``full`` into ``sharded``'s local tensor (no communication)."""
-    local = sharded.to_local()
-    mine = distribute_tensor(full.detach().to(local.device, local.dtype), sharded.device_mesh,
-                             sharded.placements, src_data_rank=None).to_local()
-    local.copy_(mine)
+    sharded.to_local().copy_(local_shard(full, sharded).to_local())

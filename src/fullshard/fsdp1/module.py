@@ -129,12 +129,11 @@ class FullyShardedDataParallel(FSDPModule):
                          group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name: full tensors or DTensor shards
         according to ``model``'s state-dict type."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from ..checkpoint import get_optimizer_state_dict  # import cycle: checkpoint uses fsdp1
 
-        options = sd.optim_dsd_options(FullyShardedDataParallel.get_state_dict_type(model),
-                                       loading=False)
-        with sd.native_state_dict():
-            return get_optimizer_state_dict(model, optim, options=options)
+        options = sd.optim_options(FullyShardedDataParallel.get_state_dict_type(model),
+                                   loading=False)
+        return get_optimizer_state_dict(model, optim, options=options)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
@@ -143,12 +142,11 @@ class FullyShardedDataParallel(FSDPModule):
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Load ``optim_state_dict`` (from ``optim_state_dict``) into ``optim`` and return the
         optimizer's own state dict, so ``optim.load_state_dict(result)`` works as with torch."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from ..checkpoint import set_optimizer_state_dict
 
-        options = sd.optim_dsd_options(FullyShardedDataParallel.get_state_dict_type(model),
-                                       loading=True)
-        with sd.native_state_dict():
-            set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
+        options = sd.optim_options(FullyShardedDataParallel.get_state_dict_type(model),
+                                   loading=True)
+        set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
         return optim.state_dict()
 
     @staticmethod
@@ -156,22 +154,19 @@ class FullyShardedDataParallel(FSDPModule):
                               rank0_only: bool = True, group=None) -> dict[str, Any]:
         """torch's older spelling: the full optimizer state keyed by name, on rank 0 only
         (on the CPU) when ``rank0_only``."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
+        from ..checkpoint import StateDictOptions, get_optimizer_state_dict
 
         _no_optim_input("full_optim_state_dict", optim_input)
-        with sd.native_state_dict():
-            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=rank0_only))
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=rank0_only))
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                                  group=None) -> dict[str, Any]:
         """torch's older spelling: the optimizer state as DTensor shards keyed by name."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from ..checkpoint import get_optimizer_state_dict
 
-        with sd.native_state_dict():
-            return get_optimizer_state_dict(model, optim)
+        return get_optimizer_state_dict(model, optim)
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict, model, *args, **kwargs):

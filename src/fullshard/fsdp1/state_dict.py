@@ -95,14 +95,20 @@ def shard_full_values(module: nn.Module, state_dict: dict[str, Any]) -> dict[str
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"load_state_dict: '{name}' has shape {tuple(value.shape)} in the "
                              f"state dict but {tuple(target.shape)} in the model.")
-        local = value.to(device=target.to_local().device, dtype=target.dtype)
-        out[name] = distribute_tensor(local, target.device_mesh, target.placements,
-                                      src_data_rank=None)
+        out[name] = local_shard(value, target)
     return out
 
 
-def optim_dsd_options(settings: StateDictSettings, loading: bool):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def local_shard(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's shard of ``full`` laid out as ``like`` (same mesh, placements, device
+    and dtype); no communication: every rank holds ``full``."""
+    local = full.detach().to(device=like.to_local().device, dtype=like.dtype)
+    return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def optim_options(settings: StateDictSettings, loading: bool):
+    """fullshard.checkpoint's StateDictOptions for the optimizer under ``settings``."""
+    from ..checkpoint import StateDictOptions  # import cycle: checkpoint uses this module
 
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     config: OptimStateDictConfig = settings.optim_state_dict_config
