@@ -10,7 +10,7 @@ from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.train.model import GPT, GPTConfig, lm_loss
-from test_error_catalogue import documented, matches_documented
+from test_error_catalogue import matches_documented
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 
@@ -58,14 +58,19 @@ def _unshard_different_modules():
     (_unshard_different_modules, ["all-gather of 'layers.0'", "all-gather of 'layers.1'"]),
 ], ids=["skip_layer", "extra_forward", "unshard"])
 def test_divergence_raises_on_every_rank(scenario, expected):
-    with pytest.raises(AssertionError) as failure:
-        run_distributed(scenario, 2, timeout=120)
-    text = str(failure.value)
+    text = _failure_report(scenario)
     assert "2 of 2 ranks failed" in text, text[-3000:]
     assert text.count("DivergenceError: fullshard debug: ranks diverged") == 2, text[-3000:]
     for phrase in expected:
         assert phrase in text, (phrase, text[-3000:])
     assert matches_documented("E29", _raised(text, "DivergenceError")), text[-3000:]
+
+
+def _failure_report(scenario) -> str:
+    """The harness's report of the ranks that failed running ``scenario`` at world size 2."""
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(scenario, 2, timeout=120)
+    return str(failure.value)
 
 
 def _raised(report: str, error_type: str) -> str:
@@ -85,9 +90,7 @@ def _peer_stops_early():
 
 
 def test_without_debug_a_failed_collective_names_the_unit():
-    with pytest.raises(AssertionError) as failure:
-        run_distributed(_peer_stops_early, 2, timeout=120)
-    text = str(failure.value)
+    text = _failure_report(_peer_stops_early)
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
     assert "all-gather of" in text and "FULLSHARD_DEBUG=1" in text, text[-3000:]
     assert matches_documented("E30", _raised(text, "CollectiveError")), text[-3000:]
@@ -114,9 +117,7 @@ def _peer_never_arrives():
 
 
 def test_without_debug_a_timed_out_collective_names_the_unit():
-    with pytest.raises(AssertionError) as failure:
-        run_distributed(_peer_never_arrives, 2, timeout=120)
-    text = str(failure.value)
+    text = _failure_report(_peer_never_arrives)
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
     raised = _raised(text, "CollectiveError")
     # the root and its small layers share one group (merged units are named first..last)
