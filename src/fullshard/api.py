@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .core import cpu_allocator, hooks
 from .core.group import ParamGroup
+from .core.load_check import check_fits
 from .core.originals import SHARDED_ORIGINALS
 from .core.param import ParamRef, ShardedParam
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
@@ -132,6 +133,13 @@ class FSDPModule:
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"set_bucket_numel: numel must be an int >= 0, got {numel!r}")
         unit.bucket_numel = numel
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, except that a missing key (with ``strict``) or a
+        shape mismatch raises before anything is copied, naming the key: torch's own
+        load copies every entry that fits first and leaves a half-loaded model."""
+        check_fits(self, state_dict, "", strict, self._unit.name, FSDPModule)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _apply(self, *args, **kwargs):
         # .to()/.cuda()/to_empty() replace the DTensor parameters; re-point them at the
@@ -407,17 +415,21 @@ def fsdp_class(cls: type, front: type = FSDPModule) -> type:
 
 def _register_state_dict_hooks(unit: UnitState) -> None:
     """state_dict()/load_state_dict() always see the sharded DTensors; a load with
-    ``assign=True`` re-points the new DTensors at the unit's flat shard."""
-    group = unit.group
-    if group is None:
+    ``assign=True`` re-points the new DTensors at the unit's flat shard.
+
+    The hooks read ``unit.group`` when they run, never at registration: at the first
+    forward small units are merged into a shared group (core/buckets.py), and a hook
+    holding the unit's first group re-pointed the loaded parameters at a retired flat
+    shard that no all-gather reads any more (Note [one storage is the shard])."""
+    if unit.group is None:
         return
 
     def to_sharded(*_args, **_kwargs) -> None:
-        group.reshard()
+        unit.group.reshard()
 
     def readopt(*_args, **_kwargs) -> None:
         with torch.no_grad():
-            group.readopt()
+            unit.group.readopt()
 
     unit.module.register_state_dict_pre_hook(to_sharded)
     unit.module.register_load_state_dict_pre_hook(to_sharded)

@@ -20,6 +20,7 @@ Shampoo, any subclass) are left alone: they keep the correct DTensor path.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,10 +36,20 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 
 _enabled = True
 _installed = False
-# id(sharded DTensor param) -> weak ref to its owner (anything with a ``sharded_param``).
-# The tensor itself cannot be weakly referenced: swap_tensors (used by Module._apply)
-# refuses tensors that have weak references.
-_SHARDED: dict[int, weakref.ref] = {}
+
+
+class _Tracked(NamedTuple):
+    owner: weakref.ref  # the ShardedParam that holds this DTensor as its sharded_param
+    spec: object        # the DTensor's spec when tracked: tells a stale parameter apart
+
+
+# id(sharded DTensor param) -> _Tracked. The tensor itself cannot be weakly referenced:
+# swap_tensors (used by Module._apply) refuses tensors that have weak references. An
+# entry outlives its parameter when something replaces the parameter (a load with
+# assign=True): an optimizer still holding the old object is then caught by
+# _owner_for_step, which compares the spec to tell the old object from a new tensor
+# that happens to reuse its id.
+_SHARDED: dict[int, _Tracked] = {}
 # optimizer -> what the pre-hook swapped, restored by the post-hook
 _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 # optimizers whose parameters were checked against SHARDED_ORIGINALS (on their first step)
@@ -53,21 +64,43 @@ def set_local_step(enabled: bool) -> None:
 
 def track(owner) -> None:
     """Mark ``owner.sharded_param`` (a fullshard DTensor parameter) as eligible for the
-    local step, for as long as ``owner`` lives and still holds that parameter."""
+    local step and for the storage check, for as long as ``owner`` lives."""
     key = id(owner.sharded_param)
 
     def forget(ref: weakref.ref) -> None:
-        if _SHARDED.get(key) is ref:
+        entry = _SHARDED.get(key)
+        if entry is not None and entry.owner is ref:
             del _SHARDED[key]
 
-    _SHARDED[key] = weakref.ref(owner, forget)
+    _SHARDED[key] = _Tracked(weakref.ref(owner, forget), owner.sharded_param._spec)
     _install()
 
 
-def _is_tracked(p: torch.Tensor) -> bool:
-    ref = _SHARDED.get(id(p))
-    owner = ref() if ref is not None else None
-    return owner is not None and owner.sharded_param is p
+def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
+    """The ShardedParam behind optimizer parameter ``p`` (None for other tensors), after
+    checking the invariant of Note [one storage is the shard]: ``p`` is the parameter the
+    model holds and its local tensor is the shard the all-gather sends."""
+    entry = _SHARDED.get(id(p))
+    owner = entry.owner() if entry is not None else None
+    if owner is None:
+        return None
+    if owner.sharded_param is not p:
+        if getattr(p, "_spec", None) is not entry.spec:
+            return None  # an unrelated tensor that reuses a dead parameter's id
+        raise RuntimeError(
+            f"fullshard: {type(opt).__name__} {where} is parameter '{owner.fqn}' as it was "
+            "before the module replaced it (load_state_dict(assign=True) or a reassignment "
+            "installs a new tensor): stepping it would no longer change the model. Create "
+            "the optimizer after such a load and load its state then, or load without "
+            "assign=True, which copies into the existing parameters.")
+    if not owner.local_is_shard():
+        raise RuntimeError(
+            f"fullshard: parameter '{owner.fqn}': the tensor {type(opt).__name__} updates is no "
+            "longer the shard its unit all-gathers (its local tensor was replaced outside "
+            "fullshard), so training would silently stop reaching the model. Change "
+            "parameter values in place (param.copy_(...) under torch.no_grad()) or through "
+            "model.load_state_dict / set_model_state_dict.")
+    return owner
 
 
 def _install() -> None:
@@ -86,16 +119,19 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
         _CHECKED.add(opt)
+    sharded = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]") is not None
+                for j, p in enumerate(group["params"])]
+               for i, group in enumerate(opt.param_groups)]
     if not _enabled or type(opt) not in ELEMENTWISE_OPTIMIZERS:
         return
     swaps = []
-    for group in opt.param_groups:
-        params = group["params"]
-        if not any(_is_tracked(p) for p in params):
+    for group, tracked in zip(opt.param_groups, sharded):
+        if not any(tracked):
             continue
+        params = group["params"]
         local_params = []
-        for p in params:
-            local = _local_view(p) if _is_tracked(p) else None
+        for p, is_sharded in zip(params, tracked):
+            local = _local_view(p) if is_sharded else None
             if local is None:
                 local_params.append(p)
                 continue

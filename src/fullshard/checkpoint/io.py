@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
 from ..fsdp1.state_dict import native_state_dict
 from . import background
@@ -132,6 +133,8 @@ def load(path: str | os.PathLike, model: nn.Module,
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load the model "
                               "alone (optimizer=None) and start the optimizer fresh.")
     state = _states(model, optimizer)
+    if optimizer is not None:
+        _check_optimizer_fits(path, state)
     with warnings.catch_warnings():  # DCP: "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
@@ -186,6 +189,32 @@ def _check_fits(path: str, saved: dict[str, dict], model: nn.Module) -> None:
             parts.append(f"shape mismatches: {'; '.join(mismatched)}")
         raise CheckpointError(f"checkpoint {path} does not fit this model: "
                               + " | ".join(parts))
+
+
+def _check_optimizer_fits(path: str, state: dict[str, Any]) -> None:
+    """Every optimizer value the load will ask for is in the checkpoint with its shape, so
+    that DCP cannot fail halfway: a load that raises here has changed nothing."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict({"optim": state["optim"]})
+    missing, mismatched = [], []
+    for key, value in flat.items():
+        entry = saved.get(key)
+        if entry is None:
+            missing.append(key)
+        elif isinstance(value, torch.Tensor) and tuple(getattr(entry, "size", value.shape)) \
+                != tuple(value.shape):
+            mismatched.append(f"{key}: checkpoint {tuple(entry.size)}, optimizer "
+                              f"{tuple(value.shape)}")
+    if missing or mismatched:
+        parts = ([f"missing from the checkpoint: {', '.join(missing[:5])}"
+                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")]
+                 if missing else []) + ([f"shape mismatches: {'; '.join(mismatched[:5])}"]
+                                        if mismatched else [])
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this optimizer ({' | '.join(parts)}): it was "
+            "saved with another optimizer or other settings. Build the optimizer it was "
+            "saved with, or load the model alone (optimizer=None) and start the optimizer "
+            "fresh. Nothing was loaded.")
 
 
 def _hash_files(directory: str, group: dist.ProcessGroup | None = None) -> dict[str, dict]:

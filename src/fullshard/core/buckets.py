@@ -76,4 +76,5 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
                             offload=first.offload, compute_device=first.compute_device)
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
+            u.group.retire(merged_into=merged)
             u.group = merged

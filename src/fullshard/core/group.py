@@ -65,6 +65,7 @@ class GroupState(enum.Enum):
     GATHERING = "gathering"    # all-gather issued, not yet copied out
     UNSHARDED = "unsharded"    # unsharded params registered and valid
     POST_FORWARD = "post-forward"  # sharded, plus a 1/N chunk kept for backward (hpZ)
+    MERGED = "merged"          # retired: its parameters now belong to a bucket's group
 
 
 class ParamGroup:
@@ -110,6 +111,7 @@ class ParamGroup:
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
         self.checker: "DivergenceChecker | None" = None  # FULLSHARD_DEBUG (core/divergence.py)
+        self.merged_into: str | None = None  # the bucket that took over, once MERGED
 
     def _announce(self, op: str) -> None:
         """Debug mode: compare this collective's fingerprint across ranks before issuing it."""
@@ -151,9 +153,28 @@ class ParamGroup:
             return self._compute_device
         return self.flat_shard.device
 
+    def retire(self, merged_into: "ParamGroup") -> None:
+        """This group's parameters now live in ``merged_into`` (a bucket of small units,
+        core/buckets.py). Drop the buffers and refuse any further use: a stale group
+        that re-pointed parameters at its own flat shard would split what the optimizer
+        updates from what the all-gather sends (Note [one storage is the shard])."""
+        self.reshard()
+        self.flat_shard = self.unsharded = self._grad_buffer = None
+        self._copy_out_targets, self._grad_views = [], []
+        self.merged_into = merged_into.unit_name
+        self.state = GroupState.MERGED
+
+    def _check_live(self, action: str) -> None:
+        if self.state is GroupState.MERGED:
+            raise RuntimeError(
+                f"fullshard internal error: {action} on the group of {self.unit_name}, which "
+                f"was merged into {self.merged_into}; read the unit's current group "
+                "(unit.group) instead of keeping a reference to an old one.")
+
     def readopt(self) -> None:
         """Re-point every DTensor at ``flat_shard`` after a module ``_apply`` or an
         ``assign=True`` load replaced them; reallocate when device or dtype changed."""
+        self._check_live("readopt")
         self.reshard()
         first = self.params[0].refs[0]
         current = first.module._parameters[first.name]
@@ -202,6 +223,7 @@ class ParamGroup:
     # -- unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
+        self._check_live("unshard")
         if self.state is GroupState.POST_FORWARD:
             self._alloc_unsharded_storage()
             self._announce("all-gather (post-forward subgroup)")
@@ -272,6 +294,7 @@ class ParamGroup:
         """Register the sharded params again and free the unsharded storage."""
         if self.state is GroupState.SHARDED:
             return
+        self._check_live("reshard")
         if self.state is GroupState.POST_FORWARD:  # parameters already registered sharded
             self.post_forward.drop()
         elif self.state is GroupState.GATHERING:

@@ -18,6 +18,42 @@ and one accumulation per backward even when a module runs twice in a forward.
 The writer of all-gathered data uses an alias of the buffer with its own version
 counter (``.data``), so refilling the storage does not invalidate tensors that
 autograd saved in forward.
+
+Note [one storage is the shard]
+The invariant: for every parameter, three names denote one memory.
+  (1) ``sharded_param`` is the DTensor registered in the module (``module._parameters``)
+      and the one object optimizers and state dicts hold;
+  (2) its ``_local_tensor`` is the first ``valid_rows`` rows of ``padded_shard``;
+  (3) ``padded_shard`` is a view of the flat shard of the unit's *current* group, the
+      buffer that group all-gathers.
+So an in-place update of (1), by the optimizer or a load, is what the next all-gather
+sends. Who may replace what:
+* Values change in place only: ``optimizer.step()`` (also the local step, which
+  swaps in (2) itself for the step and back, Note [optimizer steps on local shards]),
+  ``load_state_dict`` without ``assign``, ``set_model_state_dict``, DCP's load into a
+  state dict, ``set_optimizer_state_dict`` (optimizer states only), summon_full_params'
+  write-back. None of them replaces (1), (2) or (3).
+* (1) is replaced by ``load_state_dict(assign=True)`` and by a module reassigning the
+  attribute: the post-load hook, or lazy init for assignments before the first
+  forward, calls ``ParamGroup.readopt``, which copies the new local values into (3)
+  and points the new DTensor's local tensor at it. An optimizer still holding the old
+  object raises at its next step (optim._owner_for_step); it must be rebuilt, exactly
+  as for a plain module.
+* ``_apply`` (``.to()``, ``.cuda()``, ``.float()``, ``to_empty``) swaps a new tensor
+  into the same DTensor object; ``FSDPModule._apply`` then calls ``readopt``, which
+  reallocates (3) when the device or dtype changed and re-points (2).
+* (3) is replaced only by its group: ``readopt`` (device/dtype change) and, at lazy
+  init, bucketing (core/buckets.py), whose new group lays out a fresh flat shard and
+  re-points every member's (2). The old groups are retired (GroupState.MERGED) and
+  refuse any further use, and every hook reads ``unit.group`` when it runs: a hook
+  that kept the first group once re-pointed loaded parameters at a retired buffer,
+  after which the optimizer updated memory no all-gather read.
+* CPU offload keeps (3) on the CPU; the gather sends a device copy of it, made from (3)
+  at every unshard. NO_SHARD aliases the unsharded parameters to (3) itself (Note
+  [shard groups of one rank]); hpZ keeps a chunk of the *unsharded* buffer, never (3).
+The guard: at every ``optimizer.step()`` each fullshard parameter the optimizer holds
+is checked to be (1) and to satisfy (2) (one pointer comparison each); a violation
+raises naming the parameter instead of training on silently.
 """
 
 from __future__ import annotations
@@ -164,6 +200,14 @@ class ShardedParam:
         lay = self.layout
         local = padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank))[:lay.valid_rows]
         return DTensor(local, self.spec, requires_grad=False)
+
+    def local_is_shard(self) -> bool:
+        """Whether the registered DTensor's local tensor is still this rank's rows of the
+        padded shard (Note [one storage is the shard])."""
+        local = self.sharded_param._local_tensor
+        if local.numel() == 0 or local.is_meta:
+            return True  # nothing to send or update
+        return local.data_ptr() == self.padded_shard.data_ptr()
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, shape={tuple(self.layout.shape)})"

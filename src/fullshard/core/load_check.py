@@ -1,0 +1,56 @@
+"""Check that a state dict fits a module before ``load_state_dict`` copies anything.
+
+``nn.Module.load_state_dict`` copies every entry that fits and raises at the end for
+those that do not, so a mismatched checkpoint leaves a half-loaded model behind.
+``FSDPModule.load_state_dict`` calls :func:`check_fits` first, so that a missing key
+(under ``strict``) or a shape mismatch raises naming the key while the model is still
+untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+
+def _entries(module: nn.Module, prefix: str, is_unit: type) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for every parameter and persistent buffer ``load_state_dict`` will
+    look for under ``prefix``. Modules that load themselves (an overridden
+    ``_load_from_state_dict``, or load pre-hooks of their own that may rename keys) are
+    left to that code."""
+    own_loader = (type(module)._load_from_state_dict is not nn.Module._load_from_state_dict
+                  or (module._load_state_dict_pre_hooks and not isinstance(module, is_unit)))
+    if not own_loader:
+        for name, p in module._parameters.items():
+            if p is not None:
+                yield prefix + name, p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                yield prefix + name, b
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _entries(child, f"{prefix}{name}.", is_unit)
+
+
+def check_fits(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool,
+               label: str, is_unit: type) -> None:
+    """Raise naming every key of ``module``'s subtree that is missing (under ``strict``)
+    or has another shape in ``state_dict``; nothing has been loaded at that point."""
+    problems = []
+    for key, tensor in _entries(module, prefix, is_unit):
+        value = state_dict.get(key)
+        if value is None:
+            if strict and key not in state_dict:
+                problems.append(f"'{key}' is missing")
+            continue
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(tensor.shape):
+            problems.append(f"'{key}' has shape {tuple(value.shape)} in the state dict but "
+                            f"{tuple(tensor.shape)} in the model")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
+                                            if len(problems) > 5 else "")
+        raise RuntimeError(
+            f"load_state_dict({label}): {shown}. Nothing was loaded. Load a state dict saved "
+            "from a model of this configuration (strict=False skips missing keys).")
