@@ -154,6 +154,25 @@ def _library_cases(tmp: str) -> dict[str, str]:
             checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
     out["E25"] = _message(reentrant)
 
+    def stale_optimizer():
+        model = fully_shard(nn.Linear(4, 4))
+        opt = torch.optim.AdamW(model.parameters())
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()},
+                              assign=True)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    out["E36"] = _message(stale_optimizer)
+
+    def local_tensor_replaced():
+        model = fully_shard(nn.Linear(4, 4))
+        opt = torch.optim.AdamW(model.parameters())
+        model.weight._local_tensor = model.weight._local_tensor.clone()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    out["E37"] = _message(local_tensor_replaced)
+    out["E38"] = _message(lambda: fully_shard(nn.Linear(4, 4)).load_state_dict(
+        {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)}))
+
     from torch.distributed.device_mesh import DeviceMesh
     rank0_only_mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; rank 1 is outside
     if dist.get_rank() == 1:
@@ -172,6 +191,15 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E27"] = _message(lambda: ckpt.load(path, fully_shard(_Pair())))
     out["E28"] = _message(lambda: ckpt.load(os.path.join(tmp, "nothing_here"),
                                             fully_shard(_Pair())))
+
+    def optimizer_does_not_fit():
+        model = fully_shard(nn.Linear(4, 4))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        sgd.step()
+        saved = ckpt.save(os.path.join(tmp, "sgd", "step_1"), model, sgd)
+        ckpt.load(saved, model, torch.optim.AdamW(model.parameters()))
+    out["E39"] = _message(optimizer_does_not_fit)
     return out
 
 
