@@ -34,10 +34,12 @@ def _units(*paths):
     return shard
 
 
-def _layers_then_root(model, raf):
+def _layers_then_root(model, raf, root_raf="same"):
+    """``root_raf="same"``: the root gets ``raf`` too (an explicit True frees it after
+    forward, as torch does); pass None for torch's default, which keeps it."""
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=raf)
-    fully_shard(model, reshard_after_forward=raf)
+    fully_shard(model, reshard_after_forward=raf if root_raf == "same" else root_raf)
 
 
 # name -> (build, shard(model, raf), make_batch(step, n_global), loss, optimizer)
@@ -103,7 +105,7 @@ def _sharded_gpt_and_reference():
     torch.manual_seed(1234)
     model = GPT(GPT_CFG)
     reference = copy.deepcopy(model)
-    _layers_then_root(model, True)
+    _layers_then_root(model, True, root_raf=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     return model, reference, opt, ref_opt

@@ -15,12 +15,12 @@ from fullshard.train.model import GPT, GPTConfig, lm_loss
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 
 
-def _sharded_gpt(raf=True, bucket_numel=0):
+def _sharded_gpt(raf=True, bucket_numel=0, root_raf=None):
     torch.manual_seed(0)
     model = GPT(CFG)
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=raf)
-    fully_shard(model, reshard_after_forward=raf)
+    fully_shard(model, reshard_after_forward=root_raf)
     model.set_bucket_numel(bucket_numel)
     return model
 
@@ -31,8 +31,8 @@ def _batch(seed=0, n=2):
     return x, torch.roll(x, -1, 1)
 
 
-def _count_worker(raf, bucket_numel=0):
-    model = _sharded_gpt(raf, bucket_numel)
+def _count_worker(raf, bucket_numel=0, root_raf=None):
+    model = _sharded_gpt(raf, bucket_numel, root_raf)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per_step = []
     for step in range(3):
@@ -58,6 +58,16 @@ def test_collectives_per_step_one_per_unit(raf):
         if raf:  # the layers were freed after forward: gathered again, prefetched
             expected["all_gather_async"] = layers
         assert bwd == expected, (raf, bwd)
+
+
+def test_explicit_reshard_after_forward_on_the_root_is_honoured():
+    """torch's semantics: the root keeps its parameters by default (None), but an explicit
+    True frees them after forward, so backward gathers the root again."""
+    units, layers = CFG.n_layers + 1, CFG.n_layers
+    steps = run_distributed(_count_worker, 2, True, 0, True)[0]
+    for fwd, bwd in steps[1:]:
+        assert fwd == {"all_gather": 1, "all_gather_async": layers}
+        assert bwd == {"all_gather": 1, "all_gather_async": layers, "reduce_scatter": units}
 
 
 @pytest.mark.parametrize("raf", [True, False])

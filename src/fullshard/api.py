@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .core import cpu_allocator, hooks
 from .core.group import ParamGroup
@@ -17,7 +18,8 @@ from .core.load_check import check_fits
 from .core.originals import SHARDED_ORIGINALS
 from .core.param import ParamRef, ShardedParam
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
+                       as_offload_policy)
 
 
 
@@ -153,12 +155,13 @@ class FSDPModule:
         return ret
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | None = True,
+def fully_shard(module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: set[nn.Parameter] | None = None,
-                debug: bool = False) -> nn.Module:
+                dp_mesh_dims=None, debug: bool = False):
     """Shard ``module``'s parameters across ``mesh`` (data parallel, ZeRO-3 / ZeRO-2).
 
     Apply it to submodules first (e.g. each transformer block), then to the root.
@@ -168,8 +171,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     reduce-scattered (averaged over ranks) into sharded DTensor gradients.
 
     Args:
-        module: the module to shard; returned with its class swapped to a subclass of
-            both its class and :class:`FSDPModule`.
+        module: the module to shard, returned with its class swapped to a subclass of
+            both its class and :class:`FSDPModule`; or a list of modules sharded as one
+            unit (one all-gather and one reduce-scatter for all of them, e.g. a final
+            norm and output head), returned as that list.
         mesh: a 1-D DeviceMesh (default: every rank of the default process group), or a
             2-D (replicate, shard) mesh for hybrid sharding: shards within each shard
             group, replicas across; gradients are reduce-scattered within the shard
@@ -177,34 +182,35 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         reshard_after_forward: free parameters after forward and gather them again in
             backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2);
             an int N keeps them sharded N ways after forward so backward gathers within
-            groups of N ranks (ZeRO++ hpZ). The root keeps them, since backward starts with it.
+            groups of N ranks (ZeRO++ hpZ). ``None`` (torch's default): ``True``, except
+            for the root, which keeps them since backward starts with it; an explicit
+            ``True`` on the root frees it too.
+        shard_placement_fn: torch's per-parameter placement hook; fullshard shards on
+            dim 0, so it may return ``None`` or ``Shard(0)`` (anything else raises).
         mp_policy: dtypes to gather/compute in (``param_dtype``), reduce gradients in
             (``reduce_dtype``) and cast outputs to (``output_dtype``); sharded parameters,
-            gradients and optimizer states stay in the parameters' dtype.
+            gradients and optimizer states stay in the parameters' dtype. fullshard's
+            policy or torch's.
         offload_policy: ``CPUOffloadPolicy()`` keeps the sharded parameters, gradients and
             optimizer states in CPU memory (pinned on CUDA machines) and copies each unit's
-            shard to the device for its all-gather; the default keeps them on the device.
+            shard to the device for its all-gather; the default (or ``None``) keeps them on
+            the device. fullshard's policies or torch's.
         ignored_params: parameters to leave unsharded and unmanaged.
+        dp_mesh_dims: torch's ``DataParallelMeshDims`` naming the data-parallel dimensions
+            of ``mesh``; they must be all of its dimensions (fullshard does not yet shard
+            parameters that are already DTensors on a tensor-parallel mesh).
         debug: on the root (or with ``FULLSHARD_DEBUG=1``): compare a fingerprint of every
             collective across ranks first, so ranks that take different paths raise an
             error naming the unit instead of hanging (slower; for debugging).
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: a list of modules as one unit is not supported "
-                                  "yet; wrap them in one nn.Module and shard that.")
-    label = _original_class(module).__name__
-    _check_arguments(label, mp_policy, offload_policy)
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    label = _unit_label(modules)
+    mp_policy, offload_policy = _check_arguments(label, mp_policy, offload_policy)
     if not isinstance(debug, bool):
         raise TypeError(f"fully_shard({label}): debug must be a bool, got {debug!r}.")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {label}; apply it once per "
-                         "module (submodules first, then the root).")
-    if type(module).forward is nn.Module.forward:
-        raise ValueError(
-            f"fully_shard({label}): this module has no forward() of its own (a container such "
-            "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
-            "Apply fully_shard to its children, or to the parent module that runs them.")
-    mesh = _resolve_mesh(label, mesh)
+    for m in modules:
+        _check_shardable(label, m)
+    mesh = _resolve_mesh(label, _data_parallel_mesh(label, mesh, dp_mesh_dims))
     pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
     post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
@@ -214,26 +220,103 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     _check_compute_dtype(label, mp_policy.param_dtype, device)
     if device.type == "cpu":
         cpu_allocator.tune_for_sharded_training()
-    refs_by_param = _collect_params(module, label, ignored_params or set())
+    refs_by_module = [_collect_params(m, label, ignored_params or set()) for m in modules]
+    refs_by_param: dict[nn.Parameter, list[ParamRef]] = {}
+    for refs in refs_by_module:
+        for p, where in refs.items():
+            refs_by_param.setdefault(p, []).extend(where)
+    _check_placements(label, shard_placement_fn, refs_by_param)
     group = None
+    sharded: dict[nn.Parameter, ShardedParam] = {}
     if refs_by_param:
-        params = [ShardedParam(refs, p, mesh, pg.rank(), pg.size())
-                  for p, refs in refs_by_param.items()]
-        group = ParamGroup(params, pg, label, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                           replicate_pg, post_forward_size,
+        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size())
+                   for p, refs in refs_by_param.items()}
+        group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
+                           mp_policy.reduce_dtype, replicate_pg, post_forward_size,
                            offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy)
                            else None)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             SHARDED_ORIGINALS.add(original, label)
-    _move_buffers(module, device)
-    unit = UnitState(module, label, mesh, group, reshard_after_forward is not False, mp_policy,
-                     debug)
-    module.__dict__["_fullshard_unit"] = unit
-    module.__class__ = fsdp_class(type(module))
-    hooks.install(unit)
-    _register_state_dict_hooks(unit)
-    return module
+    claimed: set[nn.Parameter] = set()
+    for m, refs in zip(modules, refs_by_module):
+        _move_buffers(m, device)
+        unit = UnitState(m, _original_class(m).__name__, mesh, group, reshard_after_forward,
+                         mp_policy, debug)
+        if len(modules) > 1:  # each unit names only its own parameters (a tied one: the first)
+            unit.own_params = [sharded[p] for p in refs if p not in claimed]
+            claimed.update(refs)
+        m.__dict__["_fullshard_unit"] = unit
+        m.__class__ = fsdp_class(type(m))
+        hooks.install(unit)
+        _register_state_dict_hooks(unit)
+    return modules if isinstance(module, (list, tuple)) else module
+
+
+def _unit_label(modules: list) -> str:
+    if not modules:
+        raise ValueError("fully_shard: got an empty list of modules; pass a module or a "
+                         "non-empty list of modules to shard as one unit.")
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: expected an nn.Module or a list of them, got "
+                            f"{type(m).__name__}" + (f" at index {i}" if len(modules) > 1 else ""))
+    names = [_original_class(m).__name__ for m in modules]
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+
+
+def _check_shardable(label: str, module: nn.Module) -> None:
+    name = _original_class(module).__name__
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {name}; apply it once per "
+                         "module (submodules first, then the root).")
+    if type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard({label}): this module has no forward() of its own (a container such "
+            "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
+            "Apply fully_shard to its children, or to the parent module that runs them.")
+
+
+def _check_placements(label: str, shard_placement_fn, refs_by_param: dict) -> None:
+    """torch's ``shard_placement_fn``: fullshard honours ``None`` and ``Shard(0)``."""
+    if shard_placement_fn is None:
+        return
+    if not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard({label}): shard_placement_fn must be callable as "
+                        f"fn(param) -> Shard | None, got {type(shard_placement_fn).__name__}.")
+    for p, refs in refs_by_param.items():
+        placement = shard_placement_fn(p)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+            continue
+        raise NotImplementedError(
+            f"fully_shard({label}): shard_placement_fn returned {placement} for parameter "
+            f"'{refs[0].fqn}'; fullshard shards every parameter on dim 0. Return None or "
+            "Shard(0) for it (or shard it with torch's fully_shard).")
+
+
+def _data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims) -> DeviceMesh | None:
+    """torch's ``dp_mesh_dims``: the (replicate, shard) dimensions of a named mesh."""
+    if dp_mesh_dims is None:
+        return mesh
+    if mesh is None:
+        raise ValueError(f"fully_shard({label}): dp_mesh_dims needs the mesh it names; pass "
+                         "mesh= as well.")
+    replicate = _dim_names(dp_mesh_dims.replicate)
+    shard = _dim_names(dp_mesh_dims.shard)
+    names = replicate + shard
+    if len(replicate) > 1 or len(shard) > 1 or set(names) != set(mesh.mesh_dim_names or ()):
+        raise NotImplementedError(
+            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names {names} of the mesh "
+            f"{mesh.mesh_dim_names}; fullshard takes one replicate and one shard dimension "
+            "covering the whole mesh (no tensor-parallel dimension yet). Pass "
+            "mesh=mesh[dp_dims] instead.")
+    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+
+
+def _dim_names(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _prefetch_targets(method: str, modules) -> list[UnitState]:
@@ -306,10 +389,11 @@ def _check_compute_dtype(label: str, dtype: torch.dtype | None, device: torch.de
                          "torch.float16 or torch.float32 on this device.")
 
 
-def _check_arguments(label, mp_policy, offload_policy) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard({label}): mp_policy must be a fullshard."
-                        f"MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
+def _check_arguments(label, mp_policy, offload_policy
+                     ) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fullshard's (torch's are accepted), checked."""
+    mp_policy = as_mp_policy(mp_policy, label)
+    offload_policy = as_offload_policy(offload_policy, label)
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(mp_policy, field)
         if dtype is not None and (not isinstance(dtype, torch.dtype)
@@ -317,10 +401,7 @@ def _check_arguments(label, mp_policy, offload_policy) -> None:
             raise ValueError(f"fully_shard({label}): mp_policy.{field}={dtype!r} is not a "
                              "floating-point torch.dtype (use torch.bfloat16, torch.float16 "
                              "or torch.float32).")
-    if type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
-        raise TypeError(f"fully_shard({label}): offload_policy must be fullshard's "
-                        f"OffloadPolicy() or CPUOffloadPolicy(), got "
-                        f"{type(offload_policy).__name__}.")
+    return mp_policy, offload_policy
 
 
 def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:

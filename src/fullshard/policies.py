@@ -7,7 +7,7 @@ values that fullshard does not implement yet raise ``NotImplementedError`` at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -51,3 +51,38 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def _torch_policies() -> tuple[type, type, type]:
+    """torch's own policy classes (fullshard accepts them wherever it accepts its own)."""
+    from torch.distributed import fsdp
+
+    return fsdp.MixedPrecisionPolicy, fsdp.OffloadPolicy, fsdp.CPUOffloadPolicy
+
+
+def as_mp_policy(value, label: str) -> MixedPrecisionPolicy:
+    """``value`` as fullshard's MixedPrecisionPolicy: ours, or torch's with the same fields."""
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    if isinstance(value, _torch_policies()[0]):
+        return MixedPrecisionPolicy(**{f.name: getattr(value, f.name)
+                                       for f in fields(MixedPrecisionPolicy)})
+    raise TypeError(f"fully_shard({label}): mp_policy must be a MixedPrecisionPolicy (fullshard's "
+                    f"or torch.distributed.fsdp's), got {type(value).__name__}.")
+
+
+def as_offload_policy(value, label: str) -> OffloadPolicy:
+    """``value`` as fullshard's OffloadPolicy or CPUOffloadPolicy: ours, torch's, or None
+    (no offloading, as torch's migration guide writes it)."""
+    if value is None:
+        return OffloadPolicy()
+    if type(value) in (OffloadPolicy, CPUOffloadPolicy):
+        return value
+    _, torch_offload, torch_cpu_offload = _torch_policies()
+    if type(value) is torch_cpu_offload:
+        return CPUOffloadPolicy(pin_memory=value.pin_memory)
+    if type(value) is torch_offload:
+        return OffloadPolicy()
+    raise TypeError(f"fully_shard({label}): offload_policy must be OffloadPolicy() or "
+                    "CPUOffloadPolicy() (fullshard's or torch.distributed.fsdp's) or None, got "
+                    f"{type(value).__name__}.")

@@ -156,7 +156,9 @@ def repeated_block_classes(model: nn.Module) -> set[type]:
 
 def auto_wrap(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
     """Shard ``model`` for the FSDP2 API without a policy: every repeated block (or Hugging
-    Face ``_no_split_modules`` block) becomes a unit, then the root. Returns ``model``."""
+    Face ``_no_split_modules`` block) becomes a unit, then the root, which keeps its
+    parameters from forward to backward (torch's default for a root) whatever
+    ``reshard_after_forward`` the blocks get. Returns ``model``."""
     from .api import fully_shard
 
     classes = repeated_block_classes(model)
@@ -165,6 +167,10 @@ def auto_wrap(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
             f"auto_wrap: found no repeated blocks in {type(model).__name__} (no class repeats "
             "inside an nn.ModuleList/nn.Sequential and no _no_split_modules); shard its "
             "submodules with fully_shard yourself, or pass a policy to apply_wrap_policy.")
-    apply_wrap_policy(model, ModuleWrapPolicy(classes),
-                      lambda m: fully_shard(m, **fully_shard_kwargs))
+    root_kwargs = {**fully_shard_kwargs, "reshard_after_forward": None}  # the root keeps
+
+    def shard(module: nn.Module) -> None:
+        fully_shard(module, **(root_kwargs if module is model else fully_shard_kwargs))
+
+    apply_wrap_policy(model, ModuleWrapPolicy(classes), shard)
     return model

@@ -48,7 +48,8 @@ def plan_buckets(units: "list[UnitState]", bucket_numel: int,
 
 def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> bool:
     ga, gb = a.group, b.group
-    same_rule = (a.reshard_after_forward == b.reshard_after_forward
+    # below the root, None and True both mean "reshard" (UnitState.reshards_after_forward)
+    same_rule = ((a.reshard_after_forward is not False) == (b.reshard_after_forward is not False)
                  and ga.post_forward_size == gb.post_forward_size) or a is root
     return (a.mesh == b.mesh and same_rule and a.mp_policy == b.mp_policy
             and ga.flat_shard.dtype == gb.flat_shard.dtype
@@ -65,6 +66,10 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
     # own groups: the user chose that granularity.
     pinned = {t for u in units for t in (u.forward_prefetch or []) + (u.backward_prefetch or [])}
     pinned |= {u for u in units if u.forward_prefetch or u.backward_prefetch}
+    # Units sharded together by one fully_shard([...]) call already share a group.
+    sharing = [u for u in units if u.group is not None
+               and sum(v.group is u.group for v in units) > 1]
+    pinned |= set(sharing)
     for run in plan_buckets([u for u in units if u not in pinned], bucket_numel, root):
         if len(run) == 1:
             continue

@@ -2,7 +2,7 @@
 
 Forward:  pre-forward gathers the unit (waiting on a prefetch if one was issued),
           then prefetches the unit that ran next in the previous iteration;
-          post-forward frees the unit (``reshard_after_forward``, never the root)
+          post-forward frees the unit (``reshard_after_forward``; the root only if asked)
           and hooks the outputs so backward can gather it again.
 Backward: an output-gradient hook gathers the unit and prefetches the unit that
           ran before it in forward; once every trainable parameter's gradient is
@@ -199,8 +199,7 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
         root.record_post_forward(unit)
         unit.ran_forward_with_grad = True
         _hook_outputs(unit, output)
-        if group is not None and unit.reshard_after_forward and not unit.is_root \
-                and root.forward_finished(unit):
+        if group is not None and unit.reshards_after_forward and root.forward_finished(unit):
             group.reshard_after_forward()
     elif group is not None and root.forward_finished(unit):
         group.reshard()  # no backward will read these parameters

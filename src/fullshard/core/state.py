@@ -30,14 +30,14 @@ class UnitState:
     """What one ``fully_shard(module)`` call manages."""
 
     def __init__(self, module: nn.Module, name: str, mesh: DeviceMesh,
-                 group: ParamGroup | None, reshard_after_forward: bool,
+                 group: ParamGroup | None, reshard_after_forward: bool | None,
                  mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), debug: bool = False):
         self.module = module
         self.label = name  # the module's class name, for messages about the root
         self.name = name
         self.mesh = mesh
         self.group = group
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # as given: see reshards_after_forward
         self.mp_policy = mp_policy
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
@@ -64,6 +64,15 @@ class UnitState:
             self.group.unit_name = self.name  # messages name units by path
         for p in self.own_params:
             p.fqn = f"{path}.{p.refs[0].fqn}" if path else p.refs[0].fqn
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """torch's rule: ``None`` means True below the root and False at the root (backward
+        starts with the root, so freeing it would only gather it again at once); an
+        explicit ``True`` on the root is honoured."""
+        if self.is_root:
+            return self.reshard_after_forward is True
+        return self.reshard_after_forward is not False
 
     @property
     def is_root(self) -> bool:

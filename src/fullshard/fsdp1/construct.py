@@ -77,8 +77,10 @@ def shard_fsdp1(front: type, module: nn.Module, process_group=None, sharding_str
         full_precision = keep_fp32 is not None and isinstance(unit, keep_fp32)
         if mixed is not None and mixed.buffer_dtype is not None and not full_precision:
             _cast_buffers(unit, ignored_mods, mixed.buffer_dtype)
+        kwargs = unit_kwargs if unit is not module else {
+            **unit_kwargs, "reshard_after_forward": None}  # FSDP1 never frees the root early
         fully_shard(unit, mp_policy=_unit_mp_policy(mixed, unit is module, full_precision),
-                    **unit_kwargs)
+                    **kwargs)
         unit.__class__ = fsdp_class(type(unit), front)
         _configure(unit, forward_prefetch, prefetch)
 
