@@ -14,16 +14,19 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .controls import share_comm_ctx
 from .checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
                     FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
                     ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
                     StateDictType)
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "DataParallelMeshDims",
     "apply_activation_checkpointing",
     "FSDPModule",
     "UnshardHandle",

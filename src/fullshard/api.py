@@ -17,6 +17,7 @@ from .core.group import ParamGroup
 from .core.load_check import check_fits
 from .core.originals import SHARDED_ORIGINALS
 from .core.param import ParamRef, ShardedParam
+from .controls import TorchControls
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
 from .policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
                        as_offload_policy)
@@ -37,7 +38,7 @@ class UnshardHandle:
             self._unit.group.wait_unshard()
 
 
-class FSDPModule:
+class FSDPModule(TorchControls):
     """Mixed into every module passed to ``fully_shard`` (``isinstance`` checks both)."""
 
     def __new__(cls, *args, **kwargs):
@@ -47,6 +48,12 @@ class FSDPModule:
         self = orig.__new__(orig, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_no_copy_message(self, "copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_no_copy_message(self, "pickling (torch.save of the module)"))
 
     @property
     def _unit(self) -> UnitState:
@@ -253,6 +260,13 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     return modules if isinstance(module, (list, tuple)) else module
 
 
+def _no_copy_message(module: nn.Module, what: str) -> str:
+    return (f"{what} of a sharded {_original_class(module).__name__} is not supported: its "
+            "parameters are shards tied to this process group. Copy the state instead: "
+            "build another model, fully_shard it, and load this one's state_dict() (or save "
+            "it with fullshard.checkpoint / torch.distributed.checkpoint).")
+
+
 def _unit_label(modules: list) -> str:
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules; pass a module or a "
@@ -270,7 +284,8 @@ def _check_shardable(label: str, module: nn.Module) -> None:
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {name}; apply it once per "
                          "module (submodules first, then the root).")
-    if type(module).forward is nn.Module.forward:
+    # torch.compile's OptimizedModule sets its forward on the instance
+    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
         raise ValueError(
             f"fully_shard({label}): this module has no forward() of its own (a container such "
             "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "

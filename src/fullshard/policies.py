@@ -86,3 +86,19 @@ def as_offload_policy(value, label: str) -> OffloadPolicy:
     raise TypeError(f"fully_shard({label}): offload_policy must be OffloadPolicy() or "
                     "CPUOffloadPolicy() (fullshard's or torch.distributed.fsdp's) or None, got "
                     f"{type(value).__name__}.")
+
+
+try:  # torch >= 2.13
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # older torch: the same fields, so code written for 2.13 runs
+    @dataclass(frozen=True)
+    class DataParallelMeshDims:  # type: ignore[no-redef]
+        """Which named dimensions of ``mesh`` are data parallel (torch 2.13's type)."""
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        def __post_init__(self):
+            if self.shard is None and self.replicate is None:
+                raise ValueError("At least one of shard or replicate must be set in "
+                                 "DataParallelMeshDims")

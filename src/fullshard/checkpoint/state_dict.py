@@ -48,40 +48,63 @@ class StateDictOptions:
                                      strict=self.strict)
 
 
-def _opts(options: StateDictOptions | None) -> _dsd.StateDictOptions:
+def _opts(options) -> _dsd.StateDictOptions:
+    """fullshard's or torch's StateDictOptions (or None) as torch's."""
     if options is None:
         return StateDictOptions().to_torch()
+    if isinstance(options, _dsd.StateDictOptions):
+        return options
     if not isinstance(options, StateDictOptions):
-        raise TypeError("options must be a fullshard.checkpoint.StateDictOptions, got "
+        raise TypeError("options must be a StateDictOptions (fullshard.checkpoint's or "
+                        "torch.distributed.checkpoint.state_dict's), got "
                         f"{type(options).__name__}")
     return options.to_torch()
 
 
-def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None
+# The functions below have torch.distributed.checkpoint.state_dict's signatures, keyword
+# names included (model_state_dict=, optim_state_dict=, optimizers=, submodules=).
+def get_model_state_dict(model: nn.Module, *, submodules=None, options=None
                          ) -> dict[str, Any]:
     """The model's parameters and buffers by FQN (DTensors unless ``full_state_dict``)."""
     with native_state_dict():
-        return _dsd.get_model_state_dict(model, options=_opts(options))
+        return _dsd.get_model_state_dict(model, submodules=submodules, options=_opts(options))
 
 
-def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], *,
-                         options: StateDictOptions | None = None):
-    """Load ``state_dict`` (full or sharded) into the sharded ``model``; returns the
+def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, options=None):
+    """Load ``model_state_dict`` (full or sharded) into the sharded ``model``; returns the
     missing and unexpected keys like ``nn.Module.load_state_dict``."""
     with native_state_dict():
-        return _dsd.set_model_state_dict(model, state_dict, options=_opts(options))
+        return _dsd.set_model_state_dict(model, model_state_dict, options=_opts(options))
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                             options: StateDictOptions | None = None) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter FQN (states as DTensors unless full)."""
+def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None, options=None
+                             ) -> dict[str, Any]:
+    """The state of ``optimizers`` (one or several) keyed by parameter FQN (states as
+    DTensors unless full)."""
     with native_state_dict():
-        return _dsd.get_optimizer_state_dict(model, optimizer, options=_opts(options))
+        return _dsd.get_optimizer_state_dict(model, optimizers, submodules=submodules,
+                                             options=_opts(options))
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                             state_dict: dict[str, Any], *,
-                             options: StateDictOptions | None = None) -> None:
-    """Load an FQN-keyed optimizer state dict (full or sharded) into ``optimizer``."""
+def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dict[str, Any], *,
+                             options=None) -> None:
+    """Load an FQN-keyed optimizer state dict (full or sharded) into ``optimizers``."""
     with native_state_dict():
-        _dsd.set_optimizer_state_dict(model, optimizer, state_dict, options=_opts(options))
+        _dsd.set_optimizer_state_dict(model, optimizers, optim_state_dict,
+                                      options=_opts(options))
+
+
+def get_state_dict(model: nn.Module, optimizers, *, submodules=None, options=None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``."""
+    with native_state_dict():
+        return _dsd.get_state_dict(model, optimizers, submodules=submodules,
+                                   options=_opts(options))
+
+
+def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict[str, Any],
+                   optim_state_dict: dict[str, Any], options=None):
+    """Load both state dicts; returns the model's missing and unexpected keys."""
+    with native_state_dict():
+        return _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                                   optim_state_dict=optim_state_dict, options=_opts(options))

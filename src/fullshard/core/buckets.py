@@ -51,7 +51,9 @@ def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> boo
     # below the root, None and True both mean "reshard" (UnitState.reshards_after_forward)
     same_rule = ((a.reshard_after_forward is not False) == (b.reshard_after_forward is not False)
                  and ga.post_forward_size == gb.post_forward_size) or a is root
-    return (a.mesh == b.mesh and same_rule and a.mp_policy == b.mp_policy
+    same_reduce = (a.reduce_options == b.reduce_options
+                   and a.unshard_in_backward == b.unshard_in_backward)
+    return (a.mesh == b.mesh and same_rule and same_reduce and a.mp_policy == b.mp_policy
             and ga.flat_shard.dtype == gb.flat_shard.dtype
             and ga.flat_shard.device == gb.flat_shard.device
             and (ga.offload, ga.compute_device) == (gb.offload, gb.compute_device))

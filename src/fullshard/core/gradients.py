@@ -7,6 +7,9 @@ the cast back into the parameters' dtype, and handing the shards out as ``.grad`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -24,13 +27,37 @@ def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
     return acc if grad is None else acc.add_(grad)
 
 
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How a group's reduced gradients are finished (torch's FSDPModule setters).
+
+    divide_factor: divide the summed gradients by this instead of the data-parallel size.
+    all_reduce: under hybrid sharding, all-reduce across replicas now (False: keep the
+        reduce-scattered sum and add it to the next reduction that does).
+    hook: called with the reduced gradient shard (flat, in ``reduce_dtype``) once the
+        reduction (and the replica all-reduce) is done; e.g. an all-reduce over another
+        mesh dimension.
+    force_sum: collectives always sum here and divide afterwards; with a hook, the
+        hook then sees the sum (divided after it), as torch's does.
+    """
+
+    divide_factor: float | None = None
+    all_reduce: bool = True
+    hook: Callable[[torch.Tensor], None] | None = None
+    force_sum: bool = False
+
+
+DEFAULT_REDUCE = ReduceOptions()
+
+
 class PendingReduce:
     """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
 
     def __init__(self, unit_name: str, params: list[ShardedParam], had_grad: list[bool],
                  pending: Pending,
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
-                 dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None):
+                 dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
+                 options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None):
         self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
@@ -40,20 +67,31 @@ class PendingReduce:
         self._views = views      # DTensor grads over ``dest``, or None: add to .grad
         self._dest = dest        # where the result lives, in the parameters' dtype
         self._replicate_pg = replicate_pg
+        self._options = options
+        self._partial = partial  # the group's sum kept by all_reduce=False
 
     def finish(self, world_size: int) -> None:
         out = self.pending.wait(f"gradient reduction of {self.unit_name}")
+        options = self._options
         if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
+            if not options.all_reduce:  # keep the shard-group sum; gradients come later
+                self._partial.add(out)
+                self._release_buffers()
+                return
+            self._partial.add_into(out)
             all_reduce_sum(out, self._replicate_pg,
                            what=f"gradient all-reduce across replicas of {self.unit_name}")
-        out.div_(world_size)
+        divisor = options.divide_factor or world_size
+        grads = out[:out.numel() - len(self.params)]  # without the presence flags
+        if options.hook is not None and options.force_sum:
+            options.hook(grads)
+        out.div_(divisor)
+        if options.hook is not None and not options.force_sum:
+            options.hook(grads)
         if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the CPU
             self._dest.copy_(out)
             out = self._dest
-        for buf in self._buffers:  # ``out`` may be one of them: give back after the copy
-            if buf is not None:
-                self._pool.give(buf)
-        self._buffers = []
+        self._release_buffers()  # ``out`` may have been one of them: only after the copy
         sizes = [p.layout.shard_numel for p in self.params]
         shards = torch.split(out, sizes + [len(self.params)])
         if all(self.had_grad):
@@ -73,3 +111,34 @@ class PendingReduce:
                 p.sharded_param.grad = p.sharded_grad(shard)
             else:
                 current._local_tensor.add_(p.sharded_grad(shard)._local_tensor)
+
+    def discard(self) -> None:
+        """Wait for the collective (never free a buffer under it) and drop its result."""
+        self.pending.wait(f"gradient reduction of {self.unit_name}")
+        self._release_buffers()
+
+    def _release_buffers(self) -> None:
+        for buf in self._buffers:
+            if buf is not None:
+                self._pool.give(buf)
+        self._buffers = []
+
+
+class PartialSum:
+    """A group's reduce-scattered gradient sum held back from the replica all-reduce by
+    ``set_requires_all_reduce(False)`` (HSDP gradient accumulation): the next reduction
+    that all-reduces adds it in first."""
+
+    def __init__(self):
+        self.total: torch.Tensor | None = None
+
+    def add(self, out: torch.Tensor) -> None:
+        if self.total is None:
+            self.total = out.clone()
+        else:
+            self.total.add_(out)
+
+    def add_into(self, out: torch.Tensor) -> None:
+        if self.total is not None:
+            out.add_(self.total)
+            self.total = None

@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from .buffers import BufferPool
 from .collectives import Pending, all_gather, all_reduce_sum, needs_scratch, reduce_scatter_sum
-from .gradients import PendingReduce, take_unsharded_grad
+from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
+                        take_unsharded_grad)
 from .param import ShardedParam
 from .post_forward import PostForwardShard
 
@@ -112,6 +113,7 @@ class ParamGroup:
         self._grad_views: list = []
         self.checker: "DivergenceChecker | None" = None  # FULLSHARD_DEBUG (core/divergence.py)
         self.merged_into: str | None = None  # the bucket that took over, once MERGED
+        self.partial_sum = PartialSum()  # set_requires_all_reduce(False) under HSDP
 
     def _announce(self, op: str) -> None:
         """Debug mode: compare this collective's fingerprint across ranks before issuing it."""
@@ -334,6 +336,16 @@ class ParamGroup:
     def trainable(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded_param.requires_grad]
 
+    def forget_backward(self) -> None:
+        """Drop this group's gradients not yet reduced and its backward countdown."""
+        self._grads_seen = self._grads_expected = 0
+        self.inputs_pending = 0
+        self.partial_sum.total = None
+        for p in self.params:
+            p.accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+
     def expect_grads(self) -> None:
         """Arm the countdown that fires ``on_grads_ready`` once every trainable param's
         gradient has been accumulated in this backward."""
@@ -368,7 +380,7 @@ class ParamGroup:
             return cached
         return torch.tensor(had_grad, dtype=like.dtype).to(like.device)
 
-    def reduce_grads(self) -> "PendingReduce | None":
+    def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
         """Start reducing the unsharded gradients (sum, asynchronously) and free them.
 
         Note [gradient presence flags]
@@ -401,10 +413,15 @@ class ParamGroup:
             p.unsharded_param.grad = None
         dest, views = self._grad_destination(trainable, numel, self.flat_shard)
         if w == 1 and self.replicate_pg is not None:  # Note [shard groups of one rank]
+            if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
+                return PendingReduce(self.unit_name, trainable, had_grad, Pending(full, None),
+                                     self.pool, [full], views, dest, self.replicate_pg,
+                                     options, self.partial_sum)
+            self.partial_sum.add_into(full.view(-1))
             self._announce("all-reduce")
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
-                                 [full], views, dest)
+                                 [full], views, dest, options=options)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) \
             if needs_scratch(self.pg) else None
         out = dest if (reduce_dtype, ref.device) == (dest.dtype, dest.device) else torch.empty(
@@ -413,7 +430,8 @@ class ParamGroup:
             self._announce("reduce-scatter")
         pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
         return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
-                             [full, scratch], views, dest, self.replicate_pg)
+                             [full, scratch], views, dest, self.replicate_pg, options,
+                             self.partial_sum)
 
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync: move this backward's unsharded gradients into a

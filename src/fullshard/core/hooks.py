@@ -40,12 +40,21 @@ from .state import RootState, UnitState, lazy_init
 
 
 def install(unit: UnitState) -> None:
-    """Register the forward hooks of ``unit.module``."""
-    unit.module.register_forward_pre_hook(partial(_pre_forward, unit), prepend=True,
-                                          with_kwargs=True)
-    unit.module.register_forward_hook(partial(_post_forward, unit), always_call=False,
-                                      with_kwargs=True)
-    unit.pre_backward_hook = partial(_pre_backward, unit)
+    """Register the forward hooks of ``unit.module``.
+
+    Note [hooks under torch.compile]
+    The hooks run eagerly even inside a compiled model: ``torch._dynamo.disable`` makes
+    Dynamo break the graph around each of them (what FSDP2 does by default, its
+    ``skip_fsdp_hooks``). They mutate storage sizes, issue collectives and keep Python
+    state; tracing them would bake one iteration's decisions into the graph. A block
+    compiled before ``fully_shard`` is one graph between the hooks; a model compiled
+    after it has a graph per stretch of computation between two units' hooks.
+    """
+    unit.module.register_forward_pre_hook(torch._dynamo.disable(partial(_pre_forward, unit)),
+                                          prepend=True, with_kwargs=True)
+    unit.module.register_forward_hook(torch._dynamo.disable(partial(_post_forward, unit)),
+                                      always_call=False, with_kwargs=True)
+    unit.pre_backward_hook = torch._dynamo.disable(partial(_pre_backward, unit))
 
 
 def ensure_root(unit: UnitState) -> RootState:
@@ -170,12 +179,16 @@ def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
     """Start gathering each group that is sharded and not yet done with this backward."""
     for group in groups:
         if group is not None and group.state is GroupState.SHARDED \
-                and group not in root.reduced:
+                and group not in root.reduced \
+                and (not root.in_backward or root.unshards_in_backward(group)):
             group.unshard(async_op=True)
 
 
 def _root_pre_forward(root: RootState) -> None:
     root.finish_pending_reduce()
+    event, root.unit.post_optim_event = root.unit.post_optim_event, None
+    if event is not None:  # set_post_optim_event: gathers wait for the optimizer step
+        event.wait()
     # Parameters still gathered from an earlier forward without backward may be stale
     # after an optimizer step: gather them again, unless the user just did or asked to
     # keep them gathered across backward (set_reshard_after_backward(False)).
@@ -219,7 +232,7 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     if not root.in_backward:
         _start_backward(root)
     group = unit.group
-    if group is not None and group not in root.reduced:
+    if group is not None and group not in root.reduced and root.unshards_in_backward(group):
         group.unshard()
         group.wait_unshard()
     if unit.backward_prefetch is not None:
@@ -250,7 +263,7 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
     if first.backward_prefetch is None and first.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(first)])
     if any(u.requires_gradient_sync for u in root.members[group]):
-        root.pending_reduce = group.reduce_grads()
+        root.pending_reduce = group.reduce_grads(root.reduce_options(group))
     else:  # accumulate unsharded until a backward with gradient sync reduces it all
         group.accumulate_unsharded_grads()
     root.reduced.add(group)

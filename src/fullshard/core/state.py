@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..policies import MixedPrecisionPolicy
 from .buckets import merge_small_units
 from .buffers import BufferPool
+from .gradients import DEFAULT_REDUCE, ReduceOptions
 from .group import GroupState, ParamGroup, PendingReduce
 
 
@@ -55,6 +56,9 @@ class UnitState:
         # computed and its parameters freed (FSDP1's BACKWARD_POST), not when its backward starts
         self.backward_prefetch_after_grads = False
         self.explicit_unshard = False   # the user called module.unshard(): keep it at pre-forward
+        self.reduce_options: ReduceOptions = DEFAULT_REDUCE  # torch's gradient-reduction setters
+        self.unshard_in_backward = True  # False: backward never gathers (e.g. an embedding)
+        self.post_optim_event = None     # root only: waited on before the next forward's gathers
         self.ran_forward_with_grad = False
 
     def rename(self, path: str) -> None:
@@ -168,6 +172,41 @@ class RootState:
         """The last other group whose forward finished before ``unit``'s: the next one
         backward reaches, hence the one to prefetch in backward."""
         return self._prev_group.get(unit)
+
+    def reset_iteration(self) -> None:
+        """``reset_iter_state``: after an exception aborted a forward or backward, wait for
+        collectives in flight, reshard every group, drop the aborted iteration's gradients
+        (also those accumulated without sync) and its bookkeeping. The forward order
+        recorded by the last complete iteration is kept for prefetching."""
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.discard()
+        for group in self.members:
+            group.reshard()
+            group.forget_backward()
+        for u in self.units:
+            u.ran_forward_with_grad = False
+            u.explicit_unshard = False
+        self.in_backward = False
+        self.reduced.clear()
+        self.kept_gathered = set()
+        self.recording = []
+        self.start_iteration()
+
+    def reduce_options(self, group: ParamGroup) -> ReduceOptions:
+        """The gradient-reduction settings of ``group``'s units; with several units (a
+        list or merged small units) the others agree by construction except for the
+        run-time toggle ``all_reduce``, which holds while any of them asks for it."""
+        members = self.members[group]
+        first = members[0].reduce_options
+        if len(members) == 1 or first.all_reduce:
+            return first
+        if any(u.reduce_options.all_reduce for u in members[1:]):
+            return ReduceOptions(first.divide_factor, True, first.hook, first.force_sum)
+        return first
+
+    def unshards_in_backward(self, group: ParamGroup) -> bool:
+        return any(u.unshard_in_backward for u in self.members[group])
 
     # -- reduce-scatter in flight -----------------------------------------------------------
     def finish_pending_reduce(self) -> None:

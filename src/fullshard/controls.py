@@ -1,0 +1,191 @@
+"""torch 2.13's ``FSDPModule`` setters that go beyond fullshard's core surface.
+
+``FSDPModule`` inherits these. Each has torch's signature and semantics; the ones that
+tune NCCL or CUDA-stream internals fullshard does not have (separate communicators,
+process-group or symmetric-memory allocation, several reduce-scatter buffers in
+flight) validate their arguments and do nothing, as documented in the README's API
+table, because fullshard's schedule already does what they are for or has no such knob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .core.state import UnitState
+
+
+class TorchControls:
+    """Mixed into FSDPModule: torch's setters for reduction, resharding and comm tuning."""
+
+    _unit: UnitState
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _units(self, recurse: bool) -> list[UnitState]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [m._unit for m in modules if isinstance(m, TorchControls)]
+
+    def _set_reduce(self, method: str, **changes) -> None:
+        """Change this unit's reduction settings; a unit sharing its group with other
+        units (merged small units) cannot differ from them."""
+        unit = self._unit
+        root = unit.root
+        if root is not None and unit.group is not None and len(root.members[unit.group]) > 1:
+            others = [u.name for u in root.members[unit.group] if u is not unit]
+            raise ValueError(
+                f"{method} on {unit.name}: its parameters were merged with {others} into one "
+                "collective at the first forward, so its gradient reduction cannot differ from "
+                "theirs. Call it right after fully_shard, before the first forward, or call "
+                "set_bucket_numel(0) on the root then.")
+        unit.reduce_options = dataclasses.replace(unit.reduce_options, **changes)
+
+    # -- iteration state -------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: wait for collectives in flight,
+        reshard every group and clear the iteration's bookkeeping, on the root. Gradients
+        of the failed iteration (also those accumulated without sync) are discarded."""
+        unit = self._unit
+        if unit.root is None or unit.root.unit is not unit:
+            raise RuntimeError(f"reset_iter_state on {unit.name}: call it on the root module "
+                               "(the one whose forward runs first).")
+        unit.root.reset_iteration()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
+                                  ) -> None:
+        """Free (True) or keep (False) parameters after forward from now on; ``True`` on
+        the root frees it too. A unit built with an int N keeps its N-way layout."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError("set_reshard_after_forward: expected a bool, got "
+                            f"{type(reshard_after_forward).__name__}")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With ``False`` backward never gathers this unit's parameters: for units whose
+        backward reads none of them (an embedding). Gradients are still reduced."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError("set_unshard_in_backward: expected a bool, got "
+                            f"{type(unshard_in_backward).__name__}")
+        self._unit.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """On the root: the next forward's first gathers wait on ``event`` (recorded after
+        the optimizer step), then forget it; call again each iteration."""
+        if not hasattr(event, "wait"):
+            raise TypeError(f"set_post_optim_event: expected a torch.Event, got "
+                            f"{type(event).__name__}")
+        self._unit.post_optim_event = event
+
+    # -- gradient reduction -----------------------------------------------------------------
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True
+                                ) -> None:
+        """Hybrid sharding: with ``False`` gradients are reduce-scattered within the shard
+        group but not all-reduced across replicas; the sum is kept and added to the next
+        reduction that does (gradient accumulation with only intra-group traffic)."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError("set_requires_all_reduce: expected a bool, got "
+                            f"{type(requires_all_reduce).__name__}")
+        for unit in self._units(recurse):
+            unit.reduce_options = dataclasses.replace(unit.reduce_options,
+                                                      all_reduce=requires_all_reduce)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, "
+                             f"got {factor!r}")
+        self._set_reduce("set_gradient_divide_factor", divide_factor=float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch: :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """fullshard's collectives always sum and divide afterwards; with ``True`` an
+        all-reduce hook sees the sum (divided after it), as with torch."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms: expected a bool, got "
+                            f"{type(enable).__name__}")
+        self._set_reduce("set_force_sum_reduction_for_comms", force_sum=enable)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream=None) -> None:
+        """Call ``hook(reduced)`` on this unit's reduced gradient shard (flat, in the
+        reduce dtype) after the reduce-scatter, or after the replica all-reduce under
+        hybrid sharding; it may modify it in place (e.g. all-reduce it over another mesh
+        dimension). It runs on the current stream (``stream`` is accepted without
+        hybrid sharding, as torch allows, and not used)."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got "
+                            f"{type(hook).__name__}")
+        group = self._unit.group
+        if stream is not None and group is not None and group.replicate_pg is not None:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
+        self._set_reduce("set_all_reduce_hook", hook=hook)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Accepted: fullshard always reduces zeros for parameters a rank did not use (with
+        presence flags, Note [gradient presence flags]), so ranks never mismatch."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError("set_reduce_scatter_unused_params: expected a bool, got "
+                            f"{type(reduce_scatter_unused_params).__name__}")
+
+    # -- communication tuning with no fullshard counterpart -----------------------------------
+    def set_custom_all_gather(self, comm) -> None:
+        raise NotImplementedError(
+            f"set_custom_all_gather on {self._unit.name}: fullshard gathers each unit with its "
+            "own all_gather_into_tensor into pooled buffers and has no custom-collective "
+            "hook yet; use torch's fully_shard for a custom all-gather.")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        raise NotImplementedError(
+            f"set_custom_reduce_scatter on {self._unit.name}: fullshard reduces each unit "
+            "with its own reduce-scatter (all_to_all plus a local sum on gloo) and has no "
+            "custom-collective hook yet; use torch's fully_shard for a custom reduce-scatter.")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """Accepted and validated; fullshard keeps at most one reduce-scatter in flight and
+        recycles its input buffers through its pool."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """Accepted; fullshard issues all-gathers and reduce-scatters on the unit's one
+        process group."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_separate_reduce_scatter_group: expected a bool, got "
+                            f"{type(enable).__name__}")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted; fullshard's communication buffers come from its own pool."""
+        if not isinstance(enable, bool):
+            raise TypeError("set_allocate_memory_from_process_group_for_comm: expected a "
+                            f"bool, got {type(enable).__name__}")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for ``"NCCL"``; fullshard does not allocate symmetric memory."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: only the 'NCCL' backend exists, got "
+                             f"{backend!r}")
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """torch's ``share_comm_ctx``: FSDP2 shares CUDA streams between roots (pipeline
+    stages); fullshard issues every collective on the current stream, so there is
+    nothing to share. Checks the modules are sharded."""
+    for module in modules:
+        if not isinstance(module, TorchControls):
+            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules but got "
+                             f"{type(module).__name__}")
+
+
+__all__ = ["TorchControls", "share_comm_ctx"]
