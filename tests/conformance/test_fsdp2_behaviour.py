@@ -1,0 +1,290 @@
+"""Behaviours torch's FSDP2 tests check, written from the behaviour, run on CPU/gloo.
+
+Each is a parity test against a single-process reference or a check of what torch
+does with the same call: module lists as one unit, torch's own policy objects,
+torch.compile in both orders, the FSDPModule setters, copy/pickle, torch's
+state-dict function keywords.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+from fullshard import fully_shard
+from fullshard import checkpoint as ckpt
+from fullshard.testing import run_distributed
+from fullshard.testing.counting import count_forward_backward
+from fullshard.testing.models import token_batch
+from fullshard.testing.parity import check_parity
+from fullshard.train.model import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
+
+
+def _batch(step, n=4):
+    return token_batch(step, n, CFG.vocab_size, CFG.seq_len)
+
+
+def _loss(model, batch):
+    return lm_loss(model(batch[0]), batch[1])
+
+
+def _parity(shard, **kwargs):
+    return check_parity(lambda: GPT(CFG), shard, _batch, _loss, **kwargs).max_weight_diff
+
+
+# -- fully_shard arguments --------------------------------------------------------------------
+def _list_unit_parity():
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer)
+        out = fully_shard([model.ln_f, model.pos_emb], mp_policy=TorchMixedPrecisionPolicy(),
+                          offload_policy=None)
+        assert isinstance(out, list) and out[0] is model.ln_f
+        fully_shard(model)
+        model.set_bucket_numel(0)
+    _parity(shard)
+    # one all-gather serves both modules of the list
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard([model.ln_f, model.pos_emb])
+    fully_shard(model)
+    model.set_bucket_numel(0)
+    x, y = _batch(0, 2)
+    fwd, _ = count_forward_backward(lambda: lm_loss(model(x), y))
+    return sum(fwd.values())
+
+
+def test_a_list_of_modules_is_one_unit():
+    gathers = run_distributed(_list_unit_parity, 2)[0]
+    assert gathers == CFG.n_layers + 2  # layers, the list, the root
+
+
+def _torch_policies_parity():
+    def shard(model):
+        policy = TorchMixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=policy, offload_policy=TorchCPUOffloadPolicy())
+        fully_shard(model, mp_policy=policy, offload_policy=TorchCPUOffloadPolicy())
+    _parity(shard)
+
+
+def test_torchs_policy_objects_are_accepted():
+    run_distributed(_torch_policies_parity, 2)
+
+
+# -- torch.compile -----------------------------------------------------------------------------
+def _compiled(order: str, backend: str) -> list[float]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if order == "blocks_before":  # torchtitan: compile each block, then shard
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=backend)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    run = torch.compile(model, backend=backend) if order == "model_after" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x, y = _batch(step, 2)
+        x, y = x[dist.get_rank()::2], y[dist.get_rank()::2]
+        loss = lm_loss(run(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("order", ["blocks_before", "model_after"])
+def test_torch_compile_trains_with_the_eager_losses(order):
+    eager = run_distributed(_compiled, 2, "none", "eager")[0]
+    compiled = run_distributed(_compiled, 2, order, "aot_eager", timeout=300)[0]
+    assert compiled == pytest.approx(eager, rel=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="inductor needs a C compiler")
+def test_torch_compile_with_inductor():
+    eager = run_distributed(_compiled, 2, "none", "eager")[0]
+    compiled = run_distributed(_compiled, 2, "blocks_before", "inductor", timeout=600)[0]
+    assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+# -- FSDPModule setters ------------------------------------------------------------------------
+def _divide_factor_and_hook():
+    world = dist.get_world_size()
+    seen = []
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer)
+            # sum over ranks, divided by 2*world: the reference's mean gradient, halved ...
+            layer.set_gradient_divide_factor(2.0 * world)
+            # ... and doubled back by the hook: training must match the reference exactly
+            layer.set_all_reduce_hook(lambda grad: (seen.append(grad.numel()), grad.mul_(2)))
+        fully_shard(model)
+    _parity(shard)
+    calls = len(seen)
+
+    def factor_only(model):  # without the hook's doubling, the updates are halved
+        for layer in model.layers:
+            fully_shard(layer)
+            layer.set_gradient_divide_factor(2.0 * world)
+        fully_shard(model)
+    with pytest.raises(AssertionError):
+        _parity(factor_only)
+    return calls
+
+
+def test_gradient_divide_factor_and_all_reduce_hook():
+    calls = run_distributed(_divide_factor_and_hook, 2)[0]
+    assert calls == 5 * CFG.n_layers  # once per layer per step
+
+
+def _requires_all_reduce_hsdp():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    toggles = []
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        toggles.append(model)
+
+    def batch(i):  # micro-batch 0 without the replica all-reduce, 1 with it
+        toggles[0].set_requires_all_reduce(i % 2 == 1)
+        return _batch(i, 8)
+    check_parity(lambda: GPT(CFG), shard, batch, _loss, micro_batches=2)
+    shard_counts = []
+    for flag in (False, True):
+        toggles.clear()
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        shard(model)
+        model.set_bucket_numel(0)
+        model.set_requires_all_reduce(flag)
+        x, y = _batch(0, 2)
+        shard_counts.append(count_forward_backward(lambda: lm_loss(model(x), y))[1])
+    return shard_counts
+
+
+def test_requires_all_reduce_false_accumulates_within_the_shard_group():
+    without, with_ = run_distributed(_requires_all_reduce_hsdp, 4)[0]
+    assert "all_reduce" not in without and without["reduce_scatter"] == CFG.n_layers + 1
+    assert with_["all_reduce"] == CFG.n_layers + 1
+
+
+class _EmbedThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(CFG.vocab_size, 16)
+        self.out = nn.Linear(16, CFG.vocab_size)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.emb(x)))
+
+
+def _unshard_in_backward_false():
+    def shard(model):
+        fully_shard(model.emb)
+        model.emb.set_unshard_in_backward(False)  # an embedding's backward reads no weight
+        fully_shard(model)
+        model.set_bucket_numel(0)
+    report = check_parity(_EmbedThenLinear, shard, _batch, _loss)
+    torch.manual_seed(0)
+    model = _EmbedThenLinear()
+    shard(model)
+    x, y = _batch(0, 2)
+    _, bwd = count_forward_backward(lambda: lm_loss(model(x), y))
+    return report.max_weight_diff, bwd
+
+
+def test_unshard_in_backward_false_gathers_nothing_in_backward():
+    _, bwd = run_distributed(_unshard_in_backward_false, 2)[0]
+    assert "all_gather" not in bwd and "all_gather_async" not in bwd  # the root stays gathered
+    assert bwd["reduce_scatter"] == 2
+
+
+def _reset_after_a_failed_forward():
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        # a forward that dies halfway (after the first two layers ran), then a reset
+        x, _ = _batch(99, 2)
+        broken = model.layers[2].forward
+        model.layers[2].forward = lambda *a, **k: (_ for _ in ()).throw(ValueError("boom"))
+        with pytest.raises(ValueError, match="boom"):
+            model(x).sum().backward()
+        model.layers[2].forward = broken
+        model.reset_iter_state()
+    return _parity(shard)
+
+
+def test_reset_iter_state_after_a_failed_forward():
+    run_distributed(_reset_after_a_failed_forward, 2)
+
+
+def _reshard_after_forward_toggle():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.set_bucket_numel(0)
+    x, y = _batch(0, 2)
+    count_forward_backward(lambda: lm_loss(model(x), y))
+    model.set_reshard_after_forward(False)
+    _, kept = count_forward_backward(lambda: lm_loss(model(x), y))
+    model.set_reshard_after_forward(True)  # the root too, as torch does
+    _, freed = count_forward_backward(lambda: lm_loss(model(x), y))
+    return kept, freed
+
+
+def test_set_reshard_after_forward_at_run_time():
+    kept, freed = run_distributed(_reshard_after_forward_toggle, 2)[0]
+    assert "all_gather" not in kept and "all_gather_async" not in kept
+    assert freed.get("all_gather", 0) + freed.get("all_gather_async", 0) == CFG.n_layers + 1
+
+
+# -- copy, pickle, torch's state-dict keywords -------------------------------------------------
+def _copy_pickle_and_state_dict_keywords():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    torch.manual_seed(0)
+    model = fully_shard(GPT(CFG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(0, 2)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    errors = []
+    for attempt in (lambda: copy.deepcopy(model), lambda: pickle.dumps(model)):
+        with pytest.raises(TypeError) as err:
+            attempt()
+        errors.append(str(err.value))
+    msd, osd = ckpt.get_state_dict(model, optimizers=opt,
+                                   options=StateDictOptions(full_state_dict=False))
+    ckpt.set_state_dict(model, optimizers=opt, model_state_dict=msd, optim_state_dict=osd)
+    full = ckpt.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    ckpt.set_model_state_dict(model, model_state_dict=full,
+                              options=StateDictOptions(full_state_dict=True))
+    ckpt.set_optimizer_state_dict(model, optimizers=opt, optim_state_dict=osd)
+    return errors
+
+
+def test_copy_and_pickle_say_to_use_a_state_dict_and_torchs_keywords_work():
+    errors = run_distributed(_copy_pickle_and_state_dict_keywords, 2)[0]
+    assert all("is not supported" in e and "state_dict()" in e for e in errors), errors

@@ -1,0 +1,56 @@
+"""fullshard's FSDP2 surface is torch's: every public name, method and parameter name.
+
+Read from the installed torch, so a torch upgrade that adds a name fails here first.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.distributed.checkpoint.state_dict as torch_dsd
+import torch.distributed.fsdp as torch_fsdp
+
+import fullshard
+from fullshard import checkpoint as ckpt
+
+FSDP2_NAMES = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+               "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "share_comm_ctx",
+               "DataParallelMeshDims"]
+
+
+def _parameters(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_every_fsdp2_name_of_the_installed_torch_exists():
+    present = [n for n in FSDP2_NAMES if hasattr(torch_fsdp, n)]
+    missing = [n for n in present if not hasattr(fullshard, n)]
+    assert not missing, missing
+
+
+def test_every_public_fsdpmodule_method_of_torch_exists_with_its_parameters():
+    torch_methods = {m for m in dir(torch_fsdp.FSDPModule) if not m.startswith("_")}
+    missing = sorted(m for m in torch_methods if not hasattr(fullshard.FSDPModule, m))
+    assert not missing, missing
+    differ = {m: (_parameters(getattr(torch_fsdp.FSDPModule, m)),
+                  _parameters(getattr(fullshard.FSDPModule, m)))
+              for m in torch_methods
+              if _parameters(getattr(torch_fsdp.FSDPModule, m))
+              != _parameters(getattr(fullshard.FSDPModule, m))}
+    assert not differ, differ
+
+
+def test_fully_shard_takes_torchs_parameters_with_torchs_defaults():
+    theirs = inspect.signature(torch_fsdp.fully_shard).parameters
+    ours = inspect.signature(fullshard.fully_shard).parameters
+    assert [n for n in ours if n in theirs] == list(theirs)
+    assert set(ours) - set(theirs) == {"debug"}
+    for name, p in theirs.items():
+        if p.default is not inspect.Parameter.empty:
+            assert repr(ours[name].default) == repr(p.default), name  # policies: same fields
+
+
+def test_state_dict_functions_take_torchs_parameter_names():
+    for name in ["get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
+                 "set_optimizer_state_dict", "get_state_dict", "set_state_dict"]:
+        assert _parameters(getattr(ckpt, name)) == _parameters(getattr(torch_dsd, name)), name
