@@ -15,6 +15,7 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .controls import share_comm_ctx
+from .torch_names import install, uninstall
 from .checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
                     FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
@@ -26,6 +27,8 @@ __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "install",
+    "uninstall",
     "DataParallelMeshDims",
     "apply_activation_checkpointing",
     "FSDPModule",

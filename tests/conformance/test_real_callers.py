@@ -1,0 +1,106 @@
+"""Code nobody here wrote, unchanged, on fullshard through the explicit opt-in.
+
+transformers' own FSDP2 path (``from_pretrained(..., distributed_config=...)``, which
+imports ``fully_shard`` from ``torch.distributed._composable.fsdp``, shards a list of
+modules, checks ``isinstance(m, FSDPModule)``) trains with fullshard after
+``fullshard.install()`` to the same losses as with torch's FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fullshard.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers needs it for distributed loading
+
+
+def _tiny_llama(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def _train_with_transformers(path: str, use_fullshard: bool):
+    import fullshard
+
+    if use_fullshard:
+        fullshard.install()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(fsdp_size=2))
+        units = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return units, isinstance(model, fullshard.FSDPModule), losses
+    finally:
+        fullshard.uninstall()
+
+
+def test_transformers_fsdp2_path_runs_on_fullshard_unchanged(tmp_path):
+    _tiny_llama(str(tmp_path))
+    ours = run_distributed(_train_with_transformers, 2, str(tmp_path), True, timeout=300)[0]
+    theirs = run_distributed(_train_with_transformers, 2, str(tmp_path), False, timeout=300)[0]
+    units, is_fullshard, losses = ours
+    assert is_fullshard and not theirs[1]
+    assert units == theirs[0]  # the same units: embedding, decoder layers, [norm, lm_head], root
+    assert "FSDPLlamaDecoderLayer" in units
+    assert losses == pytest.approx(theirs[2], rel=1e-5)
+
+
+def test_install_and_uninstall_swap_torchs_names():
+    import torch.distributed._composable.fsdp as composable
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fullshard
+
+    original = torch_fsdp.fully_shard
+    fullshard.install()
+    try:
+        assert torch_fsdp.fully_shard is fullshard.fully_shard
+        assert composable.fully_shard is fullshard.fully_shard
+        assert torch_fsdp.FSDPModule is fullshard.FSDPModule
+        assert torch_fsdp.MixedPrecisionPolicy is not fullshard.MixedPrecisionPolicy  # torch's
+    finally:
+        fullshard.uninstall()
+    assert torch_fsdp.fully_shard is original
+
+
+def test_run_module_installs_before_the_program_imports_torchs_names(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        model = fully_shard(nn.Linear(4, 4))
+        print(fully_shard.__module__, isinstance(model, FSDPModule), sys.argv[1:])
+        dist.destroy_process_group()
+    """))
+    out = subprocess.run([sys.executable, "-m", "fullshard.run", str(script), "--flag", "x"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fullshard.api", "True", "['--flag',", "'x']"]
