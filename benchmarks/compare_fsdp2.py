@@ -64,7 +64,9 @@ def build(impl: str, base: GPT, reshard_after_forward: bool,
             if bf16 else MixedPrecisionPolicy()
         for layer in model.layers:
             fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        # the root with torch's default (None): kept from forward to backward by both
+        # implementations, as an explicit True would make both free and re-gather it
+        fully_shard(model, mp_policy=policy)
         if impl == "fullshard" and bucket_numel is not None:
             model.set_bucket_numel(bucket_numel)
     elif impl in ("fullshard-fsdp1", "fsdp1"):

@@ -173,6 +173,30 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E38"] = _message(lambda: fully_shard(nn.Linear(4, 4)).load_state_dict(
         {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)}))
 
+    from torch.distributed.tensor import Shard
+
+    from fullshard import DataParallelMeshDims
+    out["E40"] = _message(lambda: fully_shard(nn.Linear(4, 4),
+                                              shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    out["E41"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh(
+        "cpu", (2, 1), mesh_dim_names=("dp", "tp")), dp_mesh_dims=DataParallelMeshDims(
+            shard="dp")))
+
+    def setting_after_merge():
+        model = _Pair()
+        fully_shard(model.a)
+        fully_shard(model.b)
+        fully_shard(model)
+        model(torch.randn(2, 4))
+        model.a.set_gradient_divide_factor(4.0)
+    out["E42"] = _message(setting_after_merge)
+
+    def deepcopy_sharded():
+        import copy
+        copy.deepcopy(fully_shard(nn.Linear(4, 4)))
+    out["E43"] = _message(deepcopy_sharded)
+    out["E44"] = _message(lambda: fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None))
+
     from torch.distributed.device_mesh import DeviceMesh
     rank0_only_mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; rank 1 is outside
     if dist.get_rank() == 1:

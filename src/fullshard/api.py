@@ -303,8 +303,9 @@ def _check_placements(label: str, shard_placement_fn, refs_by_param: dict) -> No
         placement = shard_placement_fn(p)
         if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
             continue
+        shown = f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
         raise NotImplementedError(
-            f"fully_shard({label}): shard_placement_fn returned {placement} for parameter "
+            f"fully_shard({label}): shard_placement_fn returned {shown} for parameter "
             f"'{refs[0].fqn}'; fullshard shards every parameter on dim 0. Return None or "
             "Shard(0) for it (or shard it with torch's fully_shard).")
 

@@ -36,10 +36,10 @@ class TorchControls:
         if root is not None and unit.group is not None and len(root.members[unit.group]) > 1:
             others = [u.name for u in root.members[unit.group] if u is not unit]
             raise ValueError(
-                f"{method} on {unit.name}: its parameters were merged with {others} into one "
-                "collective at the first forward, so its gradient reduction cannot differ from "
-                "theirs. Call it right after fully_shard, before the first forward, or call "
-                "set_bucket_numel(0) on the root then.")
+                f"{method} on {unit.name}: its parameters were merged with "
+                f"{', '.join(others)} into one collective at the first forward, so its gradient "
+                "reduction cannot differ from theirs. Call it right after fully_shard (before "
+                "the first forward), or turn merging off with root.set_bucket_numel(0) then.")
         unit.reduce_options = dataclasses.replace(unit.reduce_options, **changes)
 
     # -- iteration state -------------------------------------------------------------------
