@@ -105,14 +105,6 @@ class FSDPModule(TorchControls):
         would be stale."""
         self._set_unit_flag("reshard_after_backward", reshard_after_backward, recurse)
 
-    def _set_unit_flag(self, flag: str, value: bool, recurse: bool) -> None:
-        """Set a boolean run-time toggle on this unit (and sharded submodules)."""
-        if not isinstance(value, bool):
-            raise TypeError(f"set_{flag}: expected a bool, got {type(value).__name__}")
-        for module in self.modules() if recurse else [self]:
-            if isinstance(module, FSDPModule):
-                setattr(module._unit, flag, value)
-
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Call on the root. With ``False`` the end of backward does not wait for the last
         reduce-scatter: it overlaps the next micro-batch and completes at the next

@@ -28,6 +28,13 @@ class TorchControls:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         return [m._unit for m in modules if isinstance(m, TorchControls)]
 
+    def _set_unit_flag(self, flag: str, value: bool, recurse: bool) -> None:
+        """Set a boolean run-time toggle on this unit (and sharded submodules)."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_{flag}: expected a bool, got {type(value).__name__}")
+        for unit in self._units(recurse):
+            setattr(unit, flag, value)
+
     def _set_reduce(self, method: str, **changes) -> None:
         """Change this unit's reduction settings; a unit sharing its group with other
         units (merged small units) cannot differ from them."""
@@ -57,19 +64,12 @@ class TorchControls:
                                   ) -> None:
         """Free (True) or keep (False) parameters after forward from now on; ``True`` on
         the root frees it too. A unit built with an int N keeps its N-way layout."""
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError("set_reshard_after_forward: expected a bool, got "
-                            f"{type(reshard_after_forward).__name__}")
-        for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
+        self._set_unit_flag("reshard_after_forward", reshard_after_forward, recurse)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With ``False`` backward never gathers this unit's parameters: for units whose
         backward reads none of them (an embedding). Gradients are still reduced."""
-        if not isinstance(unshard_in_backward, bool):
-            raise TypeError("set_unshard_in_backward: expected a bool, got "
-                            f"{type(unshard_in_backward).__name__}")
-        self._unit.unshard_in_backward = unshard_in_backward
+        self._set_unit_flag("unshard_in_backward", unshard_in_backward, recurse=False)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """On the root: the next forward's first gathers wait on ``event`` (recorded after
