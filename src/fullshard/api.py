@@ -238,6 +238,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         for original in refs_by_param:
             SHARDED_ORIGINALS.add(original, label)
     claimed: set[nn.Parameter] = set()
+    units: list[UnitState] = []
     for m, refs in zip(modules, refs_by_module):
         _move_buffers(m, device)
         unit = UnitState(m, _original_class(m).__name__, mesh, group, reshard_after_forward,
@@ -249,6 +250,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         m.__class__ = fsdp_class(type(m))
         hooks.install(unit)
         _register_state_dict_hooks(unit)
+        units.append(unit)
+    for unit in units:
+        unit.created_with = units
     return modules if isinstance(module, (list, tuple)) else module
 
 

@@ -25,29 +25,35 @@ class TorchControls:
 
     # -- helpers ---------------------------------------------------------------------------
     def _units(self, recurse: bool) -> list[UnitState]:
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        return [m._unit for m in modules if isinstance(m, TorchControls)]
+        """The units a setter applies to: those under this module, or (without ``recurse``)
+        this unit and the others its fully_shard call made (a list shares one group)."""
+        if not recurse:
+            return self._unit.created_with
+        return [m._unit for m in self.modules()  # type: ignore[attr-defined]
+                if isinstance(m, TorchControls)]
 
     def _set_unit_flag(self, flag: str, value: bool, recurse: bool) -> None:
         """Set a boolean run-time toggle on this unit (and sharded submodules)."""
-        if not isinstance(value, bool):
-            raise TypeError(f"set_{flag}: expected a bool, got {type(value).__name__}")
+        _expect_bool(f"set_{flag}", value)
         for unit in self._units(recurse):
             setattr(unit, flag, value)
 
     def _set_reduce(self, method: str, **changes) -> None:
-        """Change this unit's reduction settings; a unit sharing its group with other
-        units (merged small units) cannot differ from them."""
+        """Change this unit's reduction settings (with its fully_shard call's other units);
+        units merged with others into one collective cannot differ from them."""
         unit = self._unit
         root = unit.root
-        if root is not None and unit.group is not None and len(root.members[unit.group]) > 1:
-            others = [u.name for u in root.members[unit.group] if u is not unit]
-            raise ValueError(
-                f"{method} on {unit.name}: its parameters were merged with "
-                f"{', '.join(others)} into one collective at the first forward, so its gradient "
-                "reduction cannot differ from theirs. Call it right after fully_shard (before "
-                "the first forward), or turn merging off with root.set_bucket_numel(0) then.")
-        unit.reduce_options = dataclasses.replace(unit.reduce_options, **changes)
+        if root is not None and unit.group is not None:
+            others = [u.name for u in root.members[unit.group] if u not in unit.created_with]
+            if others:
+                raise ValueError(
+                    f"{method} on {unit.name}: its parameters were merged with "
+                    f"{', '.join(others)} into one collective at the first forward, so its "
+                    "gradient reduction cannot differ from theirs. Call it right after "
+                    "fully_shard (before the first forward), or turn merging off with "
+                    "root.set_bucket_numel(0) then.")
+        for u in unit.created_with:
+            u.reduce_options = dataclasses.replace(u.reduce_options, **changes)
 
     # -- iteration state -------------------------------------------------------------------
     def reset_iter_state(self) -> None:
@@ -85,9 +91,7 @@ class TorchControls:
         """Hybrid sharding: with ``False`` gradients are reduce-scattered within the shard
         group but not all-reduced across replicas; the sum is kept and added to the next
         reduction that does (gradient accumulation with only intra-group traffic)."""
-        if not isinstance(requires_all_reduce, bool):
-            raise TypeError("set_requires_all_reduce: expected a bool, got "
-                            f"{type(requires_all_reduce).__name__}")
+        _expect_bool("set_requires_all_reduce", requires_all_reduce)
         for unit in self._units(recurse):
             unit.reduce_options = dataclasses.replace(unit.reduce_options,
                                                       all_reduce=requires_all_reduce)
@@ -106,9 +110,7 @@ class TorchControls:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """fullshard's collectives always sum and divide afterwards; with ``True`` an
         all-reduce hook sees the sum (divided after it), as with torch."""
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_force_sum_reduction_for_comms: expected a bool, got "
-                            f"{type(enable).__name__}")
+        _expect_bool("set_force_sum_reduction_for_comms", enable)
         self._set_reduce("set_force_sum_reduction_for_comms", force_sum=enable)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
@@ -130,9 +132,7 @@ class TorchControls:
                                          recurse: bool = True) -> None:
         """Accepted: fullshard always reduces zeros for parameters a rank did not use (with
         presence flags, Note [gradient presence flags]), so ranks never mismatch."""
-        if not isinstance(reduce_scatter_unused_params, bool):
-            raise TypeError("set_reduce_scatter_unused_params: expected a bool, got "
-                            f"{type(reduce_scatter_unused_params).__name__}")
+        _expect_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
 
     # -- communication tuning with no fullshard counterpart -----------------------------------
     def set_custom_all_gather(self, comm) -> None:
@@ -161,21 +161,22 @@ class TorchControls:
                                           recurse: bool = True) -> None:
         """Accepted; fullshard issues all-gathers and reduce-scatters on the unit's one
         process group."""
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_separate_reduce_scatter_group: expected a bool, got "
-                            f"{type(enable).__name__}")
+        _expect_bool("set_separate_reduce_scatter_group", enable)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted; fullshard's communication buffers come from its own pool."""
-        if not isinstance(enable, bool):
-            raise TypeError("set_allocate_memory_from_process_group_for_comm: expected a "
-                            f"bool, got {type(enable).__name__}")
+        _expect_bool("set_allocate_memory_from_process_group_for_comm", enable)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Accepted for ``"NCCL"``; fullshard does not allocate symmetric memory."""
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm: only the 'NCCL' backend exists, got "
                              f"{backend!r}")
+
+
+def _expect_bool(method: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}: expected a bool, got {type(value).__name__}")
 
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:

@@ -72,6 +72,26 @@ def test_a_list_of_modules_is_one_unit():
     assert gathers == CFG.n_layers + 2  # layers, the list, the root
 
 
+def _setting_on_a_list_member():
+    world = dist.get_world_size()
+    calls = []
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer)
+        ln_f, _ = fully_shard([model.ln_f, model.pos_emb])
+        # set on ln_f, which runs after pos_emb: it is the whole unit's setting, as with torch
+        ln_f.set_gradient_divide_factor(2.0 * world)
+        ln_f.set_all_reduce_hook(lambda grad: (calls.append(1), grad.mul_(2)))
+        fully_shard(model)
+    _parity(shard)
+    return len(calls)
+
+
+def test_a_setting_on_one_module_of_a_list_applies_to_the_unit():
+    assert run_distributed(_setting_on_a_list_member, 2)[0] == 5  # once per step
+
+
 def _torch_policies_parity():
     def shard(model):
         policy = TorchMixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)

@@ -59,6 +59,9 @@ class UnitState:
         self.reduce_options: ReduceOptions = DEFAULT_REDUCE  # torch's gradient-reduction setters
         self.unshard_in_backward = True  # False: backward never gathers (e.g. an embedding)
         self.post_optim_event = None     # root only: waited on before the next forward's gathers
+        # The units one fully_shard call made: itself, or every module of a list, which
+        # share one group; torch's per-unit setters apply to all of them together.
+        self.created_with: list[UnitState] = [self]
         self.ran_forward_with_grad = False
 
     def rename(self, path: str) -> None:
