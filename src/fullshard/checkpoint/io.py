@@ -180,15 +180,26 @@ def _check_fits(path: str, saved: dict[str, dict], model: nn.Module) -> None:
     mismatched = [f"{k}: checkpoint {tuple(saved[k]['shape'])}, model {tuple(v['shape'])}"
                   for k, v in current.items() if k in saved and saved[k]["shape"] != v["shape"]]
     if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not the model: {', '.join(unexpected)}")
-        if mismatched:
-            parts.append(f"shape mismatches: {'; '.join(mismatched)}")
         raise CheckpointError(f"checkpoint {path} does not fit this model: "
-                              + " | ".join(parts))
+                              + _misfit(missing, mismatched, unexpected))
+
+
+def _misfit(missing: list[str], mismatched: list[str], unexpected: list[str] = (),
+            limit: int | None = None) -> str:
+    """What does not fit, one part per kind; each list cut at ``limit`` entries."""
+    def shown(items: list[str], sep: str) -> str:
+        if limit is None or len(items) <= limit:
+            return sep.join(items)
+        return sep.join(items[:limit]) + f" and {len(items) - limit} more"
+
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {shown(missing, ', ')}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not the model: {shown(unexpected, ', ')}")
+    if mismatched:
+        parts.append(f"shape mismatches: {shown(mismatched, '; ')}")
+    return " | ".join(parts)
 
 
 def _check_optimizer_fits(path: str, state: dict[str, Any]) -> None:
@@ -206,12 +217,9 @@ def _check_optimizer_fits(path: str, state: dict[str, Any]) -> None:
             mismatched.append(f"{key}: checkpoint {tuple(entry.size)}, optimizer "
                               f"{tuple(value.shape)}")
     if missing or mismatched:
-        parts = ([f"missing from the checkpoint: {', '.join(missing[:5])}"
-                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")]
-                 if missing else []) + ([f"shape mismatches: {'; '.join(mismatched[:5])}"]
-                                        if mismatched else [])
         raise CheckpointError(
-            f"checkpoint {path} does not fit this optimizer ({' | '.join(parts)}): it was "
+            f"checkpoint {path} does not fit this optimizer "
+            f"({_misfit(missing, mismatched, limit=5)}): it was "
             "saved with another optimizer or other settings. Build the optimizer it was "
             "saved with, or load the model alone (optimizer=None) and start the optimizer "
             "fresh. Nothing was loaded.")
