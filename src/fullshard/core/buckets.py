@@ -69,9 +69,7 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
     pinned = {t for u in units for t in (u.forward_prefetch or []) + (u.backward_prefetch or [])}
     pinned |= {u for u in units if u.forward_prefetch or u.backward_prefetch}
     # Units sharded together by one fully_shard([...]) call already share a group.
-    sharing = [u for u in units if u.group is not None
-               and sum(v.group is u.group for v in units) > 1]
-    pinned |= set(sharing)
+    pinned |= {u for u in units if len(u.created_with) > 1}
     for run in plan_buckets([u for u in units if u not in pinned], bucket_numel, root):
         if len(run) == 1:
             continue
