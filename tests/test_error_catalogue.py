@@ -178,9 +178,12 @@ def _library_cases(tmp: str) -> dict[str, str]:
     from fullshard import DataParallelMeshDims
     out["E40"] = _message(lambda: fully_shard(nn.Linear(4, 4),
                                               shard_placement_fn=lambda p: Shard(p.dim() - 1)))
-    out["E41"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh(
-        "cpu", (2, 1), mesh_dim_names=("dp", "tp")), dp_mesh_dims=DataParallelMeshDims(
-            shard="dp")))
+    dp_tp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    out["E41"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
+                                              dp_mesh_dims=DataParallelMeshDims(
+                                                  shard=("dp", "tp"))))
+    out["E48"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
+                                              dp_mesh_dims=DataParallelMeshDims(shard="dp")))
 
     def setting_after_merge():
         model = _Pair()
@@ -298,4 +301,11 @@ _TESTED_ELSEWHERE = {
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E34": "tests/test_train_reliability.py::"
            "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
+    # world size 4, a (dp, tp) mesh
+    "E45": "tests/conformance/test_tensor_parallel.py::"
+           "test_misuse_names_the_parameter_and_what_to_do",
+    "E46": "tests/conformance/test_tensor_parallel.py::"
+           "test_misuse_names_the_parameter_and_what_to_do",
+    "E47": "tests/conformance/test_tensor_parallel.py::"
+           "test_misuse_names_the_parameter_and_what_to_do",
 }

@@ -15,6 +15,7 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .controls import share_comm_ctx
+from .grad_norm import clip_grad_norm_
 from .torch_names import install, uninstall
 from .checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "clip_grad_norm_",
     "install",
     "uninstall",
     "DataParallelMeshDims",

@@ -12,13 +12,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from . import optim
 from .core import cpu_allocator, hooks
 from .core.group import ParamGroup
 from .core.load_check import check_fits
 from .core.originals import SHARDED_ORIGINALS
 from .core.param import ParamRef, ShardedParam
-from .controls import TorchControls
 from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
+from .core.tensor_parallel import SpmdDims, is_foreign_dtensor
+from .controls import TorchControls
 from .policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
                        as_offload_policy)
 
@@ -177,7 +179,11 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         mesh: a 1-D DeviceMesh (default: every rank of the default process group), or a
             2-D (replicate, shard) mesh for hybrid sharding: shards within each shard
             group, replicas across; gradients are reduce-scattered within the shard
-            group, then all-reduced across replicas.
+            group, then all-reduced across replicas. Parameters that are already
+            DTensors on another dimension of the same mesh (``parallelize_module(m,
+            world_mesh["tp"], plan)``, then ``mesh=world_mesh["dp"]``) have their local
+            piece sharded over this mesh (FSDP + TP, Note [sharding a tensor-parallel
+            parameter]).
         reshard_after_forward: free parameters after forward and gather them again in
             backward (``True``, ZeRO-3) or keep them until backward (``False``, ZeRO-2);
             an int N keeps them sharded N ways after forward so backward gathers within
@@ -196,8 +202,10 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             the device. fullshard's policies or torch's.
         ignored_params: parameters to leave unsharded and unmanaged.
         dp_mesh_dims: torch's ``DataParallelMeshDims`` naming the data-parallel dimensions
-            of ``mesh``; they must be all of its dimensions (fullshard does not yet shard
-            parameters that are already DTensors on a tensor-parallel mesh).
+            of ``mesh`` (one shard dimension, at most one replicate dimension). When it
+            names only some of them, ``mesh`` is the whole mesh and every parameter must be
+            a DTensor on it, ``Replicate()`` on the data-parallel dimensions; each is
+            sharded over them as torch does (Note [sharding a tensor-parallel parameter]).
         debug: on the root (or with ``FULLSHARD_DEBUG=1``): compare a fingerprint of every
             collective across ranks first, so ranks that take different paths raise an
             error naming the unit instead of hanging (slower; for debugging).
@@ -209,7 +217,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         raise TypeError(f"fully_shard({label}): debug must be a bool, got {debug!r}.")
     for m in modules:
         _check_shardable(label, m)
-    mesh = _resolve_mesh(label, _data_parallel_mesh(label, mesh, dp_mesh_dims))
+    spmd = _data_parallel_mesh(label, mesh, dp_mesh_dims)
+    mesh = _resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
     pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
     post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
@@ -219,7 +228,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     _check_compute_dtype(label, mp_policy.param_dtype, device)
     if device.type == "cpu":
         cpu_allocator.tune_for_sharded_training()
-    refs_by_module = [_collect_params(m, label, ignored_params or set()) for m in modules]
+    refs_by_module = [_collect_params(m, label, ignored_params or set(), mesh, spmd)
+                      for m in modules]
     refs_by_param: dict[nn.Parameter, list[ParamRef]] = {}
     for refs in refs_by_module:
         for p, where in refs.items():
@@ -228,8 +238,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     group = None
     sharded: dict[nn.Parameter, ShardedParam] = {}
     if refs_by_param:
-        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size())
+        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd)
                    for p, refs in refs_by_param.items()}
+        _check_tensor_parallel(label, sharded.values(), post_forward_size)
         group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
                            mp_policy.reduce_dtype, replicate_pg, post_forward_size,
                            offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy)
@@ -306,23 +317,32 @@ def _check_placements(label: str, shard_placement_fn, refs_by_param: dict) -> No
             "Shard(0) for it (or shard it with torch's fully_shard).")
 
 
-def _data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims) -> DeviceMesh | None:
-    """torch's ``dp_mesh_dims``: the (replicate, shard) dimensions of a named mesh."""
+def _check_tensor_parallel(label: str, params, post_forward_size: int | None) -> None:
+    tp = next((p for p in params if p.tp_spec is not None), None)
+    if tp is not None and post_forward_size is not None:
+        raise NotImplementedError(
+            f"fully_shard({label}): reshard_after_forward={post_forward_size} (reshard to a "
+            f"smaller group) with tensor-parallel parameter '{tp.fqn}'; pass True or False.")
+
+
+def _data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
+                        ) -> SpmdDims | None:
+    """torch's ``dp_mesh_dims``: which named dimensions of ``mesh`` are data parallel."""
     if dp_mesh_dims is None:
-        return mesh
+        return None
     if mesh is None:
         raise ValueError(f"fully_shard({label}): dp_mesh_dims needs the mesh it names; pass "
                          "mesh= as well.")
     replicate = _dim_names(dp_mesh_dims.replicate)
     shard = _dim_names(dp_mesh_dims.shard)
-    names = replicate + shard
-    if len(replicate) > 1 or len(shard) > 1 or set(names) != set(mesh.mesh_dim_names or ()):
+    names = mesh.mesh_dim_names or ()
+    if len(replicate) > 1 or len(shard) != 1 or not set(replicate + shard) <= set(names):
         raise NotImplementedError(
-            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names {names} of the mesh "
-            f"{mesh.mesh_dim_names}; fullshard takes one replicate and one shard dimension "
-            "covering the whole mesh (no tensor-parallel dimension yet). Pass "
-            "mesh=mesh[dp_dims] instead.")
-    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}; "
+            "fullshard takes one shard dimension and at most one replicate dimension, both "
+            "named in the mesh. Flatten several data-parallel dimensions into one first "
+            "(mesh['a', 'b']._flatten('dp')).")
+    return SpmdDims(mesh, shard[0], replicate[0] if replicate else None)
 
 
 def _dim_names(value) -> tuple[str, ...]:
@@ -444,17 +464,30 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
-def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter]
+def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
+                    mesh: DeviceMesh, spmd: SpmdDims | None
                     ) -> dict[nn.Parameter, list[ParamRef]]:
     """The parameters this unit manages: those of ``module`` and its submodules that no
-    sharded submodule manages, each with every place it is registered (tied weights)."""
+    sharded submodule manages, each with every place it is registered (tied weights).
+    DTensors on another mesh than ``mesh`` (tensor parallel), or on the whole mesh given
+    with ``dp_mesh_dims``, are managed too."""
     refs: dict[nn.Parameter, list[ParamRef]] = {}
     for prefix, sub in managed_modules(module):
         for name, p in sub._parameters.items():
             if p is None or p in ignored:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            if isinstance(p, DTensor):
+            if spmd is not None:
+                _check_spmd_param(label, fqn, p, spmd)
+            if isinstance(p, DTensor) and not is_foreign_dtensor(p, mesh) and not (
+                    spmd is not None and p.device_mesh == spmd.mesh
+                    and not optim.is_sharded_param(p)):
+                if not optim.is_sharded_param(p):
+                    raise ValueError(
+                        f"fully_shard({label}): parameter '{fqn}' is a DTensor on the "
+                        f"data-parallel mesh {mesh} itself; a tensor-parallel parameter must "
+                        "live on another dimension of the same mesh: parallelize_module(..., "
+                        "world_mesh['tp'], plan), then fully_shard(..., mesh=world_mesh['dp']).")
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' is already a sharded DTensor: "
                     "fully_shard was applied to a module enclosing this one (or the parameter "
@@ -474,6 +507,18 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter]
                     "it as a buffer (module.register_buffer) or pass it in ignored_params.")
             refs.setdefault(p, []).append(ParamRef(sub, name, fqn))
     return refs
+
+
+def _check_spmd_param(label: str, fqn: str, p: nn.Parameter, spmd: SpmdDims) -> None:
+    """With ``dp_mesh_dims`` naming only some dimensions of the mesh, the others are model
+    parallel: a plain parameter there has no layout on them (torch raises too)."""
+    covered = {spmd.shard, spmd.replicate} >= set(spmd.mesh.mesh_dim_names)
+    if not isinstance(p, DTensor) and not covered:
+        raise ValueError(
+            f"fully_shard({label}): parameter '{fqn}' is a plain tensor, but dp_mesh_dims "
+            f"names only some dimensions of the mesh {spmd.mesh.mesh_dim_names}; every "
+            "parameter must then be a DTensor on that mesh (distribute_module or "
+            "parallelize_module with it first).")
 
 
 def managed_modules(module: nn.Module, prefix: str = ""):

@@ -76,6 +76,13 @@ def track(owner) -> None:
     _install()
 
 
+def is_sharded_param(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a sharded parameter some fullshard unit registered (and holds)."""
+    entry = _SHARDED.get(id(t))
+    owner = entry.owner() if entry is not None else None
+    return owner is not None and owner.sharded_param is t
+
+
 def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
     """The ShardedParam behind optimizer parameter ``p`` (None for other tensors), after
     checking the invariant of Note [one storage is the shard]: ``p`` is the parameter the

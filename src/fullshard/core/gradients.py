@@ -20,7 +20,7 @@ from .param import ShardedParam
 
 def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
     """This backward's unsharded gradient plus any accumulated without sync, or None."""
-    grad, acc = p.unsharded_param.grad, p.accumulated_grad
+    grad, acc = p.local_grad(p.unsharded_param.grad), p.accumulated_grad
     p.accumulated_grad = None
     if acc is None:
         return grad

@@ -123,6 +123,8 @@ class ParamGroup:
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
         """Allocate the flat shard on ``device`` and copy each original's rows into it."""
+        requires_grad = [t.requires_grad for t in originals]
+        originals = [p.local_value(t) for p, t in zip(self.params, originals)]
         dtypes = {t.dtype for t in originals}
         if len(dtypes) > 1:
             found = ", ".join(f"{p.fqn}: {t.dtype}" for p, t in zip(self.params, originals))
@@ -136,8 +138,9 @@ class ParamGroup:
                                           device="meta")
         else:
             self.flat_shard = self._new_flat_shard(originals[0].dtype, self.shard_device(device))
-        for p, full, view in zip(self.params, originals, self._shard_views(self.flat_shard)):
-            p.shard_from(full, view, requires_grad=full.requires_grad)
+        for p, full, view, grad in zip(self.params, originals,
+                                       self._shard_views(self.flat_shard), requires_grad):
+            p.shard_from(full, view, requires_grad=grad)
 
     def shard_device(self, device: torch.device) -> torch.device:
         """Where the flat shard lives when parameters are computed on ``device``."""
@@ -395,10 +398,10 @@ class ParamGroup:
         if not trainable:
             return None
         w = self.world_size
-        ref = trainable[0].unsharded_param
+        ref = trainable[0].unsharded_local
         grads = [take_unsharded_grad(p) for p in trainable]
         had_grad = [g is not None for g in grads]
-        grads = [g if g is not None else torch.zeros_like(p.unsharded_param)
+        grads = [g if g is not None else torch.zeros_like(p.unsharded_local)
                  for p, g in zip(trainable, grads)]
         reduce_dtype = self.reduce_dtype or ref.dtype
         if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
@@ -440,7 +443,7 @@ class ParamGroup:
         if self.reduce_dtype is None or self.reduce_dtype == self.compute_dtype:
             return  # accumulating in .grad itself is exact enough
         for p in self.trainable():
-            grad = p.unsharded_param.grad
+            grad = p.local_grad(p.unsharded_param.grad)
             if grad is None:
                 continue
             p.unsharded_param.grad = None

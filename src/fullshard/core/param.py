@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import optim
+from .tensor_parallel import SpmdDims, local_grad, sharded_layout
 
 
 @dataclass(frozen=True)
@@ -107,27 +108,55 @@ class ShardedParam:
     """One parameter of a unit: its DTensor shard, its unsharded view, where it is registered."""
 
     def __init__(self, refs: list[ParamRef], param: nn.Parameter, mesh: DeviceMesh,
-                 rank: int, world_size: int):
+                 rank: int, world_size: int, unit_label: str = "",
+                 spmd: SpmdDims | None = None):
         # rank / world_size are this rank's place in the *shard* dimension; on a 2-D
         # (replicate, shard) mesh the parameter is replicated across the other one.
-        if param.dim() == 0:
-            raise ValueError(
-                f"fully_shard: parameter '{refs[0].fqn}' is 0-dimensional; fullshard shards "
-                "on dim 0. Reshape it to shape (1,) or pass it in ignored_params.")
         self.refs = refs
         self.fqn = refs[0].fqn
+        # A DTensor on a tensor-parallel mesh: its local piece is what is sharded here
+        # (Note [sharding a tensor-parallel parameter]).
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        local = self.local_value(param)
+        if local.dim() == 0:
+            raise ValueError(
+                f"fully_shard({unit_label}): parameter '{self.fqn}' is 0-dimensional; "
+                "fullshard shards on dim 0. Reshape it to shape (1,) or pass it in "
+                "ignored_params.")
         self.rank = rank
         self.world_size = world_size
-        self.layout = ShardLayout.of(param.shape, rank, world_size)
-        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        self.layout = ShardLayout.of(local.shape, rank, world_size)
+        self.global_shape = param.shape
+        self.dp_indices: frozenset[int] = frozenset()
+        if self.tp_spec is None:
+            spec_mesh = mesh
+            self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        else:
+            tp = sharded_layout(mesh, self.tp_spec, unit_label, self.fqn, spmd)
+            spec_mesh, self.placements, self.dp_indices = tp.mesh, tp.placements, tp.dp_indices
         self.spec = DTensorSpec(
-            mesh, self.placements,
+            spec_mesh, self.placements,
             tensor_meta=TensorMeta(param.shape, param.stride(), param.dtype))
         self.sharded_param: nn.Parameter | None = None
         self.padded_shard: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
         self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
+
+    def local_value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The plain tensor fullshard shards: a TP DTensor's local piece, else itself."""
+        return tensor._local_tensor if self.tp_spec is not None else tensor
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """An unsharded gradient as the plain tensor that is reduced."""
+        if grad is None or self.tp_spec is None:
+            return grad
+        return local_grad(grad, self.tp_spec, self.dp_indices)
+
+    @property
+    def unsharded_local(self) -> torch.Tensor:
+        """The unsharded parameter's values as a plain tensor (a view of the gathered buffer)."""
+        return self.local_value(self.unsharded_param)
 
     # -- sharded side -------------------------------------------------------------------
     def shard_from(self, full: torch.Tensor, flat_view: torch.Tensor, requires_grad: bool) -> None:
@@ -161,11 +190,11 @@ class ShardedParam:
                 "fully_shard. Load sharded values instead: build them with "
                 "torch.distributed.tensor.distribute_tensor(full, param.device_mesh, "
                 "param.placements) and load those.")
-        if current.shape != self.layout.shape or current.placements != self.placements:
+        if current.shape != self.global_shape or current.placements != self.placements:
             raise ValueError(
                 f"fullshard: parameter '{self.fqn}' was replaced by a DTensor of shape "
                 f"{tuple(current.shape)} and placements {current.placements}; expected shape "
-                f"{tuple(self.layout.shape)} with {self.placements}.")
+                f"{tuple(self.global_shape)} with {self.placements}.")
         lay = self.layout
         old_local = current._local_tensor
         self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
@@ -186,8 +215,10 @@ class ShardedParam:
         """Create the persistent unsharded parameter over ``unsharded_view`` (padded rows)."""
         lay = self.layout
         padded = unsharded_view.view(lay.padded_shape(lay.rows_per_rank * self.world_size))
-        self.unsharded_param = nn.Parameter(padded[:lay.shape[0]],
-                                            requires_grad=self.sharded_param.requires_grad)
+        value = padded[:lay.shape[0]]
+        if self.tp_spec is not None:  # the module sees its TP DTensor again
+            value = DTensor(value, self.tp_spec, requires_grad=False)
+        self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
         self.grad_hook = None
 
     def register(self, tensor: torch.Tensor) -> None:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..api import FSDPModule
-from . import full_params, grad_norm
+from .. import grad_norm
+from . import full_params
 from . import state_dict as sd
 from .construct import shard_fsdp1
 from .options import StateDictSettings, StateDictType

@@ -1,4 +1,11 @@
-"""Clipping by the global gradient norm of a sharded model (``FSDP.clip_grad_norm_``)."""
+"""Clipping by the global gradient norm of a sharded model.
+
+``torch.nn.utils.clip_grad_norm_`` works on fullshard's DTensor gradients when they
+all live on one mesh. With tensor parallelism, parameters outside the TP plan (norms,
+the head) are sharded on the data-parallel mesh and the others on the joint (dp, tp)
+mesh, and torch's version then fails to stack norms from different meshes.
+:func:`clip_grad_norm_` handles any mix, and is what ``FSDP.clip_grad_norm_`` runs.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,10 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..api import mesh_device
+from .api import mesh_device
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
@@ -17,29 +25,36 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     """Scale gradients in place so their norm over all ranks is at most ``max_norm``;
     return that norm (before clipping) as a float32 tensor on the compute device.
 
-    Each rank sums ``|g|^p`` over its shards; one all-reduce per shard group adds the
-    ranks' parts (replicas hold the same shards, so only the shard dimension is summed).
-    Gradients of unsharded (ignored) parameters are counted once, as every rank has them.
+    Each rank sums ``|g|^p`` over its local pieces; gradients are grouped by the mesh
+    dimensions they are sharded over, and each group's sum is all-reduced over exactly
+    those dimensions (a replicated dimension holds the same values on every rank, so it
+    is counted once). Plain gradients (ignored parameters) are counted once, as every
+    rank has them.
     """
     max_norm, p = float(max_norm), float(norm_type)
     if p <= 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}.")
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
     grads = [t.grad for t in parameters if t.grad is not None]
-    sharded: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    sharded: dict[tuple, list[torch.Tensor]] = {}
     local: list[torch.Tensor] = []
     device = torch.device("cpu")
     for g in grads:
         if isinstance(g, DTensor):
             mesh = g.device_mesh
-            sharded.setdefault(mesh.get_group(mesh.ndim - 1), []).append(g.to_local())
+            groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements)
+                           if isinstance(pl, (Shard, _StridedShard)))
+            sharded.setdefault(groups, []).append(g.to_local())
             device = mesh_device(mesh)  # where the all-reduce runs (CPU shards under offload)
         else:
             local.append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group, tensors in sharded.items():
+    for groups, tensors in sharded.items():
         part = _combine([_norm_part(t, p) for t in tensors], p, device)
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
-                        group=group)
+        for group in groups:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
+                            group=group)
         total = _combine([total, part], p, device)
     total = _combine([total] + [_norm_part(g, p) for g in local], p, device)
     norm = total if math.isinf(p) else total ** (1.0 / p)

@@ -1,0 +1,156 @@
+"""Parameters that are already DTensors on a tensor-parallel mesh (FSDP + TP, 2-D).
+
+Note [sharding a tensor-parallel parameter]
+After ``parallelize_module(block, world_mesh["tp"], plan)`` a parameter is a DTensor
+on the TP mesh whose local tensor is this rank's TP piece (e.g. ``ColwiseParallel``:
+``Shard(0)``; ``RowwiseParallel``: ``Shard(1)``, its bias ``Replicate()``).
+``fully_shard(block, mesh=world_mesh["dp"])`` then treats that *local* tensor as the
+parameter to shard: it is split on dim 0 across the data-parallel ranks exactly like a
+plain parameter (Note [padded dim-0 shards]), gathered over the data-parallel group
+only, and its gradient reduce-scattered over that group only (TP ranks hold different
+pieces, so nothing is summed across them).
+
+What the model and the user see:
+* while sharded, one DTensor on the joint ``(dp, tp)`` mesh with placements
+  ``(dp placement, *tp placements)``. When TP also splits dim 0, the data-parallel
+  split is taken *inside* each TP piece, which DTensor spells
+  ``_StridedShard(0, split_factor=<TP pieces on dim 0>)``; otherwise it is
+  ``Shard(0)``. ``full_tensor()``, DCP and ``clip_grad_norm_`` see the true global
+  parameter;
+* while unsharded (forward, backward), the original TP DTensor again: its local
+  tensor is a view of the unit's gathered buffer, so the TP plan's hooks work as they
+  did before sharding;
+* gradients arrive as TP DTensors; placements other than the parameter's own (e.g. a
+  ``Partial`` gradient of a replicated bias) are redistributed to them first, and the
+  local tensor is what is reduced.
+
+torch's FSDP2 lays the parameter out the same way, so state dicts are interchangeable.
+
+torch 2.13's other spelling, ``fully_shard(m, mesh=world_mesh,
+dp_mesh_dims=DataParallelMeshDims(shard="dp"))``, passes the whole mesh instead: every
+parameter is then a DTensor on that mesh, ``Replicate()`` on its data-parallel
+dimensions. The same layout follows, written on the parameter's own mesh: the
+data-parallel dimension's ``Replicate()`` becomes ``Shard(0)``, or ``_StridedShard`` when
+dimensions after it also split dim 0 (``SpmdDims``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+def is_foreign_dtensor(p: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
+    """Whether ``p`` is a DTensor on a mesh disjoint from the data-parallel one (tensor
+    parallel), as opposed to one fullshard already sharded over ``dp_mesh``."""
+    if not isinstance(p, DTensor):
+        return False
+    dp_groups = set(map(id, dp_mesh.get_all_groups()))
+    return not any(id(g) in dp_groups for g in p.device_mesh.get_all_groups())
+
+
+@dataclass(frozen=True)
+class SpmdDims:
+    """``fully_shard(mesh=world_mesh, dp_mesh_dims=...)``: the whole mesh, and which of its
+    dimensions are data parallel (one shard dimension, at most one replicate dimension)."""
+
+    mesh: DeviceMesh
+    shard: str
+    replicate: str | None = None
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        names = (self.replicate, self.shard) if self.replicate else (self.shard,)
+        return self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
+
+    def indices(self) -> tuple[int, ...]:
+        names = self.mesh.mesh_dim_names
+        return tuple(names.index(n) for n in (self.replicate, self.shard) if n)
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """Where a TP parameter lives once sharded, and which of its gradient's mesh
+    dimensions are data parallel (left to the reduce-scatter, not redistributed)."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    dp_indices: frozenset[int] = frozenset()
+
+
+def sharded_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, label: str, fqn: str,
+                   spmd: SpmdDims | None = None) -> TensorParallelLayout:
+    """The mesh and placements of a TP parameter once sharded over ``dp_mesh``."""
+    tp_mesh = tp_spec.mesh
+    where = f"fully_shard({label}): parameter '{fqn}' is a DTensor on mesh {tp_mesh}"
+    if any(isinstance(pl, Partial) for pl in tp_spec.placements):
+        raise ValueError(f"{where} with placements {tp_spec.placements}; a parameter cannot "
+                         "be Partial. Give it Shard or Replicate placements.")
+    if spmd is not None:
+        return _spmd_layout(spmd, tp_spec, where)
+    if tp_mesh.ndim > 2:
+        raise NotImplementedError(f"{where}: fullshard combines data parallelism with a 1-D "
+                                  "or 2-D model-parallel mesh (TP, EP+TP), not "
+                                  f"{tp_mesh.ndim}-D.")
+    if not dp_mesh.mesh_dim_names or not tp_mesh.mesh_dim_names:
+        raise ValueError(
+            f"{where}; to shard it over the data-parallel mesh as well, both must be named "
+            "dimensions of one mesh: build it with init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')) and pass mesh=world_mesh['dp'] to fully_shard and "
+            "world_mesh['tp'] to parallelize_module.")
+    try:
+        joint = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except RuntimeError:
+        raise ValueError(
+            f"{where}, which is not a dimension of the same mesh as the data-parallel mesh "
+            f"{dp_mesh}. Take both from one init_device_mesh(...) result, e.g. "
+            "world_mesh['dp'] and world_mesh['tp'].") from None
+    split = tp_spec.num_shards_map[0]
+    lead = (Replicate(),) if dp_mesh.ndim == 2 else ()  # hybrid: (replicate, shard, *tp)
+    return TensorParallelLayout(joint, (*lead, _dp_placement(split), *tp_spec.placements))
+
+
+def _dp_placement(split: int) -> Placement:
+    """Shard(0) over the data-parallel ranks, taken inside each of ``split`` pieces that
+    later mesh dimensions cut dim 0 into."""
+    return _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+
+
+def _spmd_layout(spmd: SpmdDims, tp_spec: DTensorSpec, where: str) -> TensorParallelLayout:
+    if tp_spec.mesh != spmd.mesh:
+        raise ValueError(f"{where}, but fully_shard was given mesh {spmd.mesh} with "
+                         "dp_mesh_dims; every parameter must be a DTensor on that mesh.")
+    placements = list(tp_spec.placements)
+    names = spmd.mesh.mesh_dim_names
+    for i in spmd.indices():
+        if not isinstance(placements[i], Replicate):
+            raise ValueError(f"{where} with {placements[i]} on data-parallel dimension "
+                             f"'{names[i]}'; it must be Replicate() there.")
+    shard = names.index(spmd.shard)
+    split = math.prod(spmd.mesh.size(j) for j in range(shard + 1, spmd.mesh.ndim)
+                      if isinstance(placements[j], (Shard, _StridedShard))
+                      and placements[j].dim == 0)
+    placements[shard] = _dp_placement(split)
+    return TensorParallelLayout(spmd.mesh, tuple(placements), frozenset(spmd.indices()))
+
+
+def local_grad(grad: torch.Tensor, tp_spec: DTensorSpec,
+               dp_indices: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The local tensor of a TP parameter's gradient, in the parameter's own placements
+    except on data-parallel dimensions (what those hold is the reduce-scatter's input)."""
+    if not isinstance(grad, DTensor):
+        raise TypeError(f"fullshard: expected the gradient of a tensor-parallel parameter to "
+                        f"be a DTensor, got {type(grad).__name__}.")
+    target = tuple(grad.placements[i] if i in dp_indices else pl
+                   for i, pl in enumerate(tp_spec.placements))
+    if grad.placements != target:
+        grad = grad.redistribute(tp_spec.mesh, target)
+    local = grad._local_tensor
+    wait = getattr(local, "wait", None)  # AsyncCollectiveTensor from a redistribute
+    return wait() if callable(wait) else local
