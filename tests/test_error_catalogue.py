@@ -173,11 +173,13 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E38"] = _message(lambda: fully_shard(nn.Linear(4, 4)).load_state_dict(
         {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)}))
 
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     from fullshard import DataParallelMeshDims
-    out["E40"] = _message(lambda: fully_shard(nn.Linear(4, 4),
+    out["E40"] = _message(lambda: fully_shard(nn.Linear(5, 4),
                                               shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    out["E49"] = _message(lambda: fully_shard(nn.Linear(4, 4),
+                                              shard_placement_fn=lambda p: Replicate()))
     dp_tp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     out["E41"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
                                               dp_mesh_dims=DataParallelMeshDims(

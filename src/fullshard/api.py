@@ -190,8 +190,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             groups of N ranks (ZeRO++ hpZ). ``None`` (torch's default): ``True``, except
             for the root, which keeps them since backward starts with it; an explicit
             ``True`` on the root frees it too.
-        shard_placement_fn: torch's per-parameter placement hook; fullshard shards on
-            dim 0, so it may return ``None`` or ``Shard(0)`` (anything else raises).
+        shard_placement_fn: torch's per-parameter hook, ``fn(param) -> Shard(dim) | None``:
+            shard that parameter on ``dim`` instead of 0 (evenly divisible, as in torch;
+            Note [shards on another dim]).
         mp_policy: dtypes to gather/compute in (``param_dtype``), reduce gradients in
             (``reduce_dtype``) and cast outputs to (``output_dtype``); sharded parameters,
             gradients and optimizer states stay in the parameters' dtype. fullshard's
@@ -234,11 +235,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     for refs in refs_by_module:
         for p, where in refs.items():
             refs_by_param.setdefault(p, []).extend(where)
-    _check_placements(label, shard_placement_fn, refs_by_param)
+    shard_dims = _shard_dims(label, shard_placement_fn, refs_by_param)
     group = None
     sharded: dict[nn.Parameter, ShardedParam] = {}
     if refs_by_param:
-        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd)
+        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd,
+                                   shard_dims.get(p, 0))
                    for p, refs in refs_by_param.items()}
         _check_tensor_parallel(label, sharded.values(), post_forward_size)
         group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
@@ -299,22 +301,26 @@ def _check_shardable(label: str, module: nn.Module) -> None:
             "Apply fully_shard to its children, or to the parent module that runs them.")
 
 
-def _check_placements(label: str, shard_placement_fn, refs_by_param: dict) -> None:
-    """torch's ``shard_placement_fn``: fullshard honours ``None`` and ``Shard(0)``."""
+def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
+    """torch's ``shard_placement_fn``: the dim each parameter is sharded on (default 0)."""
     if shard_placement_fn is None:
-        return
+        return {}
     if not callable(shard_placement_fn):
         raise TypeError(f"fully_shard({label}): shard_placement_fn must be callable as "
                         f"fn(param) -> Shard | None, got {type(shard_placement_fn).__name__}.")
+    dims = {}
     for p, refs in refs_by_param.items():
         placement = shard_placement_fn(p)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+        if placement is None:
             continue
-        shown = f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
-        raise NotImplementedError(
-            f"fully_shard({label}): shard_placement_fn returned {shown} for parameter "
-            f"'{refs[0].fqn}'; fullshard shards every parameter on dim 0. Return None or "
-            "Shard(0) for it (or shard it with torch's fully_shard).")
+        ndim = p.to_local().dim() if isinstance(p, DTensor) else p.dim()
+        if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
+            raise ValueError(
+                f"fully_shard({label}): shard_placement_fn returned {placement!r} for "
+                f"parameter '{refs[0].fqn}' ({ndim}-D); it must return None or Shard(dim) "
+                f"with -{ndim} <= dim < {ndim}.")
+        dims[p] = placement.dim % ndim
+    return dims
 
 
 def _check_tensor_parallel(label: str, params, post_forward_size: int | None) -> None:

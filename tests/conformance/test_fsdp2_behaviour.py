@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
+from torch.distributed.tensor import Shard
+
 from fullshard import fully_shard
 from fullshard import checkpoint as ckpt
 from fullshard.testing import run_distributed
@@ -103,6 +105,79 @@ def _torch_policies_parity():
 
 def test_torchs_policy_objects_are_accepted():
     run_distributed(_torch_policies_parity, 2)
+
+
+def _on_dim_1(p):
+    return Shard(1) if p.dim() >= 2 else None
+
+
+class _Experts(nn.Module):
+    """Expert weights (experts, in, out), e.g. sharded on dim 1 when experts < ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(3, CFG.d_model, 8) * 0.1)
+        self.down = nn.Parameter(torch.randn(3, 8, CFG.d_model) * 0.1)
+
+    def forward(self, x):
+        h = torch.einsum("btd,edh->ebth", x, self.up).relu()
+        return x + torch.einsum("ebth,ehd->btd", h, self.down)
+
+
+class _ExpertGPT(GPT):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.experts = _Experts()
+
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_f(self.experts(x)))
+
+
+def _shard_dims(tmp):
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer, shard_placement_fn=_on_dim_1)
+        fully_shard(model.experts, shard_placement_fn=lambda p: Shard(1 if p is model.experts.up
+                                                                      else 2))
+        fully_shard(model, shard_placement_fn=lambda p: Shard(-1) if p.dim() == 2 else None)
+    torch.manual_seed(0)
+    check_parity(lambda: _ExpertGPT(CFG), shard, _batch, _loss)
+    torch.manual_seed(0)
+    model = _ExpertGPT(CFG)
+    shard(model)
+    placements = {k: (v.placements, v.dim()) for k, v in model.state_dict().items()}
+    # a checkpoint saved with these layouts loads into the default one (DCP reshards by
+    # global offsets), and both train on alike
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(model, _batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(f"{tmp}/dims", model, opt)
+    default = _ExpertGPT(CFG)
+    for layer in default.layers:
+        fully_shard(layer)
+    fully_shard(default)
+    opt2 = torch.optim.AdamW(default.parameters(), lr=1e-2)
+    ckpt.load(f"{tmp}/dims", default, opt2)
+    for m, o in ((model, opt), (default, opt2)):
+        _loss(m, _batch(1)).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), default.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), msg=name)
+    return placements
+
+
+def test_shard_placement_fn_shards_on_other_dims(tmp_path):
+    placements = run_distributed(_shard_dims, 2, str(tmp_path))[0]
+    layer0 = {k: p for k, (p, ndim) in placements.items() if k.startswith("layers.0.")}
+    assert layer0 and all(p == ((Shard(1),) if placements[k][1] >= 2 else (Shard(0),))
+                          for k, p in layer0.items()), layer0
+    assert placements["experts.up"][0] == (Shard(1),)
+    assert placements["experts.down"][0] == (Shard(2),)
+    assert placements["tok_emb.weight"][0] == (Shard(1),)
 
 
 # -- torch.compile -----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ machine both devices are the CPU and the same copies run, so the path is tested.
 from __future__ import annotations
 
 import enum
+import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -96,6 +97,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.shard_sizes = [p.layout.shard_numel for p in params]
         self.shard_numel = sum(self.shard_sizes)
+        self._dim0_only = all(p.layout.dim == 0 for p in params)  # Note [shards on another dim]
         self.flat_shard: torch.Tensor | None = None
         self.unsharded: torch.Tensor | None = None
         self._copy_out_targets: list[torch.Tensor] = []
@@ -273,8 +275,7 @@ class ParamGroup:
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
             self._release_cast_shard()
             self._alloc_unsharded_storage()
-            torch.split_with_sizes_copy(gathered.view(self.world_size, -1), self.shard_sizes,
-                                        dim=1, out=self._copy_out_targets)
+            self._copy_out(gathered.view(self.world_size, -1))
             self.pool.give(gathered)
         for p in self.params:
             up = p.unsharded_param
@@ -284,6 +285,23 @@ class ParamGroup:
                 p.grad_hook = up.register_post_accumulate_grad_hook(self._grad_ready_hook)
             p.register(up)
         self.state = GroupState.UNSHARDED
+
+    def _copy_out(self, rows: torch.Tensor) -> None:
+        """Move the rank-major gathered shards into the param-major unsharded buffer: one
+        copy for dim-0 shards, a strided copy per parameter sharded on another dim
+        (Note [shards on another dim])."""
+        if self._dim0_only:
+            torch.split_with_sizes_copy(rows, self.shard_sizes, dim=1,
+                                        out=self._copy_out_targets)
+            return
+        w = self.world_size
+        for p, src, dst in zip(self.params, torch.split(rows, self.shard_sizes, dim=1),
+                               self._copy_out_targets):
+            if p.layout.dim == 0:
+                dst.copy_(src)
+            else:
+                dst.view(math.prod(p.layout.shape[:p.layout.dim]), w, -1).copy_(
+                    p.layout.gather_order(w, src))
 
     def reshard_after_forward(self) -> None:
         """Free the parameters after forward; with a post-forward group (hpZ, Note
@@ -406,6 +424,7 @@ class ParamGroup:
         reduce_dtype = self.reduce_dtype or ref.dtype
         if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
             grads = [g.to(reduce_dtype) for g in grads]
+        grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
         numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
         full = self.pool.take(w * numel, reduce_dtype, ref.device)

@@ -9,6 +9,17 @@ pieces to the unit's all-gather; the DTensor's local tensor is the first ``valid
 rows of that padded shard. The padded shard is a view into the unit's flat sharded
 buffer (see ParamGroup), so the all-gather reads the shards with no copy-in.
 
+Note [shards on another dim]
+``shard_placement_fn`` may return ``Shard(d)`` for d > 0 (e.g. expert weights with
+fewer experts than ranks). As in torch, the dim must divide evenly, so there is no
+padding: rank r's shard is the r-th chunk of dim d, stored contiguously in the flat
+shard. Gathered rank-major, the chunks are in the wrong order for the unsharded
+parameter (its elements interleave the ranks' chunks once per index of the dims
+before d), so each such parameter is copied out through a strided view
+(``gather_order``) instead of joining the one ``split_with_sizes_copy``; gradients
+enter the reduce-scatter through the opposite view (``rank_major``), which
+``torch._chunk_cat`` reads without an extra copy.
+
 Note [unsharded params are persistent views]
 The unsharded parameter is created once and keeps its identity across steps: it is
 a view into the unit's flat unsharded buffer whose storage is resized to zero when
@@ -82,26 +93,52 @@ class ParamRef:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Sizes of one parameter's padded dim-0 shard on one rank (see Note [padded dim-0 shards])."""
+    """Sizes of one parameter's shard on one rank: padded rows on dim 0 (Note [padded
+    dim-0 shards]), or an even split of another dim (Note [shards on another dim])."""
 
     shape: torch.Size
-    rows_per_rank: int
+    rows_per_rank: int   # along ``dim``
     valid_rows: int
-    row_numel: int
+    row_numel: int       # elements per index of ``dim``
+    dim: int = 0
 
     @staticmethod
-    def of(shape: torch.Size, rank: int, world_size: int) -> "ShardLayout":
-        rows = shape[0]
+    def of(shape: torch.Size, rank: int, world_size: int, dim: int = 0) -> "ShardLayout":
+        rows = shape[dim]
         rows_per_rank = math.ceil(rows / world_size)
         valid = max(0, min(rows_per_rank, rows - rank * rows_per_rank))
-        return ShardLayout(shape, rows_per_rank, valid, math.prod(shape[1:]))
+        return ShardLayout(shape, rows_per_rank, valid,
+                           math.prod(n for i, n in enumerate(shape) if i != dim), dim)
 
     @property
     def shard_numel(self) -> int:
         return self.rows_per_rank * self.row_numel
 
     def padded_shape(self, rows: int) -> tuple[int, ...]:
-        return (rows, *self.shape[1:])
+        return (*self.shape[:self.dim], rows, *self.shape[self.dim + 1:])
+
+    def valid(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows of a padded shard (a view)."""
+        return padded.narrow(self.dim, 0, self.valid_rows)
+
+    def padding(self, padded: torch.Tensor) -> torch.Tensor:
+        """The rows of a padded shard past this rank's real ones (a view, often empty)."""
+        return padded.narrow(self.dim, self.valid_rows, self.rows_per_rank - self.valid_rows)
+
+    def gather_order(self, world_size: int, rank_major: torch.Tensor) -> torch.Tensor:
+        """``rank_major`` (world x shard_numel, one rank's shard per row) seen in the
+        parameter's own element order (a strided view; Note [shards on another dim])."""
+        outer = math.prod(self.shape[:self.dim])
+        chunks = rank_major.view(world_size, outer, -1)
+        return chunks.transpose(0, 1)
+
+    def rank_major(self, world_size: int, unsharded: torch.Tensor) -> torch.Tensor:
+        """An unsharded tensor as a (world, ...) view whose row r is rank r's shard, for
+        ``torch._chunk_cat``; dim 0 needs no view."""
+        if self.dim == 0:
+            return unsharded
+        outer = math.prod(self.shape[:self.dim])
+        return unsharded.reshape(outer, world_size, -1).transpose(0, 1)
 
 
 class ShardedParam:
@@ -109,7 +146,7 @@ class ShardedParam:
 
     def __init__(self, refs: list[ParamRef], param: nn.Parameter, mesh: DeviceMesh,
                  rank: int, world_size: int, unit_label: str = "",
-                 spmd: SpmdDims | None = None):
+                 spmd: SpmdDims | None = None, dim: int = 0):
         # rank / world_size are this rank's place in the *shard* dimension; on a 2-D
         # (replicate, shard) mesh the parameter is replicated across the other one.
         self.refs = refs
@@ -125,14 +162,21 @@ class ShardedParam:
                 "ignored_params.")
         self.rank = rank
         self.world_size = world_size
-        self.layout = ShardLayout.of(local.shape, rank, world_size)
+        if dim and local.shape[dim] % world_size:
+            raise NotImplementedError(
+                f"fully_shard({unit_label}): shard_placement_fn returned Shard({dim}) for "
+                f"parameter '{self.fqn}' of shape {tuple(local.shape)}, whose dim {dim} "
+                f"({local.shape[dim]}) does not divide evenly over {world_size} ranks; "
+                "dims other than 0 are sharded evenly only (as in torch). Return Shard(0) "
+                "or None for it.")
+        self.layout = ShardLayout.of(local.shape, rank, world_size, dim)
         self.global_shape = param.shape
         self.dp_indices: frozenset[int] = frozenset()
         if self.tp_spec is None:
             spec_mesh = mesh
-            self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+            self.placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
         else:
-            tp = sharded_layout(mesh, self.tp_spec, unit_label, self.fqn, spmd)
+            tp = sharded_layout(mesh, self.tp_spec, unit_label, self.fqn, spmd, dim)
             spec_mesh, self.placements, self.dp_indices = tp.mesh, tp.placements, tp.dp_indices
         self.spec = DTensorSpec(
             spec_mesh, self.placements,
@@ -163,11 +207,11 @@ class ShardedParam:
         """Copy this rank's rows of ``full`` into ``flat_view`` and register the DTensor."""
         lay = self.layout
         self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
-        start = self.rank * lay.rows_per_rank
+        start = min(self.rank * lay.rows_per_rank, lay.shape[lay.dim])  # trailing ranks: none
+        local = lay.valid(self.padded_shard)
         with torch.no_grad():
-            self.padded_shard[lay.valid_rows:].zero_()
-            self.padded_shard[:lay.valid_rows].copy_(full.detach()[start:start + lay.valid_rows])
-        local = self.padded_shard[:lay.valid_rows]
+            lay.padding(self.padded_shard).zero_()
+            local.copy_(full.detach().narrow(lay.dim, start, lay.valid_rows))
         self.sharded_param = nn.Parameter(DTensor(local, self.spec, requires_grad=False),
                                           requires_grad=requires_grad)
         # Gradients reuse the parameter's own spec object: DTensor's sharding cache then
@@ -198,12 +242,12 @@ class ShardedParam:
         lay = self.layout
         old_local = current._local_tensor
         self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
-        new_local = self.padded_shard[:lay.valid_rows]
+        new_local = lay.valid(self.padded_shard)
         if not _same_memory(old_local, new_local):
             with torch.no_grad():
                 if not old_local.is_meta and not new_local.is_meta:
                     new_local.copy_(old_local)
-                self.padded_shard[lay.valid_rows:].zero_()
+                lay.padding(self.padded_shard).zero_()
             current._local_tensor = new_local
         self.sharded_param = current
         self.spec = current._spec
@@ -215,7 +259,7 @@ class ShardedParam:
         """Create the persistent unsharded parameter over ``unsharded_view`` (padded rows)."""
         lay = self.layout
         padded = unsharded_view.view(lay.padded_shape(lay.rows_per_rank * self.world_size))
-        value = padded[:lay.shape[0]]
+        value = padded.narrow(lay.dim, 0, lay.shape[lay.dim])
         if self.tp_spec is not None:  # the module sees its TP DTensor again
             value = DTensor(value, self.tp_spec, requires_grad=False)
         self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
@@ -229,7 +273,7 @@ class ShardedParam:
     def sharded_grad(self, padded_grad_shard: torch.Tensor) -> DTensor:
         """Wrap this rank's reduced gradient rows as a DTensor matching the sharded param."""
         lay = self.layout
-        local = padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank))[:lay.valid_rows]
+        local = lay.valid(padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank)))
         return DTensor(local, self.spec, requires_grad=False)
 
     def local_is_shard(self) -> bool:

@@ -85,15 +85,16 @@ class TensorParallelLayout:
 
 
 def sharded_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, label: str, fqn: str,
-                   spmd: SpmdDims | None = None) -> TensorParallelLayout:
-    """The mesh and placements of a TP parameter once sharded over ``dp_mesh``."""
+                   spmd: SpmdDims | None = None, dim: int = 0) -> TensorParallelLayout:
+    """The mesh and placements of a TP parameter once its local piece is sharded on
+    ``dim`` over ``dp_mesh``."""
     tp_mesh = tp_spec.mesh
     where = f"fully_shard({label}): parameter '{fqn}' is a DTensor on mesh {tp_mesh}"
     if any(isinstance(pl, Partial) for pl in tp_spec.placements):
         raise ValueError(f"{where} with placements {tp_spec.placements}; a parameter cannot "
                          "be Partial. Give it Shard or Replicate placements.")
     if spmd is not None:
-        return _spmd_layout(spmd, tp_spec, where)
+        return _spmd_layout(spmd, tp_spec, where, dim)
     if tp_mesh.ndim > 2:
         raise NotImplementedError(f"{where}: fullshard combines data parallelism with a 1-D "
                                   "or 2-D model-parallel mesh (TP, EP+TP), not "
@@ -111,18 +112,19 @@ def sharded_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, label: str, fqn: s
             f"{where}, which is not a dimension of the same mesh as the data-parallel mesh "
             f"{dp_mesh}. Take both from one init_device_mesh(...) result, e.g. "
             "world_mesh['dp'] and world_mesh['tp'].") from None
-    split = tp_spec.num_shards_map[0]
+    split = tp_spec.num_shards_map[dim]
     lead = (Replicate(),) if dp_mesh.ndim == 2 else ()  # hybrid: (replicate, shard, *tp)
-    return TensorParallelLayout(joint, (*lead, _dp_placement(split), *tp_spec.placements))
+    return TensorParallelLayout(joint, (*lead, _dp_placement(dim, split), *tp_spec.placements))
 
 
-def _dp_placement(split: int) -> Placement:
-    """Shard(0) over the data-parallel ranks, taken inside each of ``split`` pieces that
-    later mesh dimensions cut dim 0 into."""
-    return _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+def _dp_placement(dim: int, split: int) -> Placement:
+    """Shard(dim) over the data-parallel ranks, taken inside each of ``split`` pieces that
+    later mesh dimensions cut ``dim`` into."""
+    return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
 
 
-def _spmd_layout(spmd: SpmdDims, tp_spec: DTensorSpec, where: str) -> TensorParallelLayout:
+def _spmd_layout(spmd: SpmdDims, tp_spec: DTensorSpec, where: str, dim: int
+                 ) -> TensorParallelLayout:
     if tp_spec.mesh != spmd.mesh:
         raise ValueError(f"{where}, but fully_shard was given mesh {spmd.mesh} with "
                          "dp_mesh_dims; every parameter must be a DTensor on that mesh.")
@@ -135,8 +137,8 @@ def _spmd_layout(spmd: SpmdDims, tp_spec: DTensorSpec, where: str) -> TensorPara
     shard = names.index(spmd.shard)
     split = math.prod(spmd.mesh.size(j) for j in range(shard + 1, spmd.mesh.ndim)
                       if isinstance(placements[j], (Shard, _StridedShard))
-                      and placements[j].dim == 0)
-    placements[shard] = _dp_placement(split)
+                      and placements[j].dim == dim)
+    placements[shard] = _dp_placement(dim, split)
     return TensorParallelLayout(spmd.mesh, tuple(placements), frozenset(spmd.indices()))
 
 
