@@ -38,9 +38,8 @@ class TorchControls:
         for unit in self._units(recurse):
             setattr(unit, flag, value)
 
-    def _set_reduce(self, method: str, **changes) -> None:
-        """Change this unit's reduction settings (with its fully_shard call's other units);
-        units merged with others into one collective cannot differ from them."""
+    def _check_not_merged(self, method: str, what: str) -> None:
+        """Units merged with others into one collective cannot differ from them."""
         unit = self._unit
         root = unit.root
         if root is not None and unit.group is not None:
@@ -49,10 +48,14 @@ class TorchControls:
                 raise ValueError(
                     f"{method} on {unit.name}: its parameters were merged with "
                     f"{', '.join(others)} into one collective at the first forward, so its "
-                    "gradient reduction cannot differ from theirs. Call it right after "
+                    f"{what} cannot differ from theirs. Call it right after "
                     "fully_shard (before the first forward), or turn merging off with "
                     "root.set_bucket_numel(0) then.")
-        for u in unit.created_with:
+
+    def _set_reduce(self, method: str, **changes) -> None:
+        """Change this unit's reduction settings (with its fully_shard call's other units)."""
+        self._check_not_merged(method, "gradient reduction")
+        for u in self._unit.created_with:
             u.reduce_options = dataclasses.replace(u.reduce_options, **changes)
 
     # -- iteration state -------------------------------------------------------------------
@@ -134,19 +137,27 @@ class TorchControls:
         presence flags, Note [gradient presence flags]), so ranks never mismatch."""
         _expect_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
 
-    # -- communication tuning with no fullshard counterpart -----------------------------------
+    # -- custom collectives ------------------------------------------------------------------
     def set_custom_all_gather(self, comm) -> None:
-        raise NotImplementedError(
-            f"set_custom_all_gather on {self._unit.name}: fullshard gathers each unit with its "
-            "own all_gather_into_tensor into pooled buffers and has no custom-collective "
-            "hook yet; use torch's fully_shard for a custom all-gather.")
+        """Gather this unit's parameters with ``comm`` (torch's ``AllGather``: ``allocate``
+        plus a call), Note [custom collectives]."""
+        self._set_comm("set_custom_all_gather", "all_gather_comm", comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        raise NotImplementedError(
-            f"set_custom_reduce_scatter on {self._unit.name}: fullshard reduces each unit "
-            "with its own reduce-scatter (all_to_all plus a local sum on gloo) and has no "
-            "custom-collective hook yet; use torch's fully_shard for a custom reduce-scatter.")
+        """Reduce this unit's gradients with ``comm`` (torch's ``ReduceScatter``), called
+        with ``op=ReduceOp.SUM``; the mean is taken afterwards, Note [custom collectives]."""
+        self._set_comm("set_custom_reduce_scatter", "reduce_scatter_comm", comm)
 
+    def _set_comm(self, method: str, attr: str, comm) -> None:
+        if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+            raise TypeError(f"{method} on {self._unit.name}: expected a torch.distributed.fsdp "
+                            "Comm (an object with allocate(size, *, dtype, device) that is "
+                            f"called to run the collective), got {type(comm).__name__}.")
+        self._check_not_merged(method, "collective")
+        if self._unit.group is not None:
+            setattr(self._unit.group, attr, comm)
+
+    # -- communication tuning with no fullshard counterpart -----------------------------------
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
         """Accepted and validated; fullshard keeps at most one reduce-scatter in flight and

@@ -244,6 +244,61 @@ def _divide_factor_and_hook():
     return calls
 
 
+class _CountingAllGather:
+    """torch's AllGather protocol: allocate, then gather (counts what it is given)."""
+
+    def __init__(self):
+        self.allocated, self.calls = [], 0
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated.append(tuple(size))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class _AllToAllReduceScatter(_CountingAllGather):
+    """torch's ReduceScatter protocol, written with all_to_all (gloo has no reduce-scatter)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        assert op == dist.ReduceOp.SUM
+        self.calls += 1
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        torch.sum(received.view(group.size(), -1), dim=0, out=output_tensor)
+
+
+def _custom_comms():
+    gathers, reductions = [], []
+
+    def shard(model):
+        for layer in model.layers:
+            fully_shard(layer)
+            gathers.append(_CountingAllGather())
+            reductions.append(_AllToAllReduceScatter())
+            layer.set_custom_all_gather(gathers[-1])
+            layer.set_custom_reduce_scatter(reductions[-1])
+        fully_shard(model)
+    _parity(shard)
+    world = dist.get_world_size()
+    return ([(g.calls, len(set(g.allocated))) for g in gathers],
+            [(r.calls, sorted({n for n, in r.allocated})) for r in reductions], world)
+
+
+def test_custom_all_gather_and_reduce_scatter_train_as_the_built_in_ones():
+    gathers, reductions, world = run_distributed(_custom_comms, 2)[0]
+    # 5 steps: each layer gathered in forward and again in backward (resharded after
+    # forward), reduced once per step; kept its own collective (not merged)
+    assert [calls for calls, _ in gathers] == [10] * CFG.n_layers
+    assert all(sizes == 1 for _, sizes in gathers)
+    for calls, sizes in reductions:
+        assert calls == 5
+        assert len(sizes) == 2 and sizes[1] == world * sizes[0]  # output, rank-major input
+
+
 def test_gradient_divide_factor_and_all_reduce_hook():
     calls = run_distributed(_divide_factor_and_hook, 2)[0]
     assert calls == 5 * CFG.n_layers  # once per layer per step

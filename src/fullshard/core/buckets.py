@@ -70,6 +70,9 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
     pinned |= {u for u in units if u.forward_prefetch or u.backward_prefetch}
     # Units sharded together by one fully_shard([...]) call already share a group.
     pinned |= {u for u in units if len(u.created_with) > 1}
+    # A custom collective serves its own unit only (Note [custom collectives]).
+    pinned |= {u for u in units if u.group is not None and (
+        u.group.all_gather_comm is not None or u.group.reduce_scatter_comm is not None)}
     for run in plan_buckets([u for u in units if u not in pinned], bucket_numel, root):
         if len(run) == 1:
             continue

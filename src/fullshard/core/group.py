@@ -31,6 +31,18 @@ memory holds each parameter once, as DDP does. Gradients skip the reduce-scatter
 (a copy over one rank) and go straight to one asynchronous all-reduce across
 replicas.
 
+Note [custom collectives]
+torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hand a unit an object
+with ``allocate(size, dtype=, device=)`` and a call that runs the collective. With
+one set, the group allocates that collective's buffers through it (never from the
+pool, so its allocator, e.g. symmetric memory, owns them) and calls it where it would
+issue its own: ``comm(output_tensor=, input_tensor=, group=, async_op=)`` for the
+gather, ``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM)`` for the
+reduce-scatter (fullshard sums and divides afterwards, also under a custom comm).
+Inputs and outputs have the layouts of the built-in path: rank-major shards, one flat
+buffer per unit, presence flags included. A unit with a custom collective keeps its
+own group (never merged into a bucket), so the comm sees exactly its parameters.
+
 Note [CPU offload]
 With ``offload`` the flat shard, the sharded gradients and hence the optimizer
 states live in CPU memory (pinned when the compute device is CUDA, so the copies
@@ -116,6 +128,10 @@ class ParamGroup:
         self.checker: "DivergenceChecker | None" = None  # FULLSHARD_DEBUG (core/divergence.py)
         self.merged_into: str | None = None  # the bucket that took over, once MERGED
         self.partial_sum = PartialSum()  # set_requires_all_reduce(False) under HSDP
+        # torch's set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
+        self.all_gather_comm = None
+        self.reduce_scatter_comm = None
+        self._gather_pooled = True  # the gather in flight writes a pooled buffer
 
     def _announce(self, op: str) -> None:
         """Debug mode: compare this collective's fingerprint across ranks before issuing it."""
@@ -258,10 +274,17 @@ class ParamGroup:
         if dtype != send.dtype or device != send.device:  # the one copy-in: cast / offload
             send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
             send.copy_(self.flat_shard, non_blocking=True)
-        out = self.pool.take(self.world_size * self.shard_numel, dtype, device)
+        comm = self.all_gather_comm
         self._announce("all-gather")
-        self._gather = all_gather(out, send, self.pg, async_op=async_op,
-                                  what=f"all-gather of {self.unit_name}")
+        if comm is None:
+            out = self.pool.take(self.world_size * self.shard_numel, dtype, device)
+            self._gather = all_gather(out, send, self.pg, async_op=async_op,
+                                      what=f"all-gather of {self.unit_name}")
+        else:  # Note [custom collectives]
+            out = comm.allocate((self.world_size * self.shard_numel,), dtype=dtype, device=device)
+            self._gather = Pending(out, comm(output_tensor=out, input_tensor=send,
+                                             group=self.pg, async_op=async_op))
+        self._gather_pooled = comm is None
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -276,7 +299,7 @@ class ParamGroup:
             self._release_cast_shard()
             self._alloc_unsharded_storage()
             self._copy_out(gathered.view(self.world_size, -1))
-            self.pool.give(gathered)
+            self._give_gathered(gathered)
         for p in self.params:
             up = p.unsharded_param
             if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
@@ -325,13 +348,17 @@ class ParamGroup:
             gathered = self._gather.wait(f"all-gather of {self.unit_name}")
             self._gather = None
             if not self._gather_is_direct:
-                self.pool.give(gathered)
+                self._give_gathered(gathered)
             self._release_cast_shard()
         else:
             for p in self.params:
                 p.register(p.sharded_param)
         self._free_unsharded_storage()
         self.state = GroupState.SHARDED
+
+    def _give_gathered(self, gathered: torch.Tensor) -> None:
+        if self._gather_pooled:  # a custom all-gather's buffer belongs to its allocator
+            self.pool.give(gathered)
 
     def _release_cast_shard(self) -> None:
         if self._cast_shard is not None:
@@ -427,7 +454,9 @@ class ParamGroup:
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
         numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
-        full = self.pool.take(w * numel, reduce_dtype, ref.device)
+        comm = self.reduce_scatter_comm if w > 1 else None
+        full = (self.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
+                comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
         torch._chunk_cat(grads + [flags], dim=0, num_chunks=w, out=full.view(w, numel))
         del grads  # the unsharded gradients die here, before the receive buffers exist
@@ -444,6 +473,14 @@ class ParamGroup:
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                                  [full], views, dest, options=options)
+        if comm is not None:  # Note [custom collectives]
+            out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
+            self._announce("reduce-scatter")
+            work = comm(output_tensor=out, input_tensor=full, group=self.pg,
+                        op=dist.ReduceOp.SUM)
+            return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
+                                 self.pool, [], views, dest, self.replicate_pg, options,
+                                 self.partial_sum)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) \
             if needs_scratch(self.pg) else None
         out = dest if (reduce_dtype, ref.device) == (dest.dtype, dest.device) else torch.empty(
