@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench setup clean
+.PHONY: run test test-torchtitan bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ run: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+# torchtitan's own FSDP code on fullshard. Not a dependency: torchtitan's imports pull
+# triton (~1 GB), so its runtime dependencies are installed here without theirs.
+TORCHTITAN_PKGS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 triton==3.9.0
+test-torchtitan: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(TORCHTITAN_PKGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/conformance/test_torchtitan.py
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/compare_fsdp2.py
