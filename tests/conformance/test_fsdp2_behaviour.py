@@ -41,8 +41,8 @@ def _loss(model, batch):
     return lm_loss(model(batch[0]), batch[1])
 
 
-def _parity(shard, **kwargs):
-    return check_parity(lambda: GPT(CFG), shard, _batch, _loss, **kwargs).max_weight_diff
+def _parity(shard, cfg=CFG, **kwargs):
+    return check_parity(lambda: GPT(cfg), shard, _batch, _loss, **kwargs).max_weight_diff
 
 
 # -- fully_shard arguments --------------------------------------------------------------------
@@ -408,6 +408,25 @@ def test_set_reshard_after_forward_at_run_time():
     kept, freed = run_distributed(_reshard_after_forward_toggle, 2)[0]
     assert "all_gather" not in kept and "all_gather_async" not in kept
     assert freed.get("all_gather", 0) + freed.get("all_gather_async", 0) == CFG.n_layers + 1
+
+
+def _mixed_reshard_settings(merge: bool):
+    settings = [True, False, 2, None]  # per block: ZeRO-3, ZeRO-2, hpZ to 2 ranks, default
+
+    def shard(model):
+        for layer, setting in zip(model.layers, settings):
+            fully_shard(layer, reshard_after_forward=setting)
+        fully_shard(model, reshard_after_forward=True)
+        if not merge:
+            model.set_bucket_numel(0)
+    _parity(shard, cfg=GPTConfig(**{**CFG.__dict__, "n_layers": len(settings)}),
+            micro_batches=2)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_mixed_reshard_after_forward_settings_finish_and_match(merge):
+    # one unit each way in one model, with gradient accumulation (two backwards a step)
+    run_distributed(_mixed_reshard_settings, 4, merge, timeout=120)
 
 
 # -- copy, pickle, torch's state-dict keywords -------------------------------------------------
