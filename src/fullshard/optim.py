@@ -118,10 +118,9 @@ def _install() -> None:
         _installed = True
 
 
-def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     from .core.state import finish_all_pending_reduces  # import cycle: core imports us
 
-    finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
@@ -129,8 +128,12 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     sharded = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]") is not None
                 for j, p in enumerate(group["params"])]
                for i, group in enumerate(opt.param_groups)]
-    if not _enabled or type(opt) not in ELEMENTWISE_OPTIMIZERS:
-        return
+    swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
+                and any(map(any, sharded)))
+    replaced = _run_closure_first(args, kwargs) if swapping else None
+    finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
+    if not swapping:
+        return replaced
     swaps = []
     for group, tracked in zip(opt.param_groups, sharded):
         if not any(tracked):
@@ -153,6 +156,25 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
         group["params"] = local_params
     if swaps:
         _SWAPPED[opt] = swaps
+    return replaced
+
+
+def _run_closure_first(args, kwargs):
+    """``step(closure)`` (Lightning's automatic optimization) runs forward and backward
+    inside the step, after this hook; the swap below would hand the optimizer local
+    tensors whose gradients that backward never fills. The elementwise optimizers call
+    the closure exactly once, first, under ``enable_grad``; so run it here, the same
+    way, and give the step a closure that returns its loss."""
+    # torch hands step's own arguments over with the optimizer first: (opt, closure?)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        loss = closure()
+    done = lambda: loss  # noqa: E731 - the step's closure, now returning the result
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": done}
+    return (args[0], done, *args[2:]), kwargs
 
 
 def _check_not_built_before_sharding(opt: torch.optim.Optimizer) -> None:

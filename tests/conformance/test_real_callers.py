@@ -1,5 +1,9 @@
 """Code nobody here wrote, unchanged, on fullshard through the explicit opt-in.
 
+Lightning's ``ModelParallelStrategy`` (``configure_model`` shards with torch's names,
+the strategy steps with ``optimizer.step(closure)``) trains as single-process training
+on the same batches and as with torch's FSDP2.
+
 transformers' own FSDP2 path (``from_pretrained(..., distributed_config=...)``, which
 imports ``fully_shard`` from ``torch.distributed._composable.fsdp``, shards a list of
 modules, checks ``isinstance(m, FSDPModule)``) trains with fullshard after
@@ -104,3 +108,46 @@ def test_run_module_installs_before_the_program_imports_torchs_names(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["fullshard.api", "True", "['--flag',", "'x']"]
+
+
+# -- Lightning ---------------------------------------------------------------------------------
+def _lightning(impl: str, out) -> list[dict]:
+    import json
+
+    script = os.path.join(os.path.dirname(__file__), "callers", "lightning_model_parallel.py")
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, script, impl, str(out)], env=env, cwd=out,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _lightning_reference(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """Single-process training on the union of the ranks' batches, step by step."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                        nn.Linear(16, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(len(ranks[0]["batches"])):
+        losses = [F.mse_loss(net(torch.tensor(r["batches"][step][0])),
+                             torch.tensor(r["batches"][step][1])) for r in ranks]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        opt.zero_grad()
+    return net.state_dict()
+
+
+def test_lightning_model_parallel_strategy_trains_as_single_process(tmp_path):
+    # Lightning steps with optimizer.step(closure): forward and backward run inside step()
+    pytest.importorskip("lightning")
+    ours = _lightning("fullshard", tmp_path / "fullshard")
+    theirs = _lightning("torch", tmp_path / "torch")
+    assert ours[0]["kinds"] == ["fullshard.api"] and theirs[0]["kinds"] != ours[0]["kinds"]
+    for a, b in zip(ours, theirs):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    for key, ref in _lightning_reference(ours).items():
+        torch.testing.assert_close(torch.tensor(ours[0]["weights"][key]), ref, msg=key)
