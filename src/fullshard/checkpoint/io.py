@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
-from ..fsdp1.state_dict import native_state_dict
+from ..core.native_state_dict import native_state_dict
 from . import background
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
 
-from ..fsdp1.state_dict import native_state_dict
+from ..core.native_state_dict import native_state_dict
 
 
 @dataclass(frozen=True)

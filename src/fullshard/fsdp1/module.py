@@ -18,6 +18,9 @@ import torch.nn as nn
 
 from ..api import FSDPModule
 from .. import grad_norm
+from ..checkpoint import (StateDictOptions, get_optimizer_state_dict,
+                          set_optimizer_state_dict)
+from ..core.native_state_dict import is_outermost, native_state_dict
 from . import full_params
 from . import state_dict as sd
 from .construct import shard_fsdp1
@@ -67,9 +70,9 @@ class FullyShardedDataParallel(FSDPModule):
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
-        if not sd.is_outermost():
+        if not is_outermost():
             return super().state_dict(*args, **kwargs)
-        with sd.native_state_dict():
+        with native_state_dict():
             result = super().state_dict(*args, **kwargs)
         settings = self._fullshard_state_dict_settings
         if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
@@ -80,14 +83,14 @@ class FullyShardedDataParallel(FSDPModule):
         return result
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if not sd.is_outermost():
+        if not is_outermost():
             return super().load_state_dict(state_dict, strict, assign)
         for m in self.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
         if self._fullshard_state_dict_settings.state_dict_type is StateDictType.FULL_STATE_DICT:
             state_dict = sd.shard_full_values(self, state_dict)
-        with sd.native_state_dict():
+        with native_state_dict():
             return super().load_state_dict(state_dict, strict, assign)
 
     @staticmethod
@@ -130,7 +133,6 @@ class FullyShardedDataParallel(FSDPModule):
                          group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name: full tensors or DTensor shards
         according to ``model``'s state-dict type."""
-        from ..checkpoint import get_optimizer_state_dict  # import cycle: checkpoint uses fsdp1
 
         options = sd.optim_options(FullyShardedDataParallel.get_state_dict_type(model),
                                    loading=False)
@@ -143,7 +145,6 @@ class FullyShardedDataParallel(FSDPModule):
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Load ``optim_state_dict`` (from ``optim_state_dict``) into ``optim`` and return the
         optimizer's own state dict, so ``optim.load_state_dict(result)`` works as with torch."""
-        from ..checkpoint import set_optimizer_state_dict
 
         options = sd.optim_options(FullyShardedDataParallel.get_state_dict_type(model),
                                    loading=True)
@@ -155,7 +156,6 @@ class FullyShardedDataParallel(FSDPModule):
                               rank0_only: bool = True, group=None) -> dict[str, Any]:
         """torch's older spelling: the full optimizer state keyed by name, on rank 0 only
         (on the CPU) when ``rank0_only``."""
-        from ..checkpoint import StateDictOptions, get_optimizer_state_dict
 
         _no_optim_input("full_optim_state_dict", optim_input)
         return get_optimizer_state_dict(model, optim, options=StateDictOptions(
@@ -165,7 +165,6 @@ class FullyShardedDataParallel(FSDPModule):
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                                  group=None) -> dict[str, Any]:
         """torch's older spelling: the optimizer state as DTensor shards keyed by name."""
-        from ..checkpoint import get_optimizer_state_dict
 
         return get_optimizer_state_dict(model, optim)
 

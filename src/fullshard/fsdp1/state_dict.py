@@ -5,13 +5,11 @@ FSDP1 returns full tensors by default (FULL_STATE_DICT), so the FSDP1 front conv
 at the outermost ``state_dict()``/``load_state_dict()`` call according to the settings
 ``FSDP.state_dict_type(model, ...)`` put on the model's units. Inner calls (the
 module tree's own recursion) and fullshard's checkpoint functions, which run inside
-``native_state_dict()``, see the DTensors.
+``core.native_state_dict.native_state_dict()``, see the DTensors.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Any
 
 import torch
@@ -19,30 +17,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..checkpoint import StateDictOptions
 from .options import (FullOptimStateDictConfig, FullStateDictConfig, OptimStateDictConfig,
                       ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictSettings,
                       StateDictType, as_dataclass, as_enum)
-
-_CONVERTING = threading.local()  # .depth > 0 inside an outermost conversion or native_state_dict
 
 _DEFAULT_CONFIGS = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
 }
-
-
-@contextlib.contextmanager
-def native_state_dict():
-    """Inside, ``state_dict()``/``load_state_dict()`` of FSDP1-front modules use DTensors."""
-    _CONVERTING.depth = getattr(_CONVERTING, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _CONVERTING.depth -= 1
-
-
-def is_outermost() -> bool:
-    return getattr(_CONVERTING, "depth", 0) == 0
 
 
 def make_settings(state_dict_type, state_dict_config, optim_state_dict_config
@@ -108,8 +91,6 @@ def local_shard(full: torch.Tensor, like: DTensor) -> DTensor:
 
 def optim_options(settings: StateDictSettings, loading: bool):
     """fullshard.checkpoint's StateDictOptions for the optimizer under ``settings``."""
-    from ..checkpoint import StateDictOptions  # import cycle: checkpoint uses this module
-
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     config: OptimStateDictConfig = settings.optim_state_dict_config
     rank0_only = full and getattr(config, "rank0_only", False)
