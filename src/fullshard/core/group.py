@@ -56,7 +56,6 @@ machine both devices are the CPU and the same copies run, so the path is tested.
 from __future__ import annotations
 
 import enum
-import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -317,14 +316,9 @@ class ParamGroup:
             torch.split_with_sizes_copy(rows, self.shard_sizes, dim=1,
                                         out=self._copy_out_targets)
             return
-        w = self.world_size
         for p, src, dst in zip(self.params, torch.split(rows, self.shard_sizes, dim=1),
                                self._copy_out_targets):
-            if p.layout.dim == 0:
-                dst.copy_(src)
-            else:
-                dst.view(math.prod(p.layout.shape[:p.layout.dim]), w, -1).copy_(
-                    p.layout.gather_order(w, src))
+            p.layout.copy_gathered(self.world_size, src, dst)
 
     def reshard_after_forward(self) -> None:
         """Free the parameters after forward; with a post-forward group (hpZ, Note

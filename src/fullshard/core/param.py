@@ -16,7 +16,7 @@ padding: rank r's shard is the r-th chunk of dim d, stored contiguously in the f
 shard. Gathered rank-major, the chunks are in the wrong order for the unsharded
 parameter (its elements interleave the ranks' chunks once per index of the dims
 before d), so each such parameter is copied out through a strided view
-(``gather_order``) instead of joining the one ``split_with_sizes_copy``; gradients
+(``copy_gathered``) instead of joining the one ``split_with_sizes_copy``; gradients
 enter the reduce-scatter through the opposite view (``rank_major``), which
 ``torch._chunk_cat`` reads without an extra copy.
 
@@ -125,20 +125,28 @@ class ShardLayout:
         """The rows of a padded shard past this rank's real ones (a view, often empty)."""
         return padded.narrow(self.dim, self.valid_rows, self.rows_per_rank - self.valid_rows)
 
-    def gather_order(self, world_size: int, rank_major: torch.Tensor) -> torch.Tensor:
-        """``rank_major`` (world x shard_numel, one rank's shard per row) seen in the
-        parameter's own element order (a strided view; Note [shards on another dim])."""
-        outer = math.prod(self.shape[:self.dim])
-        chunks = rank_major.view(world_size, outer, -1)
-        return chunks.transpose(0, 1)
+    def copy_gathered(self, world_size: int, rank_major: torch.Tensor,
+                      unsharded: torch.Tensor) -> None:
+        """Copy ``rank_major`` (world x shard_numel, rank r's shard in row r) into this
+        parameter's ``unsharded`` region (world * shard_numel elements, its own element
+        order); another dim goes through a strided view (Note [shards on another dim])."""
+        if self.dim == 0:
+            unsharded.copy_(rank_major)
+        else:
+            # view, never reshape: the copy must land in ``unsharded`` itself
+            unsharded.view(self._outer(), world_size, -1).transpose(0, 1).copy_(
+                rank_major.view(world_size, self._outer(), -1))
 
     def rank_major(self, world_size: int, unsharded: torch.Tensor) -> torch.Tensor:
         """An unsharded tensor as a (world, ...) view whose row r is rank r's shard, for
         ``torch._chunk_cat``; dim 0 needs no view."""
         if self.dim == 0:
             return unsharded
-        outer = math.prod(self.shape[:self.dim])
-        return unsharded.reshape(outer, world_size, -1).transpose(0, 1)
+        return unsharded.reshape(self._outer(), world_size, -1).transpose(0, 1)
+
+    def _outer(self) -> int:
+        """Elements before ``dim``: how many times the ranks' chunks interleave."""
+        return math.prod(self.shape[:self.dim])
 
 
 class ShardedParam:
