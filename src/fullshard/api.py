@@ -485,20 +485,20 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
             fqn = f"{prefix}.{name}" if prefix else name
             if spmd is not None:
                 _check_spmd_param(label, fqn, p, spmd)
-            if isinstance(p, DTensor) and not is_foreign_dtensor(p, mesh) and not (
-                    spmd is not None and p.device_mesh == spmd.mesh
-                    and not optim.is_sharded_param(p)):
-                if not optim.is_sharded_param(p):
-                    raise ValueError(
-                        f"fully_shard({label}): parameter '{fqn}' is a DTensor on the "
-                        f"data-parallel mesh {mesh} itself; a tensor-parallel parameter must "
-                        "live on another dimension of the same mesh: parallelize_module(..., "
-                        "world_mesh['tp'], plan), then fully_shard(..., mesh=world_mesh['dp']).")
+            if optim.is_sharded_param(p):
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' is already a sharded DTensor: "
                     "fully_shard was applied to a module enclosing this one (or the parameter "
                     "is shared with a unit sharded earlier). Apply fully_shard bottom-up: "
                     "submodules first, then their parent, the root last.")
+            if isinstance(p, DTensor) and not (
+                    is_foreign_dtensor(p, mesh)
+                    or (spmd is not None and p.device_mesh == spmd.mesh)):
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' is a DTensor on the "
+                    f"data-parallel mesh {mesh} itself; a tensor-parallel parameter must "
+                    "live on another dimension of the same mesh: parallelize_module(..., "
+                    "world_mesh['tp'], plan), then fully_shard(..., mesh=world_mesh['dp']).")
             owner = SHARDED_ORIGINALS.get(p)
             if owner is not None:
                 raise ValueError(
