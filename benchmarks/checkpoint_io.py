@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fullshard import checkpoint as ckpt
 from fullshard import fully_shard
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8)
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 from memory import memory_report
 
 
@@ -70,7 +70,7 @@ def build(impl: str, base: GPT, reshard_after_forward: bool,
         if impl == "fullshard" and bucket_numel is not None:
             model.set_bucket_numel(bucket_numel)
     elif impl in ("fullshard-fsdp1", "fsdp1"):
-        from fullshard.train.model import Block
+        from fullshard.gpt import Block
         if impl == "fsdp1":
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
             from torch.distributed.fsdp import MixedPrecision

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fullshard import fully_shard
 from fullshard.train.data import CharDataset, load_text
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 STEPS = int(os.environ.get("QUICKSTART_STEPS", "200"))
 

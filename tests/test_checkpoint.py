@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import fully_shard
 from fullshard import checkpoint as ckpt
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 

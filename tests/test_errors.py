@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig
+from fullshard.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2)
 

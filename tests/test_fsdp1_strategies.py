@@ -13,7 +13,7 @@ from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.testing.counting import count_forward_backward
 from fullshard.testing.parity import check_parity
-from fullshard.train.model import GPT, Block, GPTConfig, lm_loss
+from fullshard.gpt import GPT, Block, GPTConfig, lm_loss
 from fullshard.wrap import ModuleWrapPolicy
 
 CFG = GPTConfig(vocab_size=48, seq_len=12, d_model=24, n_layers=3, n_heads=4)

@@ -8,7 +8,7 @@ from fullshard.memory.activations import trace_step
 from fullshard.memory.cli import estimate_main, plan_main
 from fullshard.memory.process import current_rss_bytes
 from fullshard.memory.units import find_units
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 # blocks of 3.1M parameters: above the 2**20 merging threshold, so each is its own unit
 SMALL = GPTConfig(vocab_size=1000, seq_len=256, d_model=512, n_layers=4, n_heads=8)

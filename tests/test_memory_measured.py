@@ -12,14 +12,14 @@ import torch.distributed as dist
 from fullshard import fully_shard
 from fullshard.memory import MemoryTracker, estimate, plan
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 BATCH, SEQ = 1, 64
 MIB = 2 ** 20
 
 
 def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool):
-    from fullshard.checkpointing import apply_activation_checkpointing
+    from fullshard.activation_checkpointing import apply_activation_checkpointing
 
     tracker = MemoryTracker(warm_up=True)
     with torch.device("meta"):

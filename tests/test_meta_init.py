@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import assert_same_weights
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=50, seq_len=8, d_model=24, n_layers=2, n_heads=2)
 

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=48, seq_len=12, d_model=32, n_layers=3, n_heads=4)
 

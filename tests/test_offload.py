@@ -13,7 +13,7 @@ from fullshard.testing import models as m
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.testing.parity import check_parity
-from fullshard.train.model import GPT, Block, GPTConfig, lm_loss
+from fullshard.gpt import GPT, Block, GPTConfig, lm_loss
 from fullshard.wrap import ModuleWrapPolicy
 
 CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=16, n_layers=2, n_heads=2)

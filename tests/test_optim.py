@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import fully_shard, optim as fs_optim
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=2, n_heads=2)
 

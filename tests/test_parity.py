@@ -9,7 +9,7 @@ from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing import models as m
 from fullshard.testing.parity import check_parity
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 GPT_CFG = GPTConfig(vocab_size=48, seq_len=12, d_model=24, n_layers=3, n_heads=4)
 

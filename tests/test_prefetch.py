@@ -8,7 +8,7 @@ from fullshard import fully_shard
 from fullshard.core.group import GroupState
 from fullshard.testing import run_distributed
 from fullshard.testing.counting import count_collectives
-from fullshard.train.model import GPT, GPTConfig
+from fullshard.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=4, n_heads=2)
 

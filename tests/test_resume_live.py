@@ -25,7 +25,7 @@ from fullshard import (FSDP, CPUOffloadPolicy, MixedPrecisionPolicy, ShardingStr
 from fullshard import checkpoint as ckpt
 from fullshard import optim as fs_optim
 from fullshard.testing import run_distributed
-from fullshard.train.model import GPT, Block, GPTConfig, lm_loss
+from fullshard.gpt import GPT, Block, GPTConfig, lm_loss
 from fullshard.wrap import ModuleWrapPolicy
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fullshard import FSDPModule, fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.counting import count_collectives, count_forward_backward
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 

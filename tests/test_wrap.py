@@ -9,7 +9,7 @@ import torch.nn as nn
 from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import check_parity
-from fullshard.train.model import GPT, MLP, Block, CausalSelfAttention, GPTConfig, lm_loss
+from fullshard.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, lm_loss
 from fullshard.wrap import (ModuleWrapPolicy, apply_wrap_policy, auto_wrap,
                             lambda_auto_wrap_policy, repeated_block_classes,
                             size_based_auto_wrap_policy, transformer_auto_wrap_policy)

@@ -17,7 +17,7 @@ from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_m
 from .controls import share_comm_ctx
 from .grad_norm import clip_grad_norm_
 from .torch_names import install, uninstall
-from .checkpointing import apply_activation_checkpointing
+from .activation_checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
                     FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
                     ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,

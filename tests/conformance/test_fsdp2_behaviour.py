@@ -28,7 +28,7 @@ from fullshard.testing import run_distributed
 from fullshard.testing.counting import count_forward_backward
 from fullshard.testing.models import token_batch
 from fullshard.testing.parity import check_parity
-from fullshard.train.model import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 

@@ -34,7 +34,7 @@ def warm_baseline_bytes(device: torch.device | str = "cpu") -> int:
     Collective: call it on every rank of the default process group, at the same
     point (before building the model)."""
     from ..api import fully_shard
-    from ..train.model import GPT, GPTConfig, lm_loss
+    from ..gpt import GPT, GPTConfig, lm_loss
 
     device = torch.device(device)
     cfg = GPTConfig(vocab_size=128, seq_len=16, d_model=32, n_layers=2, n_heads=2)

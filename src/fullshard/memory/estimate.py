@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..checkpointing import apply_activation_checkpointing
+from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.buffers import DEFAULT_MAX_NUMEL
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..policies import MixedPrecisionPolicy

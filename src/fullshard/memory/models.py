@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 
-from ..train.model import GPT, GPTConfig, lm_loss
+from ..gpt import GPT, GPTConfig, lm_loss
 
 LossOf = Callable[[nn.Module, int, int], torch.Tensor]  # (model, batch, seq) -> loss
 

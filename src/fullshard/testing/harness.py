@@ -9,6 +9,7 @@ bug shows up as the failing rank's traceback, not as a hang.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -36,6 +37,12 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
+
+    # A rank killed by a signal (a segfault in a kernel or a collective) cannot report
+    # through the queue: faulthandler leaves every thread's Python stack in a file the
+    # parent attaches to the failure.
+    fault_log = open(_fault_log(init_file, rank), "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.enable(file=fault_log, all_threads=True)
 
     torch.set_num_threads(1)
     try:
@@ -79,6 +86,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        for r, (ok, tb) in list(outcomes.items()):
+            if not ok and tb.startswith(_EXITED):
+                outcomes[r] = (False, tb + _read_fault_log(init_file, r))
     failures = {r: tb for r, (ok, tb) in outcomes.items() if not ok}
     if failures:
         report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
@@ -88,6 +98,22 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s "
                            "(a hang: ranks issued different collectives?)")
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+_EXITED = "process exited with code"
+
+
+def _fault_log(init_file: str, rank: int) -> str:
+    return f"{init_file}.rank{rank}.fault"
+
+
+def _read_fault_log(init_file: str, rank: int) -> str:
+    try:
+        with open(_fault_log(init_file, rank)) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"\nwhere it died (faulthandler):\n{text}" if text else ""
 
 
 def _collect(results: Any, procs: list, world_size: int, timeout: float) -> dict:
@@ -109,7 +135,7 @@ def _collect(results: Any, procs: list, world_size: int, timeout: float) -> dict
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in outcomes
                     and p.exitcode not in (0, None)]
             for i in dead:
-                outcomes[i] = (False, f"process exited with code {procs[i].exitcode}")
+                outcomes[i] = (False, f"{_EXITED} {procs[i].exitcode}")
     for p in procs:
         if p.is_alive() and len(outcomes) < world_size:
             p.kill()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .model import GPTConfig
+from ..gpt import GPTConfig
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16", "fp16")

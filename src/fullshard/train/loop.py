@@ -24,7 +24,7 @@ from .generate import sample
 from .initial_weights import receive_initial_weights
 from .launch import StopRequest, Worker
 from .metrics import MetricsLog, ProgressLine
-from .model import lm_loss
+from ..gpt import lm_loss
 from .optimizer import build_optimizer, learning_rate, set_learning_rate
 from .plot import plot_losses
 from .sampler import EpochSampler, validation_batches

@@ -34,7 +34,7 @@ import torch
 
 from .config import (BatchConfig, CheckpointConfig, ConfigError, EvalConfig, OptimConfig,
                      ParallelConfig, TrainConfig)
-from .model import GPT, GPTConfig
+from ..gpt import GPT, GPTConfig
 
 DEFAULT_PRESET = "shakespeare"
 SHAKESPEARE_VOCAB = 65  # distinct characters in the shipped tinyshakespeare.txt

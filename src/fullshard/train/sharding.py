@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..checkpointing import apply_activation_checkpointing
+from ..activation_checkpointing import apply_activation_checkpointing
 from ..policies import MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig

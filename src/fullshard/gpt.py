@@ -1,6 +1,6 @@
 """A small GPT (decoder-only transformer), readable top to bottom.
 
-Used by the examples, the tests and the benchmarks. ``layers`` holds the blocks
+Used by the trainer, the memory estimator, the examples, the tests and the benchmarks. ``layers`` holds the blocks
 (the natural unit for ``fully_shard``); the output projection shares its weight
 with the token embedding when ``tie_embeddings`` is set.
 """

@@ -6,7 +6,7 @@ import torch
 from fullshard import apply_activation_checkpointing, fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import check_parity
-from fullshard.train.model import GPT, Block, GPTConfig, lm_loss
+from fullshard.gpt import GPT, Block, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=48, seq_len=16, d_model=32, n_layers=3, n_heads=4)
 
