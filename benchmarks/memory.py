@@ -1,4 +1,4 @@
-"""Peak memory per rank (W3): fullshard vs FSDP2, and the floor from DESIGN.md.
+"""Peak memory per rank (W3): fullshard vs FSDP2, and the memory floor.
 
 Peak RSS is per process, so each implementation runs in its own set of ranks
 (memory is deterministic enough that interleaving is not needed). The model is
@@ -71,10 +71,10 @@ def memory_floor(cfg: GPTConfig, world: int, batch: int, seq: int, baseline: int
 
 
 def memory_worker(impl: str, cfg: GPTConfig, batch: int, seq: int, steps: int,
-                  malloc_tuning: bool = True) -> dict:
-    if impl != "fullshard" and malloc_tuning:
-        from fullshard.core.cpu_allocator import tune_for_sharded_training
-        tune_for_sharded_training()  # the same allocator policy fullshard applies itself
+                  malloc_tuning: bool = False) -> dict:
+    if malloc_tuning:
+        from fullshard.memory import tune_cpu_allocator
+        tune_cpu_allocator()  # opt-in, process-wide: Note [glibc's mmap threshold on CPU]
     baseline = current_rss_bytes()
     with torch.device("meta"):
         model = GPT(cfg)
@@ -98,13 +98,15 @@ def memory_worker(impl: str, cfg: GPTConfig, batch: int, seq: int, steps: int,
 
 
 def memory_report(cfg: GPTConfig, world: int, batch: int, seq: int, steps: int) -> str:
-    """Run W3 for fullshard, FSDP2 and FSDP2 with fullshard's allocator policy."""
+    """Run W3 for fullshard and FSDP2, each with glibc's default allocator and with the
+    opt-in ``fullshard.memory.tune_cpu_allocator()``."""
     from fullshard.testing import run_distributed
 
     runs = {
-        "fullshard": ("fullshard", True),
+        "fullshard": ("fullshard", False),
         "fsdp2": ("fsdp2", False),
-        "fsdp2 + fullshard's malloc policy": ("fsdp2", True),
+        "fullshard + tune_cpu_allocator()": ("fullshard", True),
+        "fsdp2 + tune_cpu_allocator()": ("fsdp2", True),
     }
     peaks, baseline = {}, 0
     for label, (impl, tuning) in runs.items():

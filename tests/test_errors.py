@@ -110,17 +110,17 @@ def _bucket_after_first_forward():
 
 
 def _dtype_the_device_cannot_compute_in():
-    import fullshard.api as api
+    import fullshard.core.init as init
 
-    api._COMPUTABLE[(torch.device("cpu"), torch.float16)] = False  # as on a GPU without it
+    init._COMPUTABLE[(torch.device("cpu"), torch.float16)] = False  # as on a GPU without it
     try:
         _raises(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
             param_dtype=torch.float16)), ValueError,
             r"fully_shard\(Linear\): mp_policy.param_dtype=torch.float16 cannot be computed "
             r"in on cpu")
     finally:
-        del api._COMPUTABLE[(torch.device("cpu"), torch.float16)]
-    assert api.can_compute_in(torch.device("cpu"), torch.bfloat16)
+        del init._COMPUTABLE[(torch.device("cpu"), torch.float16)]
+    assert init.can_compute_in(torch.device("cpu"), torch.bfloat16)
 
 
 def _bad_toggles():

@@ -2,7 +2,9 @@
 
 Each rank measures its baseline (warmed up, Note [a warm baseline]) before building
 a meta-device GPT, shards it, materializes it and trains 2 steps under a
-MemoryTracker; the second step's peak must be within 10% of ``estimate``.
+MemoryTracker; the second step's peak must be within 10% of ``estimate``. The
+estimate for the CPU assumes ``tune_cpu_allocator()`` (Note [glibc's mmap threshold on
+CPU]), so each rank applies it first, as ``fullshard train`` does.
 """
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import fully_shard
-from fullshard.memory import MemoryTracker, estimate, plan
+from fullshard.memory import MemoryTracker, estimate, plan, tune_cpu_allocator
 from fullshard.testing import run_distributed
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
@@ -21,6 +23,7 @@ MIB = 2 ** 20
 def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool):
     from fullshard.activation_checkpointing import apply_activation_checkpointing
 
+    tune_cpu_allocator()
     tracker = MemoryTracker(warm_up=True)
     with torch.device("meta"):
         model = GPT(cfg)

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import fully_shard, optim as fs_optim
@@ -128,3 +129,29 @@ def test_step_with_a_closure_trains_as_without(pass_as):
     # the local step once swapped in local tensors before the closure's backward ran,
     # so the step updated with no gradients (found by Lightning's automatic optimization)
     assert all(run_distributed(_closure_worker, 2, pass_as))
+
+
+def test_optimizers_without_fullshard_parameters_are_left_alone():
+    """The step hooks are process-wide (optim.py): an optimizer holding no fullshard
+    parameter must see exactly what it would without fullshard, closure included."""
+    from fullshard.optim import _pre_step
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    params = opt.param_groups[0]["params"]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = model(torch.ones(3, 4)).sum()
+        loss.backward()
+        return loss
+
+    assert _pre_step(opt, (opt, closure), {}) is None  # nothing replaced
+    loss = opt.step(closure)
+    assert calls == [1] and loss is not None
+    assert opt.param_groups[0]["params"] is params and all(p is q for p, q in
+                                                           zip(params, model.parameters()))
+    assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())

@@ -1,4 +1,4 @@
-"""Parity with a single-process reference (DESIGN.md: fp32 rtol 1e-5, atol 1e-6)."""
+"""Parity with a single-process reference (fp32: rtol 1e-5, atol 1e-6; docs/architecture.md)."""
 
 import copy
 

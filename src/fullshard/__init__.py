@@ -14,6 +14,7 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from . import optim  # noqa: F401 - installs the local-shard optimizer step (optim.py)
 from .controls import share_comm_ctx
 from .grad_norm import clip_grad_norm_
 from .torch_names import install, uninstall

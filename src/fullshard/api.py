@@ -7,25 +7,18 @@ import functools
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
 
-from . import optim
-from .core import cpu_allocator, hooks
-from .core.group import ParamGroup
-from .core.load_check import check_fits
-from .core.originals import SHARDED_ORIGINALS
-from .core.param import ParamRef, ShardedParam
-from .core.state import UnitState, default_process_group_or_raise, mesh_device_type
-from .core.tensor_parallel import SpmdDims, is_foreign_dtensor
 from .controls import TorchControls
-from .policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
-                       as_offload_policy)
+from .core import hooks
+from .core.init import shard_modules, unit_label
+from .core.load_check import check_fits
+from .core.state import UnitState, unit_of
+from .policies import MixedPrecisionPolicy, OffloadPolicy
 
-
-
+# (module class, front class) -> the FSDP<class> subclass. Process-wide so that every
+# unit of one class gets the same class object (isinstance checks, torch.compile guards).
 _FSDP_CLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -59,7 +52,7 @@ class FSDPModule(TorchControls):
 
     @property
     def _unit(self) -> UnitState:
-        return self.__dict__["_fullshard_unit"]
+        return unit_of(self)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now (e.g. to start the first gather before
@@ -212,149 +205,23 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             error naming the unit instead of hanging (slower; for debugging).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    label = _unit_label(modules)
-    mp_policy, offload_policy = _check_arguments(label, mp_policy, offload_policy)
-    if not isinstance(debug, bool):
-        raise TypeError(f"fully_shard({label}): debug must be a bool, got {debug!r}.")
-    for m in modules:
-        _check_shardable(label, m)
-    spmd = _data_parallel_mesh(label, mesh, dp_mesh_dims)
-    mesh = _resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
-    pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
-    replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
-    post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
-    if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
-        reshard_after_forward = False  # each rank keeps everything: ZeRO-2
-    device = mesh_device(mesh)
-    _check_compute_dtype(label, mp_policy.param_dtype, device)
-    if device.type == "cpu":
-        cpu_allocator.tune_for_sharded_training()
-    refs_by_module = [_collect_params(m, label, ignored_params or set(), mesh, spmd)
-                      for m in modules]
-    refs_by_param: dict[nn.Parameter, list[ParamRef]] = {}
-    for refs in refs_by_module:
-        for p, where in refs.items():
-            refs_by_param.setdefault(p, []).extend(where)
-    shard_dims = _shard_dims(label, shard_placement_fn, refs_by_param)
-    group = None
-    sharded: dict[nn.Parameter, ShardedParam] = {}
-    if refs_by_param:
-        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd,
-                                   shard_dims.get(p, 0))
-                   for p, refs in refs_by_param.items()}
-        _check_tensor_parallel(label, sharded.values(), post_forward_size)
-        group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
-                           mp_policy.reduce_dtype, replicate_pg, post_forward_size,
-                           offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy)
-                           else None)
-        group.shard(list(refs_by_param), device)
-        for original in refs_by_param:
-            SHARDED_ORIGINALS.add(original, label)
-    claimed: set[nn.Parameter] = set()
-    units: list[UnitState] = []
-    for m, refs in zip(modules, refs_by_module):
-        _move_buffers(m, device)
-        unit = UnitState(m, _original_class(m).__name__, mesh, group, reshard_after_forward,
-                         mp_policy, debug)
-        if len(modules) > 1:  # each unit names only its own parameters (a tied one: the first)
-            unit.own_params = [sharded[p] for p in refs if p not in claimed]
-            claimed.update(refs)
-        m.__dict__["_fullshard_unit"] = unit
-        m.__class__ = fsdp_class(type(m))
-        hooks.install(unit)
-        _register_state_dict_hooks(unit)
-        units.append(unit)
+    units = shard_modules(modules, unit_label(modules), mesh=mesh,
+                          reshard_after_forward=reshard_after_forward,
+                          shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
+                          offload_policy=offload_policy, ignored_params=ignored_params,
+                          dp_mesh_dims=dp_mesh_dims, debug=debug)
     for unit in units:
-        unit.created_with = units
+        unit.module.__class__ = fsdp_class(type(unit.module))
+        hooks.install(unit)
     return modules if isinstance(module, (list, tuple)) else module
 
 
 def _no_copy_message(module: nn.Module, what: str) -> str:
-    return (f"{what} of a sharded {_original_class(module).__name__} is not supported: its "
+    name = type(module)._fullshard_original_class.__name__
+    return (f"{what} of a sharded {name} is not supported: its "
             "parameters are shards tied to this process group. Copy the state instead: "
             "build another model, fully_shard it, and load this one's state_dict() (or save "
             "it with fullshard.checkpoint / torch.distributed.checkpoint).")
-
-
-def _unit_label(modules: list) -> str:
-    if not modules:
-        raise ValueError("fully_shard: got an empty list of modules; pass a module or a "
-                         "non-empty list of modules to shard as one unit.")
-    for i, m in enumerate(modules):
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard: expected an nn.Module or a list of them, got "
-                            f"{type(m).__name__}" + (f" at index {i}" if len(modules) > 1 else ""))
-    names = [_original_class(m).__name__ for m in modules]
-    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
-
-
-def _check_shardable(label: str, module: nn.Module) -> None:
-    name = _original_class(module).__name__
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {name}; apply it once per "
-                         "module (submodules first, then the root).")
-    # torch.compile's OptimizedModule sets its forward on the instance
-    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
-        raise ValueError(
-            f"fully_shard({label}): this module has no forward() of its own (a container such "
-            "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
-            "Apply fully_shard to its children, or to the parent module that runs them.")
-
-
-def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
-    """torch's ``shard_placement_fn``: the dim each parameter is sharded on (default 0)."""
-    if shard_placement_fn is None:
-        return {}
-    if not callable(shard_placement_fn):
-        raise TypeError(f"fully_shard({label}): shard_placement_fn must be callable as "
-                        f"fn(param) -> Shard | None, got {type(shard_placement_fn).__name__}.")
-    dims = {}
-    for p, refs in refs_by_param.items():
-        placement = shard_placement_fn(p)
-        if placement is None:
-            continue
-        ndim = p.to_local().dim() if isinstance(p, DTensor) else p.dim()
-        if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
-            raise ValueError(
-                f"fully_shard({label}): shard_placement_fn returned {placement!r} for "
-                f"parameter '{refs[0].fqn}' ({ndim}-D); it must return None or Shard(dim) "
-                f"with -{ndim} <= dim < {ndim}.")
-        dims[p] = placement.dim % ndim
-    return dims
-
-
-def _check_tensor_parallel(label: str, params, post_forward_size: int | None) -> None:
-    tp = next((p for p in params if p.tp_spec is not None), None)
-    if tp is not None and post_forward_size is not None:
-        raise NotImplementedError(
-            f"fully_shard({label}): reshard_after_forward={post_forward_size} (reshard to a "
-            f"smaller group) with tensor-parallel parameter '{tp.fqn}'; pass True or False.")
-
-
-def _data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
-                        ) -> SpmdDims | None:
-    """torch's ``dp_mesh_dims``: which named dimensions of ``mesh`` are data parallel."""
-    if dp_mesh_dims is None:
-        return None
-    if mesh is None:
-        raise ValueError(f"fully_shard({label}): dp_mesh_dims needs the mesh it names; pass "
-                         "mesh= as well.")
-    replicate = _dim_names(dp_mesh_dims.replicate)
-    shard = _dim_names(dp_mesh_dims.shard)
-    names = mesh.mesh_dim_names or ()
-    if len(replicate) > 1 or len(shard) != 1 or not set(replicate + shard) <= set(names):
-        raise NotImplementedError(
-            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}; "
-            "fullshard takes one shard dimension and at most one replicate dimension, both "
-            "named in the mesh. Flatten several data-parallel dimensions into one first "
-            "(mesh['a', 'b']._flatten('dp')).")
-    return SpmdDims(mesh, shard[0], replicate[0] if replicate else None)
-
-
-def _dim_names(value) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _prefetch_targets(method: str, modules) -> list[UnitState]:
@@ -375,7 +242,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return
     method = getattr(module, method_name, None)
     if not callable(method):
-        raise ValueError(f"register_fsdp_forward_method: {_original_class(module).__name__} "
+        name = type(module)._fullshard_original_class.__name__
+        raise ValueError(f"register_fsdp_forward_method: {name} "
                          f"has no method {method_name!r}.")
     unit = module._unit
 
@@ -388,165 +256,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = gathered  # shadows the class's method on this instance
 
 
-def _post_forward_size(label: str, reshard_after_forward, shard_size: int) -> int | None:
-    """The subgroup size for an integer ``reshard_after_forward`` (None: not hpZ)."""
-    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return None
-    if not isinstance(reshard_after_forward, int):
-        raise TypeError(f"fully_shard({label}): reshard_after_forward must be a bool or an int, "
-                        f"got {type(reshard_after_forward).__name__}.")
-    n = reshard_after_forward
-    if n < 1 or n > shard_size or shard_size % n:
-        raise ValueError(
-            f"fully_shard({label}): reshard_after_forward={n} must divide the shard group size "
-            f"{shard_size} (1 <= N <= {shard_size}): after forward each group of N ranks "
-            "keeps the parameters sharded N ways for backward.")
-    return n if 1 < n < shard_size else None
-
-
-_COMPUTABLE: dict[tuple[torch.device, torch.dtype], bool] = {}
-
-
-def can_compute_in(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a matrix multiply in ``dtype`` runs on ``device`` (probed once)."""
-    key = (device, dtype)
-    if key not in _COMPUTABLE:
-        try:
-            ones = torch.ones(2, 2, dtype=dtype, device=device)
-            torch.mm(ones, ones)
-            _COMPUTABLE[key] = True
-        except RuntimeError:
-            _COMPUTABLE[key] = False
-    return _COMPUTABLE[key]
-
-
-def _check_compute_dtype(label: str, dtype: torch.dtype | None, device: torch.device) -> None:
-    if dtype is not None and not can_compute_in(device, dtype):
-        raise ValueError(f"fully_shard({label}): mp_policy.param_dtype={dtype} cannot be "
-                         f"computed in on {device} (a matmul in it fails there); use "
-                         "torch.float16 or torch.float32 on this device.")
-
-
-def _check_arguments(label, mp_policy, offload_policy
-                     ) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
-    """The policies as fullshard's (torch's are accepted), checked."""
-    mp_policy = as_mp_policy(mp_policy, label)
-    offload_policy = as_offload_policy(offload_policy, label)
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(mp_policy, field)
-        if dtype is not None and (not isinstance(dtype, torch.dtype)
-                                  or not dtype.is_floating_point):
-            raise ValueError(f"fully_shard({label}): mp_policy.{field}={dtype!r} is not a "
-                             "floating-point torch.dtype (use torch.bfloat16, torch.float16 "
-                             "or torch.float32).")
-    return mp_policy, offload_policy
-
-
-def _resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
-    if mesh is None:
-        default_process_group_or_raise(f"fully_shard({label})")
-        return init_device_mesh(mesh_device_type(), (dist.get_world_size(),))
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard({label}): mesh must be a torch DeviceMesh, got "
-                        f"{type(mesh).__name__}.")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard({label}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; "
-            "fullshard shards over a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid "
-            "sharding. Pass those dimensions, e.g. mesh['replicate', 'shard'].")
-    if mesh.get_coordinate() is None:
-        raise ValueError(
-            f"fully_shard({label}): this rank ({dist.get_rank()}) is not in the mesh (ranks "
-            f"{mesh.mesh.flatten().tolist()}) of world size {dist.get_world_size()}; every rank "
-            "that runs the model must be in its mesh. Build the mesh over those ranks, e.g. "
-            "init_device_mesh(device_type, (world_size,)).")
-    return mesh
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
-
-
-def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
-                    mesh: DeviceMesh, spmd: SpmdDims | None
-                    ) -> dict[nn.Parameter, list[ParamRef]]:
-    """The parameters this unit manages: those of ``module`` and its submodules that no
-    sharded submodule manages, each with every place it is registered (tied weights).
-    DTensors on another mesh than ``mesh`` (tensor parallel), or on the whole mesh given
-    with ``dp_mesh_dims``, are managed too."""
-    refs: dict[nn.Parameter, list[ParamRef]] = {}
-    for prefix, sub in managed_modules(module):
-        for name, p in sub._parameters.items():
-            if p is None or p in ignored:
-                continue
-            fqn = f"{prefix}.{name}" if prefix else name
-            if spmd is not None:
-                _check_spmd_param(label, fqn, p, spmd)
-            if optim.is_sharded_param(p):
-                raise ValueError(
-                    f"fully_shard({label}): parameter '{fqn}' is already a sharded DTensor: "
-                    "fully_shard was applied to a module enclosing this one (or the parameter "
-                    "is shared with a unit sharded earlier). Apply fully_shard bottom-up: "
-                    "submodules first, then their parent, the root last.")
-            if isinstance(p, DTensor) and not (
-                    is_foreign_dtensor(p, mesh)
-                    or (spmd is not None and p.device_mesh == spmd.mesh)):
-                raise ValueError(
-                    f"fully_shard({label}): parameter '{fqn}' is a DTensor on the "
-                    f"data-parallel mesh {mesh} itself; a tensor-parallel parameter must "
-                    "live on another dimension of the same mesh: parallelize_module(..., "
-                    "world_mesh['tp'], plan), then fully_shard(..., mesh=world_mesh['dp']).")
-            owner = SHARDED_ORIGINALS.get(p)
-            if owner is not None:
-                raise ValueError(
-                    f"fully_shard({label}): parameter '{fqn}' is also managed by fully_shard"
-                    f"({owner}); a parameter shared between two units is not supported. Shard "
-                    "the modules that share it together: apply fully_shard to their common "
-                    "parent only (e.g. leave tied embeddings to the root).")
-            if not (p.is_floating_point() or p.is_complex()):
-                raise ValueError(
-                    f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "
-                    "shards floating-point parameters (their gradients are averaged). Register "
-                    "it as a buffer (module.register_buffer) or pass it in ignored_params.")
-            refs.setdefault(p, []).append(ParamRef(sub, name, fqn))
-    return refs
-
-
-def _check_spmd_param(label: str, fqn: str, p: nn.Parameter, spmd: SpmdDims) -> None:
-    """With ``dp_mesh_dims`` naming only some dimensions of the mesh, the others are model
-    parallel: a plain parameter there has no layout on them (torch raises too)."""
-    covered = {spmd.shard, spmd.replicate} >= set(spmd.mesh.mesh_dim_names)
-    if not isinstance(p, DTensor) and not covered:
-        raise ValueError(
-            f"fully_shard({label}): parameter '{fqn}' is a plain tensor, but dp_mesh_dims "
-            f"names only some dimensions of the mesh {spmd.mesh.mesh_dim_names}; every "
-            "parameter must then be a DTensor on that mesh (distribute_module or "
-            "parallelize_module with it first).")
-
-
-def managed_modules(module: nn.Module, prefix: str = ""):
-    yield prefix, module
-    for name, child in module._modules.items():
-        if child is None or isinstance(child, FSDPModule):
-            continue
-        yield from managed_modules(child, f"{prefix}.{name}" if prefix else name)
-
-
-def _move_buffers(module: nn.Module, device: torch.device) -> None:
-    for _, sub in managed_modules(module):
-        for name, buf in sub._buffers.items():
-            if buf is not None and not buf.is_meta and buf.device != device:
-                sub._buffers[name] = buf.to(device)
-
-
-def _original_class(module: nn.Module) -> type:
-    cls = type(module)
-    return cls._fullshard_original_class if isinstance(module, FSDPModule) else cls
-
-
 def fsdp_class(cls: type, front: type = FSDPModule) -> type:
     """``FSDP<cls>``: a subclass of ``front`` (FSDPModule or a subclass) and ``cls``."""
     cls = getattr(cls, "_fullshard_original_class", cls)
@@ -555,26 +264,3 @@ def fsdp_class(cls: type, front: type = FSDPModule) -> type:
         _FSDP_CLASSES[key] = type(f"FSDP{cls.__name__}", (front, cls),
                                   {"_fullshard_original_class": cls})
     return _FSDP_CLASSES[key]
-
-
-def _register_state_dict_hooks(unit: UnitState) -> None:
-    """state_dict()/load_state_dict() always see the sharded DTensors; a load with
-    ``assign=True`` re-points the new DTensors at the unit's flat shard.
-
-    The hooks read ``unit.group`` when they run, never at registration: at the first
-    forward small units are merged into a shared group (core/buckets.py), and a hook
-    holding the unit's first group re-pointed the loaded parameters at a retired flat
-    shard that no all-gather reads any more (Note [one storage is the shard])."""
-    if unit.group is None:
-        return
-
-    def to_sharded(*_args, **_kwargs) -> None:
-        unit.group.reshard()
-
-    def readopt(*_args, **_kwargs) -> None:
-        with torch.no_grad():
-            unit.group.readopt()
-
-    unit.module.register_state_dict_pre_hook(to_sharded)
-    unit.module.register_load_state_dict_pre_hook(to_sharded)
-    unit.module.register_load_state_dict_post_hook(readopt)

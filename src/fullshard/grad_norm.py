@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .api import mesh_device
+from .core.mesh import mesh_device
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,

@@ -20,13 +20,14 @@ Shampoo, any subclass) are left alone: they keep the correct DTensor path.
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .core.originals import SHARDED_ORIGINALS
+from .core import registry
+from .core.registry import SHARDED_ORIGINALS
+from .core.state import finish_all_pending_reduces
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -34,25 +35,12 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adadelta,
 )
 
+# The process-wide switch behind set_local_step (a debugging aid: the DTensor path).
 _enabled = True
-_installed = False
-
-
-class _Tracked(NamedTuple):
-    owner: weakref.ref  # the ShardedParam that holds this DTensor as its sharded_param
-    spec: object        # the DTensor's spec when tracked: tells a stale parameter apart
-
-
-# id(sharded DTensor param) -> _Tracked. The tensor itself cannot be weakly referenced:
-# swap_tensors (used by Module._apply) refuses tensors that have weak references. An
-# entry outlives its parameter when something replaces the parameter (a load with
-# assign=True): an optimizer still holding the old object is then caught by
-# _owner_for_step, which compares the spec to tell the old object from a new tensor
-# that happens to reuse its id.
-_SHARDED: dict[int, _Tracked] = {}
-# optimizer -> what the pre-hook swapped, restored by the post-hook
+# What the pre-step hook swapped, per optimizer, until the post-step hook restores it.
+# Keyed weakly: this module must not keep a user's optimizer alive.
 _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
-# optimizers whose parameters were checked against SHARDED_ORIGINALS (on their first step)
+# Optimizers already checked against SHARDED_ORIGINALS (the check runs at a first step).
 _CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
@@ -62,40 +50,17 @@ def set_local_step(enabled: bool) -> None:
     _enabled = enabled
 
 
-def track(owner) -> None:
-    """Mark ``owner.sharded_param`` (a fullshard DTensor parameter) as eligible for the
-    local step and for the storage check, for as long as ``owner`` lives."""
-    key = id(owner.sharded_param)
-
-    def forget(ref: weakref.ref) -> None:
-        entry = _SHARDED.get(key)
-        if entry is not None and entry.owner is ref:
-            del _SHARDED[key]
-
-    _SHARDED[key] = _Tracked(weakref.ref(owner, forget), owner.sharded_param._spec)
-    _install()
-
-
-def is_sharded_param(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a sharded parameter some fullshard unit registered (and holds)."""
-    entry = _SHARDED.get(id(t))
-    owner = entry.owner() if entry is not None else None
-    return owner is not None and owner.sharded_param is t
-
-
 def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
     """The ShardedParam behind optimizer parameter ``p`` (None for other tensors), after
     checking the invariant of Note [one storage is the shard]: ``p`` is the parameter the
     model holds and its local tensor is the shard the all-gather sends."""
-    entry = _SHARDED.get(id(p))
-    owner = entry.owner() if entry is not None else None
+    owner = registry.owner_of(p)
     if owner is None:
-        return None
-    if owner.sharded_param is not p:
-        if getattr(p, "_spec", None) is not entry.spec:
-            return None  # an unrelated tensor that reuses a dead parameter's id
+        stale = registry.stale_owner(p)
+        if stale is None:
+            return None
         raise RuntimeError(
-            f"fullshard: {type(opt).__name__} {where} is parameter '{owner.fqn}' as it was "
+            f"fullshard: {type(opt).__name__} {where} is parameter '{stale.fqn}' as it was "
             "before the module replaced it (load_state_dict(assign=True) or a reassignment "
             "installs a new tensor): stepping it would no longer change the model. Create "
             "the optimizer after such a load and load its state then, or load without "
@@ -110,17 +75,9 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
     return owner
 
 
-def _install() -> None:
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_pre_step)
-        register_optimizer_step_post_hook(_post_step)
-        _installed = True
-
-
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
-    from .core.state import finish_all_pending_reduces  # import cycle: core imports us
-
+    if not registry.any_tracked():
+        return None  # no fullshard parameter in this process: not ours to touch
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
@@ -232,3 +189,11 @@ def _as_dtensor_state(p: DTensor, new: dict, old: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+# Installed once, when fullshard is imported: torch offers per-optimizer hooks only on
+# optimizers we never see being built. Both hooks touch nothing but fullshard's own
+# sharded parameters (those the registry holds); an optimizer with none of them is
+# left exactly as it was, and in a process without any the pre-hook returns at once.
+register_optimizer_step_pre_hook(_pre_step)
+register_optimizer_step_post_hook(_post_step)

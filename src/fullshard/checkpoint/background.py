@@ -21,6 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
+# One background save per process (Note [async save]): the worker thread, its own gloo
+# group (created once: group creation is collective) and the save in flight, which the
+# next save of any kind waits for.
 _executor: ThreadPoolExecutor | None = None
 _group: dist.ProcessGroup | None = None
 _pending: Future | None = None

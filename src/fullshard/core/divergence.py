@@ -17,13 +17,10 @@ from __future__ import annotations
 import datetime
 import os
 import zlib
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from .state import RootState
 
 _OPS = ["all-gather", "all-gather (post-forward subgroup)", "reduce-scatter", "all-reduce"]
 _FIELDS = 5
@@ -44,20 +41,20 @@ def _code(name: str) -> int:
 class DivergenceChecker:
     """Fingerprints every collective of one root's groups (see the note above)."""
 
-    def __init__(self, root: "RootState", ranks: list[int]):
-        self.root = root
+    def __init__(self, unit_names: list[str], ranks: list[int], in_backward: Callable[[], bool]):
+        self.in_backward = in_backward  # the root's phase, part of every fingerprint
         # only the mesh's ranks take part (the mesh may be a subset of the world)
         self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self.world = len(ranks)
         self.ranks = ranks
-        self.names = {_code(g.unit_name): g.unit_name for g in root.members}
+        self.names = {_code(name): name for name in unit_names}
         self.timeout_s = float(os.environ.get("FULLSHARD_DEBUG_TIMEOUT", "300"))
         self.sequence = 0
 
     def check(self, unit_name: str, op: str) -> None:
         self.sequence += 1
         mine = torch.tensor([_code(unit_name), _OPS.index(op), self.sequence,
-                             int(self.root.in_backward), int(torch.is_grad_enabled())],
+                             int(self.in_backward()), int(torch.is_grad_enabled())],
                             dtype=torch.int64)
         rows = torch.empty(self.world * _FIELDS, dtype=torch.int64)
         work = dist.all_gather_into_tensor(rows, mine, group=self.group, async_op=True)

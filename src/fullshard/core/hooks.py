@@ -36,11 +36,12 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .divergence import DivergenceChecker, debug_enabled
 from .group import GroupState, ParamGroup
-from .state import RootState, UnitState, lazy_init
+from .init import lazy_init
+from .state import RootState, UnitState, unit_of
 
 
 def install(unit: UnitState) -> None:
-    """Register the forward hooks of ``unit.module``.
+    """Register the forward hooks and the state-dict hooks of ``unit.module``.
 
     Note [hooks under torch.compile]
     The hooks run eagerly even inside a compiled model: ``torch._dynamo.disable`` makes
@@ -55,19 +56,44 @@ def install(unit: UnitState) -> None:
     unit.module.register_forward_hook(torch._dynamo.disable(partial(_post_forward, unit)),
                                       always_call=False, with_kwargs=True)
     unit.pre_backward_hook = torch._dynamo.disable(partial(_pre_backward, unit))
+    _install_state_dict_hooks(unit)
+
+
+def _install_state_dict_hooks(unit: UnitState) -> None:
+    """state_dict()/load_state_dict() always see the sharded DTensors; a load with
+    ``assign=True`` re-points the new DTensors at the unit's flat shard.
+
+    The hooks read ``unit.group`` when they run, never at registration: at the first
+    forward small units are merged into a shared group (core/buckets.py), and a hook
+    holding the unit's first group re-pointed the loaded parameters at a retired flat
+    shard that no all-gather reads any more (Note [one storage is the shard])."""
+    if unit.group is None:
+        return
+
+    def to_sharded(*_args, **_kwargs) -> None:
+        unit.group.reshard()
+
+    def readopt(*_args, **_kwargs) -> None:
+        with torch.no_grad():
+            unit.group.readopt()
+
+    unit.module.register_state_dict_pre_hook(to_sharded)
+    unit.module.register_load_state_dict_pre_hook(to_sharded)
+    unit.module.register_load_state_dict_post_hook(readopt)
 
 
 def ensure_root(unit: UnitState) -> RootState:
     """Lazy init: the first unit to run (forward or ``unshard()``) becomes the root."""
     if unit.root is not None:
         return unit.root
-    units = [m._fullshard_unit for m in unit.module.modules() if hasattr(m, "_fullshard_unit")]
+    units = [u for u in map(unit_of, unit.module.modules()) if u is not None]
     names = {m: n for n, m in unit.module.named_modules()}
     for u in units:
         u.rename(names[u.module])
     root = lazy_init(unit, units, unit.bucket_numel)
-    checker = DivergenceChecker(root, unit.mesh.mesh.flatten().tolist()) \
-        if debug_enabled(unit.debug) else None
+    checker = DivergenceChecker([g.unit_name for g in root.members],
+                                unit.mesh.mesh.flatten().tolist(),
+                                lambda: root.in_backward) if debug_enabled(unit.debug) else None
     for group in root.members:
         group.on_grads_ready = partial(_on_grads_ready, root, group)
         group.checker = checker

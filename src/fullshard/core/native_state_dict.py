@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import threading
 
-_DEPTH = threading.local()  # .value > 0 inside an outermost conversion or native_state_dict
+# Per thread: .value > 0 inside an outermost conversion or native_state_dict. A state-dict
+# call nests through torch's module hooks, which cannot carry an argument down.
+_DEPTH = threading.local()
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ sends. Who may replace what:
   attribute: the post-load hook, or lazy init for assignments before the first
   forward, calls ``ParamGroup.readopt``, which copies the new local values into (3)
   and points the new DTensor's local tensor at it. An optimizer still holding the old
-  object raises at its next step (optim._owner_for_step); it must be rebuilt, exactly
+  object raises at its next step (optim.py, _owner_for_step); it must be rebuilt, exactly
   as for a plain module.
 * ``_apply`` (``.to()``, ``.cuda()``, ``.float()``, ``to_empty``) swaps a new tensor
   into the same DTensor object; ``FSDPModule._apply`` then calls ``readopt``, which
@@ -78,7 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .. import optim
+from . import registry
 from .tensor_parallel import SpmdDims, local_grad, sharded_layout
 
 
@@ -225,7 +225,7 @@ class ShardedParam:
         # Gradients reuse the parameter's own spec object: DTensor's sharding cache then
         # matches them by identity instead of comparing specs field by field.
         self.spec = self.sharded_param._spec
-        optim.track(self)
+        registry.track(self)
         self.register(self.sharded_param)
 
     def readopt(self, flat_view: torch.Tensor) -> None:
@@ -259,7 +259,7 @@ class ShardedParam:
             current._local_tensor = new_local
         self.sharded_param = current
         self.spec = current._spec
-        optim.track(self)
+        registry.track(self)
         self.register(current)
 
     # -- unsharded side -----------------------------------------------------------------

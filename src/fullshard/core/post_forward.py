@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from .collectives import Pending, all_gather
 
+# (ranks of the shard group, size) -> this rank's subgroup. Process-wide because creating a
+# group is collective (every rank, same order): units with the same hpZ size share one.
 _SUBGROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
 
 

@@ -10,21 +10,31 @@ from __future__ import annotations
 
 import weakref
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..policies import MixedPrecisionPolicy
-from .buckets import merge_small_units
 from .buffers import BufferPool
 from .gradients import DEFAULT_REDUCE, ReduceOptions
-from .group import GroupState, ParamGroup, PendingReduce
+from .group import ParamGroup, PendingReduce
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
 # Note [buckets: units share a group].
 DEFAULT_BUCKET_NUMEL = 1 << 20
+
+
+_UNIT_KEY = "_fullshard_unit"  # where a module keeps its UnitState; read only below
+
+
+def unit_of(module: nn.Module) -> "UnitState | None":
+    """The UnitState ``fully_shard`` attached to ``module``; None for other modules."""
+    return module.__dict__.get(_UNIT_KEY)
+
+
+def attach_unit(module: nn.Module, unit: "UnitState") -> None:
+    """Make ``unit`` the state ``unit_of(module)`` returns (once, at shard time)."""
+    module.__dict__[_UNIT_KEY] = unit
 
 
 class UnitState:
@@ -89,6 +99,9 @@ class UnitState:
         return f"UnitState({self.name})"
 
 
+# Every root alive in the process. Process-wide because optimizer.step() must finish
+# the reduce-scatters left in flight by set_is_last_backward(False) (optim.py), and an
+# optimizer knows only its tensors, not the model; weak, so a dropped model goes.
 _LIVE_ROOTS: "weakref.WeakSet[RootState]" = weakref.WeakSet()
 
 
@@ -230,54 +243,3 @@ def _next_other_group(order: list[UnitState]) -> dict[UnitState, ParamGroup]:
     return nxt
 
 
-def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
-    """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
-    merge small adjacent units into shared groups (core/buckets.py)."""
-    for u in all_units:
-        if u.group is None:
-            continue
-        _check_not_meta(u.group)
-        u.group.reshard()
-        _readopt_if_replaced(u.group)
-    merge_small_units(all_units, bucket_numel, root=unit)
-    root = RootState(unit, all_units)
-    root.start_iteration()
-    for u in all_units:
-        u.root = root
-    return root
-
-
-def _check_not_meta(group: ParamGroup) -> None:
-    for p in group.params:
-        ref = p.refs[0]
-        current = ref.module._parameters.get(ref.name)
-        if current is not None and current.is_meta:
-            raise RuntimeError(
-                f"fullshard: parameter '{p.fqn}' is still on the meta device at the first "
-                "forward. After fully_shard, call model.to_empty(device=...) and then "
-                "initialize it (reset_parameters() / init_weights()) or load a checkpoint.")
-
-
-def _readopt_if_replaced(group: ParamGroup) -> None:
-    if group.state is not GroupState.SHARDED:
-        return
-    for p in group.params:
-        ref = p.refs[0]
-        if ref.module._parameters.get(ref.name) is not p.sharded_param:
-            group.readopt()
-            return
-
-
-def default_process_group_or_raise(what: str) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{what}: no process group is initialized. Call "
-            "torch.distributed.init_process_group(backend) first (gloo on CPU, nccl on CUDA), "
-            "for example under `torchrun --nproc_per_node N train.py`, or pass mesh=.")
-
-
-def mesh_device_type() -> str:
-    backend = dist.get_backend()
-    if "nccl" in backend and torch.cuda.is_available():
-        return "cuda"
-    return "cpu"

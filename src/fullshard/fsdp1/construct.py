@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import FSDPModule, fsdp_class, fully_shard, managed_modules
-from ..core.state import mesh_device_type
+from ..api import FSDPModule, fsdp_class, fully_shard
+from ..core.init import managed_modules
+from ..core.mesh import mesh_device_type
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..wrap import apply_wrap_policy
 from .mesh import resolve_mesh

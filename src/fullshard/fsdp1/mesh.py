@@ -16,10 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..core.state import default_process_group_or_raise
+from ..core.mesh import default_process_group_or_raise
 from .options import ShardingStrategy
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+# (device type, shape or ranks) -> the mesh built for it. Process-wide because building a
+# mesh creates process groups, a collective every rank must join in the same order: each
+# FSDP(...) of the same strategy must reuse one mesh, not create groups per wrapped unit.
 _MESHES: dict[tuple, DeviceMesh] = {}
 
 

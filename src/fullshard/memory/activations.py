@@ -40,14 +40,16 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..core.cpu_allocator import MMAP_THRESHOLD_BYTES
+from .allocator import MMAP_THRESHOLD_BYTES
 
 # Note [freed small blocks stay resident]
-# On CPU, glibc serves blocks below fullshard's mmap threshold from its heap and
+# On CPU, glibc serves blocks below the mmap threshold from its heap and
 # keeps them resident after they are freed (only the heap's top is returned). So
 # for peak RSS the activations held in small storages count at their high-water
 # mark for the rest of the step, not at their live size; replay.py adds the
-# difference when estimating for the CPU.
+# difference when estimating for the CPU. The estimate assumes the threshold that
+# tune_cpu_allocator() fixes (memory/allocator.py); without it glibc's threshold
+# floats up to 32 MiB and more freed memory stays resident than estimated.
 SMALL_BYTES = MMAP_THRESHOLD_BYTES
 
 

@@ -2,8 +2,8 @@
 
 On CPU the figure that matters is resident memory: ``VmRSS`` now and ``VmHWM``
 (its high-water mark) since the process started or since ``reset_peak_rss``.
-With fullshard's allocator policy (core/cpu_allocator.py) freed buffers above
-4 MiB go back to the system, so RSS follows live memory closely.
+With ``tune_cpu_allocator()`` (memory/allocator.py) freed buffers above 4 MiB go
+back to the system, so RSS follows live memory closely.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from ..core.state import unit_of
 from .baseline import usage_bytes, warm_baseline_bytes
 from .process import peak_rss_bytes, reset_peak_rss
 
@@ -38,8 +39,7 @@ def fullshard_buffer_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def _units_of(model: nn.Module) -> list:
-    return [m.__dict__["_fullshard_unit"] for m in model.modules()
-            if "_fullshard_unit" in m.__dict__]
+    return [u for u in map(unit_of, model.modules()) if u is not None]
 
 
 def _buffer_bytes(units: list, params: list[torch.Tensor]) -> dict[str, int]:

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-_CTX = None
+_CTX = None  # the forkserver context, started once per test process (it preloads torch)
 GRACE_AFTER_FAILURE_S = 5.0
 
 

@@ -1,0 +1,317 @@
+"""From ``fully_shard``'s arguments to units, and from the first forward to a root.
+
+Shard time (``shard_modules``): the arguments are checked, each parameter the unit
+manages becomes a ShardedParam (core/param.py), the unit's parameters one ParamGroup
+(core/group.py) that shards them now, and each module gets its UnitState
+(core/state.py). The front (api.py, fsdp1/) then swaps the module's class and
+installs the hooks.
+
+First forward (``lazy_init``): the unit that runs first becomes the root of every
+unit below it, small adjacent units are merged into shared groups (core/buckets.py),
+and the RootState that holds the iteration's bookkeeping is created.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
+                        as_offload_policy)
+from .buckets import merge_small_units
+from .group import GroupState, ParamGroup
+from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
+from .param import ParamRef, ShardedParam
+from .registry import SHARDED_ORIGINALS, is_sharded_param
+from .state import RootState, UnitState, attach_unit, unit_of
+from .tensor_parallel import SpmdDims, is_foreign_dtensor
+
+
+def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | None,
+                  reshard_after_forward: bool | int | None, shard_placement_fn: Callable | None,
+                  mp_policy, offload_policy, ignored_params: set[nn.Parameter] | None,
+                  dp_mesh_dims, debug: bool) -> list[UnitState]:
+    """Shard ``modules`` as one unit (one group; ``fully_shard``'s arguments as given,
+    torch's policy objects accepted): one UnitState per module, attached to it."""
+    mp_policy, offload_policy = _check_arguments(label, mp_policy, offload_policy)
+    if not isinstance(debug, bool):
+        raise TypeError(f"fully_shard({label}): debug must be a bool, got {debug!r}.")
+    for m in modules:
+        _check_shardable(label, m)
+    spmd = data_parallel_mesh(label, mesh, dp_mesh_dims)
+    mesh = resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
+    pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
+    replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
+    post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
+    if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = False  # each rank keeps everything: ZeRO-2
+    device = mesh_device(mesh)
+    _check_compute_dtype(label, mp_policy.param_dtype, device)
+    refs_by_module = [_collect_params(m, label, ignored_params or set(), mesh, spmd)
+                      for m in modules]
+    refs_by_param: dict[nn.Parameter, list[ParamRef]] = {}
+    for refs in refs_by_module:
+        for p, where in refs.items():
+            refs_by_param.setdefault(p, []).extend(where)
+    shard_dims = _shard_dims(label, shard_placement_fn, refs_by_param)
+    group = None
+    sharded: dict[nn.Parameter, ShardedParam] = {}
+    if refs_by_param:
+        sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd,
+                                   shard_dims.get(p, 0))
+                   for p, refs in refs_by_param.items()}
+        _check_tensor_parallel(label, sharded.values(), post_forward_size)
+        group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
+                           mp_policy.reduce_dtype, replicate_pg, post_forward_size,
+                           offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy)
+                           else None)
+        group.shard(list(refs_by_param), device)
+        for original in refs_by_param:
+            SHARDED_ORIGINALS.add(original, label)
+    claimed: set[nn.Parameter] = set()
+    units: list[UnitState] = []
+    for m, refs in zip(modules, refs_by_module):
+        _move_buffers(m, device)
+        unit = UnitState(m, type(m).__name__, mesh, group, reshard_after_forward,
+                         mp_policy, debug)
+        if len(modules) > 1:  # each unit names only its own parameters (a tied one: the first)
+            unit.own_params = [sharded[p] for p in refs if p not in claimed]
+            claimed.update(refs)
+        attach_unit(m, unit)
+        units.append(unit)
+    for unit in units:
+        unit.created_with = units
+    return units
+
+
+def unit_label(modules: list) -> str:
+    if not modules:
+        raise ValueError("fully_shard: got an empty list of modules; pass a module or a "
+                         "non-empty list of modules to shard as one unit.")
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: expected an nn.Module or a list of them, got "
+                            f"{type(m).__name__}" + (f" at index {i}" if len(modules) > 1 else ""))
+    names = [_class_name(m) for m in modules]
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+
+
+def _check_shardable(label: str, module: nn.Module) -> None:
+    name = _class_name(module)
+    if unit_of(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {name}; apply it once per "
+                         "module (submodules first, then the root).")
+    # torch.compile's OptimizedModule sets its forward on the instance
+    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
+        raise ValueError(
+            f"fully_shard({label}): this module has no forward() of its own (a container such "
+            "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
+            "Apply fully_shard to its children, or to the parent module that runs them.")
+
+
+def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
+    """torch's ``shard_placement_fn``: the dim each parameter is sharded on (default 0)."""
+    if shard_placement_fn is None:
+        return {}
+    if not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard({label}): shard_placement_fn must be callable as "
+                        f"fn(param) -> Shard | None, got {type(shard_placement_fn).__name__}.")
+    dims = {}
+    for p, refs in refs_by_param.items():
+        placement = shard_placement_fn(p)
+        if placement is None:
+            continue
+        ndim = p.to_local().dim() if isinstance(p, DTensor) else p.dim()
+        if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
+            raise ValueError(
+                f"fully_shard({label}): shard_placement_fn returned {placement!r} for "
+                f"parameter '{refs[0].fqn}' ({ndim}-D); it must return None or Shard(dim) "
+                f"with -{ndim} <= dim < {ndim}.")
+        dims[p] = placement.dim % ndim
+    return dims
+
+
+def _check_tensor_parallel(label: str, params, post_forward_size: int | None) -> None:
+    tp = next((p for p in params if p.tp_spec is not None), None)
+    if tp is not None and post_forward_size is not None:
+        raise NotImplementedError(
+            f"fully_shard({label}): reshard_after_forward={post_forward_size} (reshard to a "
+            f"smaller group) with tensor-parallel parameter '{tp.fqn}'; pass True or False.")
+
+
+def _post_forward_size(label: str, reshard_after_forward, shard_size: int) -> int | None:
+    """The subgroup size for an integer ``reshard_after_forward`` (None: not hpZ)."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return None
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(f"fully_shard({label}): reshard_after_forward must be a bool or an int, "
+                        f"got {type(reshard_after_forward).__name__}.")
+    n = reshard_after_forward
+    if n < 1 or n > shard_size or shard_size % n:
+        raise ValueError(
+            f"fully_shard({label}): reshard_after_forward={n} must divide the shard group size "
+            f"{shard_size} (1 <= N <= {shard_size}): after forward each group of N ranks "
+            "keeps the parameters sharded N ways for backward.")
+    return n if 1 < n < shard_size else None
+
+
+# (device, dtype) -> whether a matmul runs there. Process-wide because the answer is a
+# property of the installed torch and the hardware; probing allocates on the device.
+_COMPUTABLE: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def can_compute_in(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matrix multiply in ``dtype`` runs on ``device`` (probed once)."""
+    key = (device, dtype)
+    if key not in _COMPUTABLE:
+        try:
+            ones = torch.ones(2, 2, dtype=dtype, device=device)
+            torch.mm(ones, ones)
+            _COMPUTABLE[key] = True
+        except RuntimeError:
+            _COMPUTABLE[key] = False
+    return _COMPUTABLE[key]
+
+
+def _check_compute_dtype(label: str, dtype: torch.dtype | None, device: torch.device) -> None:
+    if dtype is not None and not can_compute_in(device, dtype):
+        raise ValueError(f"fully_shard({label}): mp_policy.param_dtype={dtype} cannot be "
+                         f"computed in on {device} (a matmul in it fails there); use "
+                         "torch.float16 or torch.float32 on this device.")
+
+
+def _check_arguments(label, mp_policy, offload_policy
+                     ) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fullshard's (torch's are accepted), checked."""
+    mp_policy = as_mp_policy(mp_policy, label)
+    offload_policy = as_offload_policy(offload_policy, label)
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and (not isinstance(dtype, torch.dtype)
+                                  or not dtype.is_floating_point):
+            raise ValueError(f"fully_shard({label}): mp_policy.{field}={dtype!r} is not a "
+                             "floating-point torch.dtype (use torch.bfloat16, torch.float16 "
+                             "or torch.float32).")
+    return mp_policy, offload_policy
+
+
+def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
+                    mesh: DeviceMesh, spmd: SpmdDims | None
+                    ) -> dict[nn.Parameter, list[ParamRef]]:
+    """The parameters this unit manages: those of ``module`` and its submodules that no
+    sharded submodule manages, each with every place it is registered (tied weights).
+    DTensors on another mesh than ``mesh`` (tensor parallel), or on the whole mesh given
+    with ``dp_mesh_dims``, are managed too."""
+    refs: dict[nn.Parameter, list[ParamRef]] = {}
+    for prefix, sub in managed_modules(module):
+        for name, p in sub._parameters.items():
+            if p is None or p in ignored:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if spmd is not None:
+                _check_spmd_param(label, fqn, p, spmd)
+            if is_sharded_param(p):
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' is already a sharded DTensor: "
+                    "fully_shard was applied to a module enclosing this one (or the parameter "
+                    "is shared with a unit sharded earlier). Apply fully_shard bottom-up: "
+                    "submodules first, then their parent, the root last.")
+            if isinstance(p, DTensor) and not (
+                    is_foreign_dtensor(p, mesh)
+                    or (spmd is not None and p.device_mesh == spmd.mesh)):
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' is a DTensor on the "
+                    f"data-parallel mesh {mesh} itself; a tensor-parallel parameter must "
+                    "live on another dimension of the same mesh: parallelize_module(..., "
+                    "world_mesh['tp'], plan), then fully_shard(..., mesh=world_mesh['dp']).")
+            owner = SHARDED_ORIGINALS.get(p)
+            if owner is not None:
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' is also managed by fully_shard"
+                    f"({owner}); a parameter shared between two units is not supported. Shard "
+                    "the modules that share it together: apply fully_shard to their common "
+                    "parent only (e.g. leave tied embeddings to the root).")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(
+                    f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "
+                    "shards floating-point parameters (their gradients are averaged). Register "
+                    "it as a buffer (module.register_buffer) or pass it in ignored_params.")
+            refs.setdefault(p, []).append(ParamRef(sub, name, fqn))
+    return refs
+
+
+def _check_spmd_param(label: str, fqn: str, p: nn.Parameter, spmd: SpmdDims) -> None:
+    """With ``dp_mesh_dims`` naming only some dimensions of the mesh, the others are model
+    parallel: a plain parameter there has no layout on them (torch raises too)."""
+    covered = {spmd.shard, spmd.replicate} >= set(spmd.mesh.mesh_dim_names)
+    if not isinstance(p, DTensor) and not covered:
+        raise ValueError(
+            f"fully_shard({label}): parameter '{fqn}' is a plain tensor, but dp_mesh_dims "
+            f"names only some dimensions of the mesh {spmd.mesh.mesh_dim_names}; every "
+            "parameter must then be a DTensor on that mesh (distribute_module or "
+            "parallelize_module with it first).")
+
+
+def managed_modules(module: nn.Module, prefix: str = ""):
+    """``(path, module)`` for ``module`` and every submodule no sharded unit below it
+    manages: the modules whose parameters a ``fully_shard(module)`` takes."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or unit_of(child) is not None:
+            continue
+        yield from managed_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for _, sub in managed_modules(module):
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name (a unit's class is fully_shard's subclass of it)."""
+    unit = unit_of(module)
+    return unit.label if unit is not None else type(module).__name__
+
+
+def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
+    """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
+    merge small adjacent units into shared groups (core/buckets.py)."""
+    for u in all_units:
+        if u.group is None:
+            continue
+        _check_not_meta(u.group)
+        u.group.reshard()
+        _readopt_if_replaced(u.group)
+    merge_small_units(all_units, bucket_numel, root=unit)
+    root = RootState(unit, all_units)
+    root.start_iteration()
+    for u in all_units:
+        u.root = root
+    return root
+
+
+def _check_not_meta(group: ParamGroup) -> None:
+    for p in group.params:
+        ref = p.refs[0]
+        current = ref.module._parameters.get(ref.name)
+        if current is not None and current.is_meta:
+            raise RuntimeError(
+                f"fullshard: parameter '{p.fqn}' is still on the meta device at the first "
+                "forward. After fully_shard, call model.to_empty(device=...) and then "
+                "initialize it (reset_parameters() / init_weights()) or load a checkpoint.")
+
+
+def _readopt_if_replaced(group: ParamGroup) -> None:
+    if group.state is not GroupState.SHARDED:
+        return
+    for p in group.params:
+        ref = p.refs[0]
+        if ref.module._parameters.get(ref.name) is not p.sharded_param:
+            group.readopt()
+            return

@@ -1,0 +1,84 @@
+"""Device meshes: the default one, the device a mesh computes on, and torch's
+``dp_mesh_dims`` (which named dimensions of a mesh are data parallel)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .tensor_parallel import SpmdDims
+
+
+def default_process_group_or_raise(what: str) -> None:
+    """Raise, naming ``what``, unless a default process group is initialized."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what}: no process group is initialized. Call "
+            "torch.distributed.init_process_group(backend) first (gloo on CPU, nccl on CUDA), "
+            "for example under `torchrun --nproc_per_node N train.py`, or pass mesh=.")
+
+
+def mesh_device_type() -> str:
+    """The device type of the default process group's mesh (cuda only with nccl)."""
+    backend = dist.get_backend()
+    if "nccl" in backend and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
+    """``mesh`` checked (1-D, or 2-D for hybrid sharding; this rank in it), or the
+    default: every rank of the default process group."""
+    if mesh is None:
+        default_process_group_or_raise(f"fully_shard({label})")
+        return init_device_mesh(mesh_device_type(), (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard({label}): mesh must be a torch DeviceMesh, got "
+                        f"{type(mesh).__name__}.")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard({label}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; "
+            "fullshard shards over a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid "
+            "sharding. Pass those dimensions, e.g. mesh['replicate', 'shard'].")
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard({label}): this rank ({dist.get_rank()}) is not in the mesh (ranks "
+            f"{mesh.mesh.flatten().tolist()}) of world size {dist.get_world_size()}; every rank "
+            "that runs the model must be in its mesh. Build the mesh over those ranks, e.g. "
+            "init_device_mesh(device_type, (world_size,)).")
+    return mesh
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for ``mesh``."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
+                       ) -> SpmdDims | None:
+    """torch's ``dp_mesh_dims``: which named dimensions of ``mesh`` are data parallel."""
+    if dp_mesh_dims is None:
+        return None
+    if mesh is None:
+        raise ValueError(f"fully_shard({label}): dp_mesh_dims needs the mesh it names; pass "
+                         "mesh= as well.")
+    replicate = _dim_names(dp_mesh_dims.replicate)
+    shard = _dim_names(dp_mesh_dims.shard)
+    names = mesh.mesh_dim_names or ()
+    if len(replicate) > 1 or len(shard) != 1 or not set(replicate + shard) <= set(names):
+        raise NotImplementedError(
+            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}; "
+            "fullshard takes one shard dimension and at most one replicate dimension, both "
+            "named in the mesh. Flatten several data-parallel dimensions into one first "
+            "(mesh['a', 'b']._flatten('dp')).")
+    return SpmdDims(mesh, shard[0], replicate[0] if replicate else None)
+
+
+def _dim_names(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
