@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-torchtitan bench setup clean
+.PHONY: run test test-fast test-torchtitan bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ run: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+# The tests a developer runs often (under 2 minutes on 2 cores): everything but the tests
+# tests/conftest.py marks slow.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow"
 
 # torchtitan's own FSDP code on fullshard. Not a dependency: torchtitan's imports pull
 # triton (~1 GB), so its runtime dependencies are installed here without theirs.

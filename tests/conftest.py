@@ -1,8 +1,97 @@
-"""Shared test set-up."""
+"""Shared test set-up, and the ``slow`` marker behind ``make test-fast``.
+
+``make test`` runs everything (about 7 minutes on 2 cores); ``make test-fast`` runs
+``-m "not slow"`` (under 2 minutes): every test function below took more than ~1.5 s
+(multi-rank training runs, the trainer end to end, checkpoints on disk, measured
+memory). A new test is fast unless it is added here; keep the fast lane under 2 minutes
+(``pytest -m "not slow" --durations=20`` shows what to move).
+"""
 
 import pathlib
 import sys
 
+import pytest
+
 # Tests in subfolders (tests/conformance) import helpers of tests/ by module name, e.g.
 # ``from test_error_catalogue import matches_documented``.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+
+SLOW = {
+    "tests/conformance/test_fsdp2_behaviour.py::test_a_list_of_modules_is_one_unit",
+    "tests/conformance/test_fsdp2_behaviour.py::test_mixed_reshard_after_forward_settings_finish_and_match",
+    "tests/conformance/test_fsdp2_behaviour.py::test_requires_all_reduce_false_accumulates_within_the_shard_group",
+    "tests/conformance/test_fsdp2_behaviour.py::test_shard_placement_fn_shards_on_other_dims",
+    "tests/conformance/test_fsdp2_behaviour.py::test_torch_compile_trains_with_the_eager_losses",
+    "tests/conformance/test_fsdp2_behaviour.py::test_torch_compile_with_inductor",
+    "tests/conformance/test_fsdp2_behaviour.py::test_torchs_policy_objects_are_accepted",
+    "tests/conformance/test_real_callers.py::test_lightning_model_parallel_strategy_trains_as_single_process",
+    "tests/conformance/test_real_callers.py::test_run_module_installs_before_the_program_imports_torchs_names",
+    "tests/conformance/test_real_callers.py::test_transformers_fsdp2_path_runs_on_fullshard_unchanged",
+    "tests/conformance/test_tensor_parallel.py::test_dp_mesh_dims_on_the_whole_mesh_matches_single_process",
+    "tests/conformance/test_tensor_parallel.py::test_fsdp_with_tensor_parallel_matches_single_process",
+    "tests/conformance/test_tensor_parallel.py::test_misuse_names_the_parameter_and_what_to_do",
+    "tests/test_activation_checkpointing.py::test_checkpointing_composes_with_sharding",
+    "tests/test_checkpoint.py::test_async_save_writes_the_state_at_the_call",
+    "tests/test_checkpoint.py::test_cli_inspect_and_streamed_safetensors_export",
+    "tests/test_checkpoint.py::test_corrupt_missing_and_incompatible_checkpoints_are_named",
+    "tests/test_checkpoint.py::test_exact_resume_in_fresh_processes",
+    "tests/test_checkpoint.py::test_killed_save_leaves_previous_checkpoint_in_use",
+    "tests/test_checkpoint.py::test_load_at_another_world_size_or_layout",
+    "tests/test_checkpoint.py::test_load_into_plain_module_on_one_process",
+    "tests/test_checkpoint.py::test_state_dict_functions_full_sharded_broadcast",
+    "tests/test_checkpoint.py::test_torch_dcp_loads_the_checkpoint_into_fsdp2",
+    "tests/test_divergence.py::test_without_debug_a_timed_out_collective_names_the_unit",
+    "tests/test_fsdp1_api.py::test_hybrid_shard_from_an_intra_inter_process_group_pair",
+    "tests/test_fsdp1_api.py::test_process_group_and_device_mesh_arguments",
+    "tests/test_fsdp1_strategies.py::test_hybrid_shards_within_node_and_all_reduces_across",
+    "tests/test_fsdp1_strategies.py::test_prefetch_options_parity",
+    "tests/test_fsdp1_strategies.py::test_shard_grad_op_does_not_gather_in_backward",
+    "tests/test_fsdp1_strategies.py::test_strategy_parity",
+    "tests/test_fsdp_seed_flows.py::test_hf_opt_fine_tuning_flow",
+    "tests/test_fsdp_seed_flows.py::test_tutorial_fsdp1_flow",
+    "tests/test_harness.py::test_a_segfaulting_rank_reports_where_it_died",
+    "tests/test_hybrid.py::test_hybrid_parity_2x2",
+    "tests/test_hybrid.py::test_hybrid_state_dicts_and_checkpoints",
+    "tests/test_hybrid.py::test_reshard_after_forward_int_gathers_within_the_smaller_group",
+    "tests/test_hybrid.py::test_reshard_after_forward_int_parity",
+    "tests/test_memory.py::test_plan_takes_the_cheapest_configuration_that_fits",
+    "tests/test_memory.py::test_strategies_checkpointing_and_world_size_order_the_peaks",
+    "tests/test_memory_measured.py::test_estimate_within_10_percent_of_measured_peak",
+    "tests/test_memory_measured.py::test_planned_configuration_runs_under_its_budget",
+    "tests/test_meta_init.py::test_meta_init_then_train",
+    "tests/test_mixed_precision.py::test_accumulation_without_sync_in_reduce_dtype",
+    "tests/test_mixed_precision.py::test_losses_match_fsdp2_with_the_same_policy",
+    "tests/test_offload.py::test_offload_with_each_strategy_parity",
+    "tests/test_optim.py::test_local_step_matches_dtensor_step_bitwise",
+    "tests/test_parity.py::test_parity",
+    "tests/test_prefetch.py::test_seed_explicit_prefetch_example",
+    "tests/test_resume_live.py::test_apply_after_training_keeps_one_storage",
+    "tests/test_resume_live.py::test_fsdp1_load_into_the_live_model_trains_on_exactly",
+    "tests/test_resume_live.py::test_guard_and_loads_that_do_not_fit",
+    "tests/test_resume_live.py::test_load_into_the_live_model_trains_on_exactly",
+    "tests/test_resume_live.py::test_load_into_the_live_model_without_the_local_step",
+    "tests/test_runtime.py::test_clip_grad_norm_and_state_dict",
+    "tests/test_runtime.py::test_steady_state_allocates_no_communication_buffers",
+    "tests/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
+    "tests/test_train_cli.py::test_resume_continues_exactly_like_one_straight_run",
+    "tests/test_train_hf.py::test_fine_tune_tiny_llama_and_gpt2_from_local_folders",
+    "tests/test_train_loop.py::test_bf16_and_fp16_train_close_to_fp32",
+    "tests/test_train_loop.py::test_data_dependent_errors_name_the_field",
+    "tests/test_train_loop.py::test_strategies_accumulation_and_recomputation_train_the_same_model",
+    "tests/test_train_reliability.py::test_a_training_that_stops_being_finite_ends_the_run_without_saving",
+    "tests/test_train_reliability.py::test_worker_killed_inside_a_save_leaves_the_previous_checkpoint",
+    "tests/test_train_reliability.py::test_worker_killed_mid_step_restarts_from_the_last_checkpoint",
+    "tests/test_train_soak.py::test_memory_stays_flat_and_every_checkpoint_loads",
+    "tests/test_wrap.py::test_auto_wrap_and_policy_parity",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of `make test-fast` (see conftest.py)")
