@@ -34,16 +34,14 @@ import torch
 
 from .config import (BatchConfig, CheckpointConfig, ConfigError, EvalConfig, OptimConfig,
                      ParallelConfig, TrainConfig)
-from ..gpt import GPT, GPTConfig
+from ..gpt import GPT, PRESET_SHAPES, GPTConfig
 
 DEFAULT_PRESET = "shakespeare"
-SHAKESPEARE_VOCAB = 65  # distinct characters in the shipped tinyshakespeare.txt
 
 PRESETS: dict[str, TrainConfig] = {
     "debug": TrainConfig(
         steps=60,
-        gpt=GPTConfig(vocab_size=SHAKESPEARE_VOCAB, seq_len=32, d_model=32, n_layers=2,
-                      n_heads=2),
+        gpt=PRESET_SHAPES["debug"],
         batch=BatchConfig(seq_len=32, batch_size=4),
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5, decay_steps=60),
         eval=EvalConfig(every=20, batches=2, sample_tokens=60),
@@ -51,8 +49,7 @@ PRESETS: dict[str, TrainConfig] = {
     ),
     "shakespeare": TrainConfig(
         steps=400,
-        gpt=GPTConfig(vocab_size=SHAKESPEARE_VOCAB, seq_len=128, d_model=256, n_layers=4,
-                      n_heads=4),
+        gpt=PRESET_SHAPES["shakespeare"],
         batch=BatchConfig(seq_len=128, batch_size=16),
         optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=30, decay_steps=400),
         eval=EvalConfig(every=100, batches=4, sample_tokens=300),
@@ -60,7 +57,7 @@ PRESETS: dict[str, TrainConfig] = {
     ),
     "gpt2-124m": TrainConfig(
         steps=19073,
-        gpt=GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12),
+        gpt=PRESET_SHAPES["gpt2-124m"],
         batch=BatchConfig(seq_len=1024, batch_size=8, grad_accum=8, val_fraction=0.01),
         optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=700, decay_steps=19073),
         parallel=ParallelConfig(precision="bf16"),
@@ -69,8 +66,7 @@ PRESETS: dict[str, TrainConfig] = {
     ),
     "llama-1b": TrainConfig(
         steps=20000,
-        gpt=GPTConfig(vocab_size=128256, seq_len=2048, d_model=2048, n_layers=16,
-                      n_heads=32),
+        gpt=PRESET_SHAPES["llama-1b"],
         batch=BatchConfig(seq_len=2048, batch_size=4, grad_accum=8, val_fraction=0.01),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=2000, decay_steps=20000),
         parallel=ParallelConfig(precision="bf16", activation_checkpointing=True),
