@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
-from . import faults
 from .config import ConfigError
 from .launch import job_id
 
@@ -52,8 +51,7 @@ def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     rng_states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, _rng_state(device))
     extra = {"step": step, "data": data_position, "rng": rng_states,
-             "scaler": scaler.state_dict() if scaler is not None else None, "job": job_id(),
-             **faults.in_save_extra(step, dist.get_rank())}
+             "scaler": scaler.state_dict() if scaler is not None else None, "job": job_id()}
     path = checkpoint.save(os.path.join(checkpoint_dir(out), f"step_{step:06d}"), model,
                            optimizer, extra=extra)
     if dist.get_rank() == 0:

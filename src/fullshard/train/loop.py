@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoints, elastic, faults
+from . import checkpoints, elastic
 from .config import ConfigError, TrainConfig
 from .config_io import to_toml
 from .generate import sample
@@ -134,7 +134,6 @@ class Trainer:
         estimate_step = min(self.step + STEPS_BEFORE_ESTIMATE_LINE, self.cfg.steps)
         while self.step < self.cfg.steps:
             self.step += 1
-            faults.at_step_start(self.step, self.worker.rank)
             self.memory.begin_step(self.step)
             lr = learning_rate(self.step, self.cfg.optim)
             set_learning_rate(self.optimizer, lr)
