@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config_io import apply_overrides
+from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-from fullshard.train.presets import build_model, get_preset
+from fullshard.train.model import build_model
 from faults.sitecustomize import KILL_AT_STEP, KILL_IN_SAVE, environment
 from test_error_catalogue import matches_documented
 from test_train_cli import ENV, TIMEOUT_S, _metrics

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from fullshard.cli import train as train_cli
-from fullshard.train.config import ConfigError, OptimConfig, validate
-from fullshard.train.config_io import apply_overrides, load_toml, to_toml
-from fullshard.train.optimizer import learning_rate
-from fullshard.train.plot import plot_losses
-from fullshard.train.presets import PRESETS, build_model, get_preset, preset_model
-from fullshard.train.sampler import EpochSampler, validation_batches
+from fullshard.train.config import (PRESETS, ConfigError, OptimConfig, apply_overrides,
+                                    get_preset, load_toml, to_toml, validate)
+from fullshard.train.data import EpochSampler, validation_batches
+from fullshard.train.loop import learning_rate
+from fullshard.train.metrics import plot_losses
+from fullshard.train.model import build_model, preset_model
 
 
 def test_preset_models_have_their_parameter_counts_on_meta():

@@ -53,7 +53,7 @@ def _kill_at_step_start() -> None:
     """Rank 1 dies as step K starts: the trainer begins a step's memory tracking first
     thing after counting the step."""
     import torch.distributed as dist
-    from fullshard.train.step_memory import StepMemory
+    from fullshard.train.metrics import StepMemory
 
     begin_step = StepMemory.begin_step
 

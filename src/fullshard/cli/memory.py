@@ -47,7 +47,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.hf_config:
         source = args.hf_config
     else:
-        from ..train.presets import DEFAULT_PRESET, get_preset
+        from ..train.config import DEFAULT_PRESET, get_preset
 
         cfg = get_preset(args.preset or DEFAULT_PRESET)
         source = cfg.gpt

@@ -25,14 +25,13 @@ import argparse
 import os
 import sys
 
-from ..train.checkpoints import checkpoint_dir, has_checkpoint
-from ..train.config import ConfigError, TrainConfig, validate
-from ..train.config_io import (apply_overrides, field_docs, load_toml, metavar,
-                               scalar_fields, sections, type_hints)
-from ..train.elastic import divergence_of_this_job, resumes_after_restart
+from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint,
+                                 resumes_after_restart)
+from ..train.config import (DEFAULT_PRESET, PRESETS, ConfigError, TrainConfig,
+                            apply_overrides, field_docs, get_preset, load_toml, metavar,
+                            scalar_fields, sections, type_hints, validate)
 from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, is_worker,
                             launch, start_worker, stop_worker)
-from ..train.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 FIELD_DEST = "field:"  # argparse dest prefix of config fields
 

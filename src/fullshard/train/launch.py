@@ -66,7 +66,7 @@ def is_worker() -> bool:
 
 def restart_count() -> int:
     """Which attempt of the job this worker is: 0 first (and outside torchrun), then
-    1, 2, ... after torchrun restarted the job (see Note [restarts] in elastic.py)."""
+    1, 2, ... after torchrun restarted the job (see Note [restarts] in checkpoints.py)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
