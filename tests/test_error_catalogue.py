@@ -245,7 +245,7 @@ def _no_process_group_case() -> dict[str, str]:
 
 
 def _trainer_cases(tmp: str) -> dict[str, str]:
-    from fullshard.train.cli import _check_launch, build_parser, resolve_config
+    from fullshard.cli.train import _check_launch, build_parser, resolve_config
 
     def resolve(*argv):
         args = build_parser().parse_args(list(argv))

@@ -5,7 +5,7 @@ import torch
 
 from fullshard.memory import estimate, plan, zero_model_state_bytes
 from fullshard.memory.activations import trace_step
-from fullshard.memory.cli import estimate_main, plan_main
+from fullshard.cli.memory import estimate_main, plan_main
 from fullshard.memory.process import current_rss_bytes
 from fullshard.memory.units import find_units
 from fullshard.gpt import GPT, GPTConfig, lm_loss

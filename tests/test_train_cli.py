@@ -35,7 +35,8 @@ def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     # The first leg under an outside torchrun: the entry point must not launch again.
     first = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "-m", "fullshard.train", "--preset", "debug", "--steps", "40", "--out", resumed],
+         "2", "-m", "fullshard", "train", "--preset", "debug", "--steps", "40",
+         "--out", resumed],
         env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert first.returncode == 0, first.stderr[-3000:]
     assert _checkpoint_step(resumed) == 40

@@ -9,11 +9,10 @@ import torch.distributed as dist
 
 from fullshard import FSDPModule
 from fullshard.testing import run_distributed
-from fullshard.train.config_io import apply_overrides
+from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.data import load_text
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-from fullshard.train.presets import get_preset
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,11 +7,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import ConfigError
-from fullshard.train.config_io import apply_overrides
+from fullshard.train.config import ConfigError, apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-from fullshard.train.presets import get_preset
 
 QUIET = {"steps": 4, "eval.every": 0, "eval.sample_tokens": 0, "checkpoint.every": 0}
 

@@ -1,5 +1,5 @@
 """Failures in a run: a loss that stops being finite, workers killed mid-step and inside a
-checkpoint save (``fullshard train`` subprocesses, faults injected by train/faults.py)."""
+checkpoint save (``fullshard train`` subprocesses, faults injected by faults/sitecustomize.py)."""
 
 import os
 import re
@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config_io import apply_overrides
-from fullshard.train.faults import KILL_AT_STEP, KILL_IN_SAVE
+from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-from fullshard.train.presets import build_model, get_preset
+from fullshard.train.model import build_model
+from faults.sitecustomize import KILL_AT_STEP, KILL_IN_SAVE, environment
 from test_error_catalogue import matches_documented
 from test_train_cli import ENV, TIMEOUT_S, _metrics
 
@@ -74,7 +74,7 @@ def _assert_same_result(out: str, uninterrupted) -> None:
 
 def test_worker_killed_mid_step_restarts_from_the_last_checkpoint(tmp_path, uninterrupted):
     out = str(tmp_path / "run")
-    run = _fullshard_train(out, "--max-restarts", "1", env={KILL_AT_STEP: "6"})
+    run = _fullshard_train(out, "--max-restarts", "1", env=environment(KILL_AT_STEP, 6))
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"exitcode: -9\) local_rank: 1", run.stderr)  # torchrun saw the kill
     assert run.stderr.count("resuming at step 4,") == 1
@@ -85,7 +85,8 @@ def test_worker_killed_mid_step_restarts_from_the_last_checkpoint(tmp_path, unin
 
 def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     out = str(tmp_path / "run")
-    killed = _fullshard_train(out, env={KILL_IN_SAVE: "8"})  # no restarts: look at the debris
+    # No restarts: look at the debris.
+    killed = _fullshard_train(out, env=environment(KILL_IN_SAVE, 8))
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert re.search(r"exitcode: -9\) local_rank: 0", killed.stderr)
     latest, entries = _checkpoints(out)

@@ -7,10 +7,10 @@ import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config_io import apply_overrides
+from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-from fullshard.train.presets import build_model, get_preset
+from fullshard.train.model import build_model
 
 STEPS, EVERY = 500, 50
 SOAK = {"steps": STEPS, "checkpoint.every": EVERY, "checkpoint.keep": STEPS // EVERY,

@@ -7,13 +7,13 @@ import zlib
 import pytest
 import torch
 
-from fullshard.train import cli
-from fullshard.train.config import ConfigError, OptimConfig, validate
-from fullshard.train.config_io import apply_overrides, load_toml, to_toml
-from fullshard.train.optimizer import learning_rate
-from fullshard.train.plot import plot_losses
-from fullshard.train.presets import PRESETS, build_model, get_preset, preset_model
-from fullshard.train.sampler import EpochSampler, validation_batches
+from fullshard.cli import train as train_cli
+from fullshard.train.config import (PRESETS, ConfigError, OptimConfig, apply_overrides,
+                                    get_preset, load_toml, to_toml, validate)
+from fullshard.train.data import EpochSampler, validation_batches
+from fullshard.train.loop import learning_rate
+from fullshard.train.metrics import plot_losses
+from fullshard.train.model import build_model, preset_model
 
 
 def test_preset_models_have_their_parameter_counts_on_meta():
@@ -56,27 +56,27 @@ def test_toml_round_trip_and_overrides():
     (["--batch.seq-len", "4096"], "batch.seq_len: 4096 exceeds gpt.seq_len"),
 ])
 def test_bad_values_are_one_line_errors_naming_the_field(flags, message, capsys):
-    assert cli.main(flags) == 2
+    assert train_cli.main(flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_unknown_toml_field_is_named(tmp_path, capsys):
     (tmp_path / "c.toml").write_text("[optim]\nlrr = 0.1\n")
-    assert cli.main(["--config", str(tmp_path / "c.toml")]) == 2
+    assert train_cli.main(["--config", str(tmp_path / "c.toml")]) == 2
     assert "unknown field optim.lrr (fields there: beta1," in capsys.readouterr().err
 
 
 def test_resume_without_a_checkpoint_is_refused_before_launching(tmp_path, capsys):
-    assert cli.main(["--preset", "debug", "--out", str(tmp_path), "--resume"]) == 2
+    assert train_cli.main(["--preset", "debug", "--out", str(tmp_path), "--resume"]) == 2
     assert f"--resume: no checkpoint in {tmp_path}/checkpoints" in capsys.readouterr().err
 
 
 def test_decay_steps_follow_steps_unless_set():
-    args = cli.build_parser().parse_args(["--steps", "77", "--optim.decay-steps", "0"])
-    assert cli.resolve_config(args)[0].optim.decay_steps == 77
-    args = cli.build_parser().parse_args(["--preset", "debug", "--steps", "40"])
-    cfg, out = cli.resolve_config(args)
+    args = train_cli.build_parser().parse_args(["--steps", "77", "--optim.decay-steps", "0"])
+    assert train_cli.resolve_config(args)[0].optim.decay_steps == 77
+    args = train_cli.build_parser().parse_args(["--preset", "debug", "--steps", "40"])
+    cfg, out = train_cli.resolve_config(args)
     assert cfg.optim.decay_steps == PRESETS["debug"].optim.decay_steps and out == "runs/debug"
 
 
@@ -169,6 +169,6 @@ def test_loss_plot_is_a_png_of_the_asked_size_with_both_curves(tmp_path):
 ])
 def test_flag_errors_are_one_line_too(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(flags)
+        train_cli.main(flags)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1

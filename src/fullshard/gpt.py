@@ -122,6 +122,23 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+# The model shape of each of the trainer's presets (``fullshard train --preset NAME``), by
+# name: what ``fullshard.memory.estimate`` sizes for a preset name. The presets' other
+# settings, and why each is this size, are in fullshard/train/config.py.
+SHAKESPEARE_VOCAB = 65  # distinct characters in the shipped tinyshakespeare.txt
+
+PRESET_SHAPES: dict[str, GPTConfig] = {
+    "debug": GPTConfig(vocab_size=SHAKESPEARE_VOCAB, seq_len=32, d_model=32, n_layers=2,
+                       n_heads=2),
+    "shakespeare": GPTConfig(vocab_size=SHAKESPEARE_VOCAB, seq_len=128, d_model=256,
+                             n_layers=4, n_heads=4),
+    "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12,
+                           n_heads=12),
+    "llama-1b": GPTConfig(vocab_size=128256, seq_len=2048, d_model=2048, n_layers=16,
+                          n_heads=32),
+}
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 
-from ..gpt import GPT, GPTConfig, lm_loss
+from ..gpt import GPT, PRESET_SHAPES, GPTConfig, lm_loss
 
 LossOf = Callable[[nn.Module, int, int], torch.Tensor]  # (model, batch, seq) -> loss
 
@@ -99,13 +99,11 @@ def _module_workload(model: nn.Module, loss_of: LossOf | None) -> Workload:
 
 
 def preset(name: str) -> GPTConfig:
-    """The model shape of the trainer's preset ``name`` (fullshard.train.presets)."""
-    from ..train.presets import PRESETS
-
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} "
+    """The model shape of the trainer's preset ``name`` (fullshard.gpt.PRESET_SHAPES)."""
+    if name not in PRESET_SHAPES:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESET_SHAPES)} "
                          "(or pass a Hugging Face config.json path)")
-    return PRESETS[name].gpt
+    return PRESET_SHAPES[name]
 
 
 def _import_transformers():

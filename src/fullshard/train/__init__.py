@@ -1,1 +1,8 @@
-"""The trainer (``fullshard train``), its GPT model, data and presets."""
+"""The trainer behind ``fullshard train`` (its command line is ``fullshard.cli.train``).
+
+Read in this order: ``config.py`` (what a run is: dataclasses, presets, TOML and flags),
+``data.py`` (the text, its tokenizers, which windows each rank reads), ``model.py`` (what
+is trained and how it is sharded), ``loop.py`` (one worker's run), ``checkpoints.py``
+(saving, resuming, restarts), ``metrics.py`` (what a person sees), ``launch.py`` (how the
+ranks come to exist).
+"""

@@ -4,7 +4,24 @@
 Besides the model and the optimizer, a checkpoint's ``extra`` holds what else decides
 the steps after it: the step, the data position (Note [epochs of disjoint windows]),
 every rank's RNG state (dropout in Hugging Face models), the fp16 loss scaler, and the
-torchrun job that saved it (Note [restarts] in elastic.py).
+torchrun job that saved it (Note [restarts], below).
+
+Restarts under ``--max-restarts``: which attempt a worker is, and where it continues.
+
+Note [restarts]
+When a worker fails, torchrun stops every worker of the job and, up to ``--max-restarts``
+times, starts them all again with the same command line and TORCHELASTIC_RESTART_COUNT
+raised by one. A restarted worker resumes from the latest checkpoint in --out when this
+job wrote it (checkpoints record TORCHELASTIC_RUN_ID), exactly as --resume would, so the
+run ends with the weights of an uninterrupted one; a job that failed before its first
+checkpoint starts again from scratch. torchrun gives each job a fresh id with
+--standalone (what ``fullshard train`` uses on one node); multi-node jobs with the
+default static rendezvous all share the id "none", so there a restart also takes a
+checkpoint an earlier job left in --out if the first attempt died before clearing it.
+
+A run stopped on a non-finite loss would diverge again from the same checkpoint, every
+restart: rank 0 leaves OUT/diverged naming the job and the error, and restarted workers
+of that job repeat the error and exit instead of training.
 """
 
 from __future__ import annotations
@@ -20,9 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
-from . import faults
 from .config import ConfigError
-from .launch import job_id
+from .launch import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -52,8 +68,7 @@ def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     rng_states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, _rng_state(device))
     extra = {"step": step, "data": data_position, "rng": rng_states,
-             "scaler": scaler.state_dict() if scaler is not None else None, "job": job_id(),
-             **faults.in_save_extra(step, dist.get_rank())}
+             "scaler": scaler.state_dict() if scaler is not None else None, "job": job_id()}
     path = checkpoint.save(os.path.join(checkpoint_dir(out), f"step_{step:06d}"), model,
                            optimizer, extra=extra)
     if dist.get_rank() == 0:
@@ -106,3 +121,36 @@ def load(out: str, model: nn.Module, optimizer: torch.optim.Optimizer,
 def clear(out: str) -> None:
     """Delete the checkpoints of an earlier run in ``out`` (rank 0, fresh starts)."""
     shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+
+
+# -- restarts --------------------------------------------------------------------------
+
+DIVERGED_FILE = "diverged"
+
+
+def resumes_after_restart(out: str) -> bool:
+    """Whether this worker restarts a job that has committed a checkpoint in ``out``."""
+    return restart_count() > 0 and has_checkpoint(out) and saved_job(out) == job_id()
+
+
+def record_divergence(out: str, message: str) -> None:
+    """Rank 0: remember for this job's restarts that the run diverged, and how."""
+    with open(os.path.join(out, DIVERGED_FILE), "w") as f:
+        f.write(f"{job_id()}\n{message}\n")
+
+
+def divergence_of_this_job(out: str) -> str | None:
+    """The error a previous attempt of this job stopped on, on a restart; else None."""
+    path = os.path.join(out, DIVERGED_FILE)
+    if restart_count() == 0 or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        job, message = f.read().split("\n", 1)
+    return message.strip() if job == str(job_id()) else None
+
+
+def forget_divergence(out: str) -> None:
+    """Rank 0, on a job's first attempt: an earlier job's divergence does not concern it."""
+    path = os.path.join(out, DIVERGED_FILE)
+    if os.path.exists(path):
+        os.remove(path)

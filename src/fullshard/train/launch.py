@@ -1,9 +1,9 @@
 """How the ranks come to exist and meet.
 
 ``fullshard train`` started by hand is the *launcher*: it runs ``torch.distributed.run``
-in-process, which starts ``--nproc`` workers, each ``python -m fullshard.train`` with the
-same arguments. A process started by torchrun (``LOCAL_RANK`` and ``WORLD_SIZE`` set) is
-a *worker*, whoever launched it, so ``torchrun --nproc_per_node 8 -m fullshard.train``
+in-process, which starts ``--nproc`` workers, each ``python -m fullshard.cli train`` with
+the same arguments. A process started by torchrun (``LOCAL_RANK`` and ``WORLD_SIZE`` set)
+is a *worker*, whoever launched it, so ``torchrun --nproc_per_node 8 -m fullshard train``
 works unchanged and never launches twice.
 
 Note [Ctrl-C]
@@ -66,7 +66,7 @@ def is_worker() -> bool:
 
 def restart_count() -> int:
     """Which attempt of the job this worker is: 0 first (and outside torchrun), then
-    1, 2, ... after torchrun restarted the job (see Note [restarts] in elastic.py)."""
+    1, 2, ... after torchrun restarted the job (see Note [restarts] in checkpoints.py)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -81,7 +81,7 @@ def default_nproc() -> int:
 
 
 def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
-    """Run ``python -m fullshard.train WORKER_ARGV`` on ``options.nproc`` local ranks
+    """Run ``python -m fullshard.cli train WORKER_ARGV`` on ``options.nproc`` local ranks
     (joining ``options.nnodes`` nodes) and wait for them; returns an exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -105,7 +105,7 @@ def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
         args += ["--nnodes", str(options.nnodes), "--node_rank", str(options.node_rank),
                  "--master_addr", options.master_addr or "127.0.0.1",
                  "--master_port", str(options.master_port)]
-    args += ["-m", "fullshard.train", *worker_argv]
+    args += ["-m", "fullshard.cli", "train", *worker_argv]
     try:
         run(parse_args(args))
     except ChildFailedError as err:

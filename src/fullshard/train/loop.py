@@ -5,6 +5,12 @@ evaluations and the checkpoints happen at the same steps everywhere, decided fro
 step number and from the stop flag that the statistics gather makes common. A step
 whose loss (averaged over ranks) or gradient norm is not finite ends the run on every rank at once
 (:class:`Diverged`) without saving: the last checkpoint stays the latest.
+
+AdamW over the sharded parameters, and the warmup + cosine learning-rate schedule.
+
+The text sample printed at the end of a run: a sharded model's forward is collective (each unit all-gathers its parameters), so
+every rank runs the same generation with the same seeded generator and reaches the
+same tokens; rank 0 prints them.
 """
 
 from __future__ import annotations
@@ -12,26 +18,20 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoints, elastic, faults
-from .config import ConfigError, TrainConfig
-from .config_io import to_toml
-from .generate import sample
-from .initial_weights import receive_initial_weights
-from .launch import StopRequest, Worker
-from .metrics import MetricsLog, ProgressLine
 from ..gpt import lm_loss
-from .optimizer import build_optimizer, learning_rate, set_learning_rate
-from .plot import plot_losses
-from .sampler import EpochSampler, validation_batches
-from .sharding import build_mesh, shard_model
-from .step_memory import (FIGURES, StepMemory, estimate_line, estimated_peak_bytes,
-                          metrics_fields)
-from .workload import Workload, build_workload
+from . import checkpoints
+from .config import ConfigError, OptimConfig, TrainConfig, to_toml
+from .data import EpochSampler, validation_batches
+from .launch import StopRequest, Worker, restart_count
+from .metrics import (FIGURES, MetricsLog, ProgressLine, StepMemory, estimate_line,
+                      estimated_peak_bytes, metrics_fields, plot_losses)
+from .model import Workload, build_mesh, build_workload, receive_initial_weights, shard_model
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -103,8 +103,8 @@ class Trainer:
             os.makedirs(self.out, exist_ok=True)
             if not resume:
                 checkpoints.clear(self.out)
-            if elastic.restart_count() == 0:
-                elastic.forget_divergence(self.out)
+            if restart_count() == 0:
+                checkpoints.forget_divergence(self.out)
             # Atomically: on --resume the other ranks may be reading it as they start.
             config_path = os.path.join(self.out, "config.toml")
             with open(config_path + ".partial", "w") as f:
@@ -134,7 +134,6 @@ class Trainer:
         estimate_step = min(self.step + STEPS_BEFORE_ESTIMATE_LINE, self.cfg.steps)
         while self.step < self.cfg.steps:
             self.step += 1
-            faults.at_step_start(self.step, self.worker.rank)
             self.memory.begin_step(self.step)
             lr = learning_rate(self.step, self.cfg.optim)
             set_learning_rate(self.optimizer, lr)
@@ -216,7 +215,7 @@ class Trainer:
                    f"without saving ({kept}). Lower --optim.lr or raise "
                    "--optim.warmup-steps, then --resume.")
         if self.worker.is_main:
-            elastic.record_divergence(self.out, message)
+            checkpoints.record_divergence(self.out, message)
         return Diverged(message)
 
     # -- evaluation, checkpoints, sample ----------------------------------------------
@@ -297,3 +296,58 @@ class Trainer:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+# -- the optimizer and its learning-rate schedule --------------------------------------
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (and embeddings) only: decaying biases and
+    norm gains pulls them towards zero for no regularizing benefit."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+
+
+def learning_rate(step: int, optim: OptimConfig) -> float:
+    """The rate for optimizer step ``step`` (1-based): linear warmup to ``lr`` over
+    ``warmup_steps``, cosine decay to ``min_lr`` at ``decay_steps``, then ``min_lr``.
+    ``decay_steps`` must already be resolved (non-zero)."""
+    if step <= optim.warmup_steps:
+        return optim.lr * step / optim.warmup_steps
+    span = max(1, optim.decay_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / span)
+    return optim.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (optim.lr - optim.min_lr)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# -- the sample ------------------------------------------------------------------------
+
+@torch.no_grad()
+def sample(model: nn.Module, logits: Callable[[torch.Tensor], torch.Tensor],
+           prompt: list[int], new_tokens: int, context: int, temperature: float,
+           seed: int, device: torch.device) -> list[int]:
+    """``new_tokens`` ids continuing ``prompt``: at temperature 0 the most likely id,
+    else drawn from the softmax at ``temperature``; the model sees the last ``context``
+    ids (no key/value cache: the sample is short)."""
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    for _ in range(new_tokens):
+        last = logits(ids[:, -context:])[0, -1].float().cpu()
+        if temperature == 0:
+            choice = last.argmax().view(1)
+        else:
+            probs = torch.softmax(last / temperature, dim=-1)
+            choice = torch.multinomial(probs, 1, generator=generator)
+        ids = torch.cat([ids, choice.to(device).view(1, 1)], dim=1)
+    model.train(was_training)
+    return ids[0, len(prompt):].tolist()

@@ -8,7 +8,7 @@
                                                       latest checkpoint, up to 3 times
 
 Without torchrun's environment it launches ``--nproc`` workers itself (2 on CPU, one
-per GPU); under ``torchrun ... -m fullshard.train`` each process is a worker.
+per GPU); under ``torchrun ... -m fullshard train`` each process is a worker.
 Configuration: a preset, then ``--config FILE.toml``, then ``--section.field VALUE``
 flags, each applied over the one before (on ``--resume``, OUT/config.toml replaces the
 preset).
@@ -25,14 +25,13 @@ import argparse
 import os
 import sys
 
-from .checkpoints import checkpoint_dir, has_checkpoint
-from .config import ConfigError, TrainConfig, validate
-from .config_io import (apply_overrides, field_docs, load_toml, metavar, scalar_fields,
-                        sections, type_hints)
-from .elastic import divergence_of_this_job, resumes_after_restart
-from .launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, is_worker, launch,
-                     start_worker, stop_worker)
-from .presets import DEFAULT_PRESET, PRESETS, get_preset
+from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint,
+                                 resumes_after_restart)
+from ..train.config import (DEFAULT_PRESET, PRESETS, ConfigError, TrainConfig,
+                            apply_overrides, field_docs, get_preset, load_toml, metavar,
+                            scalar_fields, sections, type_hints, validate)
+from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, is_worker,
+                            launch, start_worker, stop_worker)
 
 FIELD_DEST = "field:"  # argparse dest prefix of config fields
 
@@ -131,7 +130,7 @@ def _check_launch(args: argparse.Namespace, out: str) -> None:
 
 
 def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
-    from .loop import Diverged, Trainer  # the launcher never needs the training stack
+    from ..train.loop import Diverged, Trainer  # the launcher never needs the training stack
 
     diverged_before = divergence_of_this_job(out)
     if diverged_before is not None:  # a restart would only diverge again: Note [restarts]

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .estimate import OPTIMIZER_STATES, STRATEGIES, estimate
-from .plan import plan
-from .zero_table import format_zero_table
+from ..memory.estimate import OPTIMIZER_STATES, STRATEGIES, estimate
+from ..memory.plan import plan
+from ..memory.zero_table import format_zero_table
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,7 +47,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.hf_config:
         source = args.hf_config
     else:
-        from ..train.presets import DEFAULT_PRESET, get_preset
+        from ..train.config import DEFAULT_PRESET, get_preset
 
         cfg = get_preset(args.preset or DEFAULT_PRESET)
         source = cfg.gpt

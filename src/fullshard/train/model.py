@@ -1,0 +1,255 @@
+"""What a run trains and how it is sharded: the model (not yet sharded), how to get its
+logits, and the data; the ``fully_shard`` calls; rank 0's initial weights, sent to the
+other ranks after sharding.
+
+Hugging Face causal LMs from a local folder (``--model hf:PATH``), no hub access.
+
+Rank 0 loads the full model on the CPU in fp32 (the sharded parameters and the
+optimizer work in fp32; ``parallel.precision`` picks the compute dtype), the other ranks
+build it from its config on the meta device; the decoder layers named by the model's
+``_no_split_modules`` become units, and the other ranks then receive rank 0's weights.
+The folder's tokenizer is used when it has one; see ``data.py`` for the fallback.
+
+From ``[parallel]`` to ``fully_shard`` calls: the mesh, resharding, dtypes, recomputation.
+
+Strategies map to fully_shard arguments as FSDP1's ``ShardingStrategy`` does:
+
+=============  ========================================  =====================
+strategy       mesh                                      reshard_after_forward
+=============  ========================================  =====================
+full_shard     1-D, all ranks                            True
+shard_grad_op  1-D, all ranks                            False
+hybrid_shard   2-D (replicas, world / replicas)          True
+no_shard       2-D (world, 1): shard groups of one rank  (nothing to gather)
+=============  ========================================  =====================
+
+On a (replicate, shard) mesh fullshard shards within the shard dimension and
+all-reduces gradients across the replicate one, so shard groups of size one are plain
+data parallelism: every rank holds every parameter and gradients are averaged.
+
+Rank 0's initial weights: only rank 0 builds (or loads) the full model on the CPU; the others build it on the
+meta device, so a node needs host memory for one full copy instead of one per rank.
+After ``fully_shard`` every rank receives its shards of rank 0's state dict, one tensor
+at a time, and then the buffers a state dict leaves out (non-persistent ones such as
+rotary-embedding frequencies), which the other ranks still hold on the meta device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..activation_checkpointing import apply_activation_checkpointing
+from ..checkpoint import StateDictOptions, set_model_state_dict
+from ..gpt import GPT, GPTConfig
+from ..policies import MixedPrecisionPolicy
+from ..wrap import auto_wrap, repeated_block_classes
+from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
+from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
+
+
+# -- what a run trains -----------------------------------------------------------------
+
+@dataclass
+class Workload:
+    model: nn.Module
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    """ids (batch x time) -> logits (batch x time x vocab), through the model's forward."""
+    tokenizer: Tokenizer
+    train_tokens: torch.Tensor
+    val_tokens: torch.Tensor
+    context: int
+    """Longest input the model is given (the sample's sliding window)."""
+    initial_state: dict
+    """Rank 0's initial weights (a full state dict; empty on other ranks, whose model is
+    on the meta device), to broadcast into the sharded model (receive_initial_weights)."""
+
+
+def build_workload(cfg: TrainConfig, rank: int) -> Workload:
+    """Load the data and the model: rank 0 loads the Hugging Face model or builds the GPT
+    (on the CPU, from ``cfg.seed``); the other ranks build it on the meta device and receive
+    rank 0's weights after sharding (receive_initial_weights)."""
+    documents = read_documents(cfg.data)
+    if cfg.is_hf:
+        model = load_hf_model(cfg.hf_path, on_meta=rank != 0)
+        tokenizer = load_hf_tokenizer(cfg.hf_path, hf_vocab_size(model))
+        logits = functools.partial(hf_logits, model)
+    else:
+        tokenizer = CharTokenizer(documents)
+        if tokenizer.vocab_size > cfg.gpt.vocab_size:
+            raise ConfigError(f"gpt.vocab_size: the data has {tokenizer.vocab_size} distinct "
+                              f"characters, more than {cfg.gpt.vocab_size}; raise it to "
+                              f"at least {tokenizer.vocab_size}")
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.gpt, "cpu" if rank == 0 else "meta")
+        logits = model
+    initial_state = model.state_dict() if rank == 0 else {}
+    train_tokens, val_tokens = split(tokenize(documents, tokenizer), cfg.batch.val_fraction)
+    return Workload(model, logits, tokenizer, train_tokens, val_tokens, cfg.batch.seq_len,
+                    initial_state)
+
+
+# -- the GPT a preset builds -----------------------------------------------------------
+
+def build_model(shape: GPTConfig, device: str | torch.device = "cpu") -> GPT:
+    """The GPT of ``shape`` on ``device``. On "meta" nothing is allocated (for sizing, or
+    for ``to_empty`` then ``init_weights``); elsewhere the weights are initialized from
+    torch's current RNG state."""
+    with torch.device(device):
+        return GPT(shape)
+
+
+def preset_model(name: str, device: str | torch.device = "meta") -> GPT:
+    """The model preset ``name`` trains, on ``device`` (default meta: for sizing)."""
+    return build_model(get_preset(name).gpt, device)
+
+
+# -- Hugging Face models ---------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model: hf:PATH needs the transformers package; install it with "
+                          "pip install 'fullshard[hf]'") from None
+    return transformers
+
+
+def load_hf_model(path: str, on_meta: bool = False) -> nn.Module:
+    """The causal LM saved in ``path`` (``save_pretrained`` layout), in fp32, train mode;
+    with ``on_meta`` only its structure, on the meta device (no weights read)."""
+    transformers = _transformers()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model: {path!r} is not a Hugging Face model folder (no "
+                          "config.json); hf:PATH takes a local folder, not a hub name")
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise
+    if on_meta:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    model.config.use_cache = False  # training: no key/value cache to build
+    return model.float().train()
+
+
+def hf_vocab_size(model: nn.Module) -> int:
+    return model.get_input_embeddings().num_embeddings
+
+
+class HFTokenizer:
+    """The folder's tokenizer, adding no special tokens (documents are joined by EOS)."""
+
+    name = "the model's tokenizer"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        eos = tokenizer.eos_token_id
+        self.separator = [] if eos is None else [eos]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def load_hf_tokenizer(path: str, model_vocab_size: int) -> Tokenizer:
+    """The folder's tokenizer if it has one, else UTF-8 bytes clipped to the vocabulary."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return ByteTokenizer(model_vocab_size)
+    tokenizer = HFTokenizer(_transformers().AutoTokenizer.from_pretrained(path))
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(f"model: the tokenizer in {path} has {tokenizer.vocab_size} ids, "
+                          f"more than the model's {model_vocab_size} embeddings")
+    return tokenizer
+
+
+def hf_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, use_cache=False).logits
+
+
+# -- sharding --------------------------------------------------------------------------
+
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_mesh(parallel: ParallelConfig, device_type: str, world: int,
+               ranks_per_node: int) -> DeviceMesh:
+    """The device mesh ``parallel.strategy`` shards over."""
+    if parallel.strategy in ("full_shard", "shard_grad_op"):
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if parallel.strategy == "no_shard":
+        replicas = world
+    else:
+        replicas = parallel.replicas or max(1, world // ranks_per_node)
+        if world % replicas:
+            raise ConfigError(f"parallel.replicas: {replicas} does not divide the world size "
+                              f"{world}")
+    return init_device_mesh(device_type, (replicas, world // replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def reshard_after_forward(parallel: ParallelConfig) -> bool | int:
+    """The explicit setting, else the strategy's (only shard_grad_op keeps parameters)."""
+    if parallel.reshard_after_forward is not None:
+        return parallel.reshard_after_forward
+    return parallel.strategy != "shard_grad_op"
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """Gather and compute in the chosen dtype, reduce gradients in fp32 (fp32 shards)."""
+    dtype = COMPUTE_DTYPES[precision]
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+    """Checkpoint activations per block if asked, then make every repeated block (GPT
+    ``Block``s, a Hugging Face model's ``_no_split_modules``) a unit, then the root."""
+    if parallel.activation_checkpointing:
+        blocks = tuple(repeated_block_classes(model))
+        apply_activation_checkpointing(model, lambda m: isinstance(m, blocks))
+    return auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
+                     mp_policy=mixed_precision(parallel.precision))
+
+
+# -- rank 0's initial weights ----------------------------------------------------------
+
+def receive_initial_weights(model: nn.Module, rank0_state: dict, device: torch.device) -> None:
+    """Load rank 0's full ``rank0_state`` (empty on other ranks) into the sharded ``model``."""
+    set_model_state_dict(model, rank0_state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    _broadcast_left_out_buffers(model, set(rank0_state) if dist.get_rank() == 0 else None,
+                                device)
+
+
+def _broadcast_left_out_buffers(model: nn.Module, saved: set[str] | None,
+                                device: torch.device) -> None:
+    """Send every buffer missing from rank 0's state dict, in ``named_buffers`` order (the
+    same on every rank: the same architecture)."""
+    names = [saved] if saved is not None else [None]
+    dist.broadcast_object_list(names, src=0)  # which buffers the state dict carried
+    carried = names[0]
+    with torch.no_grad():
+        for name, buf in list(model.named_buffers()):
+            if name in carried:
+                continue
+            owner_path, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            if buf.is_meta:
+                buf = torch.empty_like(buf, device=device)
+                owner._buffers[attr] = buf
+            dist.broadcast(buf, src=0)
