@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..gpt import lm_loss
+from ..memory import tune_cpu_allocator
 from . import checkpoints
 from .config import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
@@ -52,6 +53,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, out: str, worker: Worker):
         self.cfg, self.out, self.worker = cfg, out, worker
+        if worker.device.type == "cpu":  # this process is the trainer's: a lower CPU peak,
+            tune_cpu_allocator()         # as its memory estimate assumes (memory/allocator.py)
         self.memory = StepMemory(worker.device)  # collective, and before the model exists
         self.workload: Workload = build_workload(cfg, worker.rank)
         mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)

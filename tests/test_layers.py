@@ -1,0 +1,94 @@
+"""fullshard's packages form layers: nothing imports upward, and no two import each other.
+
+Every ``import`` in ``src/fullshard`` counts, including those inside functions (they
+hide cycles, they do not remove them). docs/architecture.md draws the same layers.
+"""
+
+import ast
+import collections
+import pathlib
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "fullshard"
+
+# Bottom first. A module may import from its own layer and the layers below it.
+LAYERS = [
+    {"policies", "gpt"},                                   # plain data and a plain model
+    {"core"},                                              # the runtime
+    {"controls", "api"},                                   # the FSDP2 front
+    {"optim", "grad_norm", "wrap", "activation_checkpointing", "checkpoint", "torch_names"},
+    {"fsdp1"},                                             # the FSDP1 front, on the above
+    {"memory"},                                            # estimate, plan, tracker
+    {"train"},                                             # the trainer
+    {"testing", "cli", "run", "__main__", "__init__"},     # entry points and test helpers
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _package_of(dotted: str) -> str:
+    """``fullshard.core.group`` -> ``core``; a name taken from the package itself
+    (``from fullshard import fully_shard``) -> ``__init__``."""
+    parts = dotted.split(".")
+    if len(parts) == 1 or not ((SRC / parts[1]).is_dir() or (SRC / f"{parts[1]}.py").exists()):
+        return "__init__"
+    return parts[1]
+
+
+def _imports() -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> the files where it happens."""
+    found: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        here = parts[:-1] if is_package else parts
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                package = here if is_package else here[:-1]
+                base = package[:len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""]
+            else:
+                continue
+            for target in targets:
+                if target == "fullshard" or target.startswith("fullshard."):
+                    a, b = _package_of(".".join(here)), _package_of(target)
+                    if a != b:
+                        found[(a, b)].append(str(path.relative_to(SRC)))
+    return found
+
+
+def test_every_package_has_a_layer():
+    packages = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
+                if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert packages <= set(LAYER_OF), f"give these a layer: {sorted(packages - set(LAYER_OF))}"
+
+
+def test_nothing_imports_upward():
+    upward = [f"{a} -> {b} ({', '.join(sorted(set(files)))})"
+              for (a, b), files in _imports().items()
+              if a in LAYER_OF and b in LAYER_OF and LAYER_OF[b] > LAYER_OF[a]]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_packages():
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for a, b in _imports():
+        graph[a].add(b)
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [])):
+            raise AssertionError("import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):]))
