@@ -92,3 +92,22 @@ def test_no_import_cycle_between_packages():
     for start in sorted(graph):
         if start not in state and (cycle := visit(start, [])):
             raise AssertionError("import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):]))
+
+
+def test_every_note_is_defined_once_and_indexed():
+    """A ``Note [title]`` reference must lead to its Note, and docs/architecture.md's
+    index must list every Note."""
+    import re
+
+    defined: dict[str, list[str]] = collections.defaultdict(list)
+    referenced: set[str] = set()
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        for match in re.finditer(r"^\s*(?:# )?Note (\[[^\]]+\])\s*$", text, re.M):
+            defined[match.group(1)].append(str(path.relative_to(SRC)))
+        referenced |= {re.sub(r"\s+(?:#\s+)?", " ", ref)  # a title wrapped over two lines
+                       for ref in re.findall(r"Note\s+(\[[^\]]+\])", text)}
+    index = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    assert not {t: f for t, f in defined.items() if len(f) > 1}, "Notes defined twice"
+    assert not referenced - set(defined), f"references to no Note: {referenced - set(defined)}"
+    assert not [t for t in defined if t not in index], "Notes missing from the index"
