@@ -73,6 +73,7 @@ SLOW = {
     "tests/test_resume_live.py::test_load_into_the_live_model_without_the_local_step",
     "tests/test_runtime.py::test_clip_grad_norm_and_state_dict",
     "tests/test_runtime.py::test_steady_state_allocates_no_communication_buffers",
+    "tests/test_schedule_drift.py::test_replay_makes_the_runtime_schedule",
     "tests/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
     "tests/test_train_cli.py::test_resume_continues_exactly_like_one_straight_run",
     "tests/test_train_hf.py::test_fine_tune_tiny_llama_and_gpt2_from_local_folders",

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .group import ParamGroup
+from .schedule import AfterForward, joins_bucket, plan_runs
 
 if TYPE_CHECKING:
     from .state import UnitState
@@ -29,28 +30,15 @@ if TYPE_CHECKING:
 def plan_buckets(units: "list[UnitState]", bucket_numel: int,
                  root: "UnitState | None" = None) -> "list[list[UnitState]]":
     """Runs of adjacent, compatible units whose unsharded sizes sum to <= bucket_numel."""
-    runs: list[list[UnitState]] = []
-    current: list[UnitState] = []
-    size = 0
-    for u in units:
-        if u.group is None:
-            continue
-        n = u.group.world_size * u.group.shard_numel
-        if current and (size + n > bucket_numel or not _compatible(current[0], u, root)):
-            runs.append(current)
-            current, size = [], 0
-        current.append(u)
-        size += n
-    if current:
-        runs.append(current)
-    return runs
+    return plan_runs([u for u in units if u.group is not None],
+                     lambda u: u.group.world_size * u.group.shard_numel,
+                     lambda first, u: _compatible(first, u, root), bucket_numel)
 
 
 def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> bool:
     ga, gb = a.group, b.group
-    # below the root, None and True both mean "reshard" (UnitState.reshards_after_forward)
-    same_rule = ((a.reshard_after_forward is not False) == (b.reshard_after_forward is not False)
-                 and ga.post_forward_size == gb.post_forward_size) or a is root
+    same_rule = joins_bucket(AfterForward(a.reshard_after_forward, ga.post_forward_size),
+                             a is root, AfterForward(b.reshard_after_forward, gb.post_forward_size))
     same_reduce = (a.reduce_options == b.reduce_options
                    and a.unshard_in_backward == b.unshard_in_backward)
     return (a.mesh == b.mesh and same_rule and same_reduce and a.mp_policy == b.mp_policy

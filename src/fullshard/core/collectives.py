@@ -71,16 +71,18 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return _done(Pending(output, work), async_op, what)
 
 
-def needs_scratch(group: dist.ProcessGroup) -> bool:
-    """Whether ``reduce_scatter_sum`` on ``group`` uses a scratch buffer the size of ``full``."""
-    return group.size() > 1 and dist.get_backend(group) == "gloo"
+def receives_into_scratch(backend: str, size: int) -> bool:
+    """Whether ``reduce_scatter_sum`` over ``size`` ranks on ``backend`` uses a scratch
+    buffer the size of ``full`` (gloo receives every rank's copy of this rank's chunk,
+    Note [reduce-scatter on gloo])."""
+    return size > 1 and backend == "gloo"
 
 
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                        async_op: bool = False, scratch: torch.Tensor | None = None,
                        what: str = "a reduce-scatter") -> Pending:
     """Sum ``full`` (rank-major chunks) over ranks; this rank's chunk lands in ``output``.
-    ``scratch`` (``full``-sized, see ``needs_scratch``) is used and may be reused after."""
+    ``scratch`` (``full``-sized, see ``receives_into_scratch``) is used and may be reused after."""
     if group.size() == 1:
         output.copy_(full)
         return Pending(output, None)

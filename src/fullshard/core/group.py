@@ -62,11 +62,13 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import Pending, all_gather, all_reduce_sum, needs_scratch, reduce_scatter_sum
+from .collectives import Pending, all_gather, all_reduce_sum, reduce_scatter_sum
 from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
                         take_unsharded_grad)
 from .param import ShardedParam
 from .post_forward import PostForwardShard
+from .schedule import (GatherPlan, backward_is_done, gather_plan, reduce_numel, reduce_plan,
+                       shard_device_for)
 
 if TYPE_CHECKING:
     from ..policies import CPUOffloadPolicy
@@ -161,7 +163,7 @@ class ParamGroup:
 
     def shard_device(self, device: torch.device) -> torch.device:
         """Where the flat shard lives when parameters are computed on ``device``."""
-        return torch.device("cpu") if self.offload is not None else device
+        return shard_device_for(self.offload is not None, device)
 
     def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         pin = (self.offload is not None and self.offload.pin_memory and device.type == "cpu"
@@ -221,8 +223,14 @@ class ParamGroup:
     def aliases_shard(self) -> bool:
         """Whether the unsharded parameters are views of the flat shard itself
         (Note [shard groups of one rank])."""
-        return (self.world_size == 1 and self.offload is None and self.post_forward is None
-                and self.compute_dtype == self.flat_shard.dtype)
+        return not self._gather_plan().unsharded
+
+    def _gather_plan(self) -> GatherPlan:
+        """What an unshard allocates (core/schedule.py)."""
+        return gather_plan(shard_size=self.world_size, shard_dtype=self.flat_shard.dtype,
+                           shard_device=self.flat_shard.device, compute_dtype=self.compute_dtype,
+                           compute_device=self.compute_device, offload=self.offload is not None,
+                           post_forward=self.post_forward is not None)
 
     def _build_unsharded(self) -> None:
         """Allocate the unsharded buffer and the persistent unsharded params (once)."""
@@ -270,7 +278,7 @@ class ParamGroup:
         self._gather_is_direct = False
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
-        if dtype != send.dtype or device != send.device:  # the one copy-in: cast / offload
+        if self._gather_plan().send:  # the one copy-in: cast / offload
             send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
             send.copy_(self.flat_shard, non_blocking=True)
         comm = self.all_gather_comm
@@ -399,7 +407,7 @@ class ParamGroup:
         """Every trainable gradient accumulated and every input gradient computed: no part
         of this backward can still read the unsharded parameters (frozen weights are read
         for input gradients after the trainable ones may be done)."""
-        return self._grads_seen >= self._grads_expected and self.inputs_pending <= 0
+        return backward_is_done(self._grads_seen, self._grads_expected, self.inputs_pending)
 
     def _grad_ready_hook(self, _param: torch.Tensor) -> None:
         self._grads_seen += 1
@@ -447,7 +455,7 @@ class ParamGroup:
             grads = [g.to(reduce_dtype) for g in grads]
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
-        numel = sum(p.layout.shard_numel for p in trainable) + len(trainable)
+        numel = reduce_numel([p.layout.shard_numel for p in trainable])
         comm = self.reduce_scatter_comm if w > 1 else None
         full = (self.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
                 comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
@@ -457,7 +465,11 @@ class ParamGroup:
         for p in trainable:
             p.unsharded_param.grad = None
         dest, views = self._grad_destination(trainable, numel, self.flat_shard)
-        if w == 1 and self.replicate_pg is not None:  # Note [shard groups of one rank]
+        plan = reduce_plan(shard_size=w, replicated=self.replicate_pg is not None,
+                           backend=dist.get_backend(self.pg), reduce_dtype=reduce_dtype,
+                           compute_device=ref.device, grad_dtype=dest.dtype,
+                           grad_device=dest.device)
+        if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
                 return PendingReduce(self.unit_name, trainable, had_grad, Pending(full, None),
                                      self.pool, [full], views, dest, self.replicate_pg,
@@ -475,10 +487,8 @@ class ParamGroup:
             return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
                                  self.pool, [], views, dest, self.replicate_pg, options,
                                  self.partial_sum)
-        scratch = self.pool.take(w * numel, reduce_dtype, ref.device) \
-            if needs_scratch(self.pg) else None
-        out = dest if (reduce_dtype, ref.device) == (dest.dtype, dest.device) else torch.empty(
-            numel, dtype=reduce_dtype, device=ref.device)
+        scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
+        out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
         if w > 1:
             self._announce("reduce-scatter")
         pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
@@ -519,8 +529,8 @@ class ParamGroup:
         ``.grad`` object kept across ``zero_grad(set_to_none=True)`` sees the next
         step's values, as with DDP's ``gradient_as_bucket_view=True``.
         """
-        if numel > self.pool.max_numel or any(p.sharded_param.grad is not None
-                                              for p in trainable):
+        if not self.pool.keeps(numel) or any(p.sharded_param.grad is not None
+                                             for p in trainable):
             return torch.empty(numel, dtype=ref.dtype, device=ref.device), None
         key = (tuple(map(id, trainable)), ref.dtype, ref.device)
         if key != self._grad_key:

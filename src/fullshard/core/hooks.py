@@ -137,7 +137,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
     cast = _cast_inputs(unit, args, kwargs)
     args, kwargs = cast if cast is not None else (args, kwargs)
     if group is not None and torch.is_grad_enabled():
-        return _watch_input_grads(group, args, kwargs)
+        return watch_input_grads(group, args, kwargs)
     return cast
 
 
@@ -173,7 +173,13 @@ class _InputGradsReady(torch.autograd.Function):
         return (None, *grads)
 
 
-def _watch_input_grads(group: ParamGroup, args: Any, kwargs: Any) -> Any:
+def watch_input_grads(group: ParamGroup, args: Any, kwargs: Any) -> Any:
+    """(args, kwargs) with the tensors that require grad passed through _InputGradsReady:
+    ``group.input_grads_ready()`` runs once their gradients are computed, before the
+    gradient reaches any hook on the tensors themselves (the previous unit's
+    pre-backward); the watched call is counted in ``group.inputs_pending``. The memory
+    estimator's trace (memory/activations.py) watches with its own ``group`` (anything
+    with those two), so its events come in the runtime's order."""
     leaves, spec = tree_flatten((args, kwargs))
     slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:

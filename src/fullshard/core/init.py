@@ -27,6 +27,7 @@ from .group import GroupState, ParamGroup
 from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
 from .param import ParamRef, ShardedParam
 from .registry import SHARDED_ORIGINALS, is_sharded_param
+from .schedule import after_forward_rule
 from .state import RootState, UnitState, attach_unit, unit_of
 from .tensor_parallel import SpmdDims, is_foreign_dtensor
 
@@ -46,9 +47,9 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
     mesh = resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
     pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
-    post_forward_size = _post_forward_size(label, reshard_after_forward, pg.size())
-    if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
-        reshard_after_forward = False  # each rank keeps everything: ZeRO-2
+    _check_reshard_after_forward(label, reshard_after_forward, pg.size())
+    reshard_after_forward, post_forward_size = after_forward_rule(reshard_after_forward,
+                                                                  pg.size())
     device = mesh_device(mesh)
     _check_compute_dtype(label, mp_policy.param_dtype, device)
     refs_by_module = [_collect_params(m, label, ignored_params or set(), mesh, spmd)
@@ -143,10 +144,9 @@ def _check_tensor_parallel(label: str, params, post_forward_size: int | None) ->
             f"smaller group) with tensor-parallel parameter '{tp.fqn}'; pass True or False.")
 
 
-def _post_forward_size(label: str, reshard_after_forward, shard_size: int) -> int | None:
-    """The subgroup size for an integer ``reshard_after_forward`` (None: not hpZ)."""
+def _check_reshard_after_forward(label: str, reshard_after_forward, shard_size: int) -> None:
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return None
+        return
     if not isinstance(reshard_after_forward, int):
         raise TypeError(f"fully_shard({label}): reshard_after_forward must be a bool or an int, "
                         f"got {type(reshard_after_forward).__name__}.")
@@ -156,7 +156,6 @@ def _post_forward_size(label: str, reshard_after_forward, shard_size: int) -> in
             f"fully_shard({label}): reshard_after_forward={n} must divide the shard group size "
             f"{shard_size} (1 <= N <= {shard_size}): after forward each group of N ranks "
             "keeps the parameters sharded N ways for backward.")
-    return n if 1 < n < shard_size else None
 
 
 # (device, dtype) -> whether a matmul runs there. Process-wide because the answer is a

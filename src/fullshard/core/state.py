@@ -17,6 +17,7 @@ from ..policies import MixedPrecisionPolicy
 from .buffers import BufferPool
 from .gradients import DEFAULT_REDUCE, ReduceOptions
 from .group import ParamGroup, PendingReduce
+from .schedule import PrefetchOrder, frees_after_forward
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
@@ -84,12 +85,9 @@ class UnitState:
 
     @property
     def reshards_after_forward(self) -> bool:
-        """torch's rule: ``None`` means True below the root and False at the root (backward
-        starts with the root, so freeing it would only gather it again at once); an
-        explicit ``True`` on the root is honoured."""
-        if self.is_root:
-            return self.reshard_after_forward is True
-        return self.reshard_after_forward is not False
+        """Whether this unit frees its parameters after forward (torch's rule for ``None``
+        and the root: core/schedule.py)."""
+        return frees_after_forward(self.reshard_after_forward, self.is_root)
 
     @property
     def is_root(self) -> bool:
@@ -133,31 +131,16 @@ class RootState:
         for group in self.members:
             group.pool = self.pool
         _LIVE_ROOTS.add(self)
-        self.forward_order: list[UnitState] = []      # last iteration's, used to prefetch
-        self._next_group: dict[UnitState, ParamGroup] = {}
-        self.recording: list[UnitState] = []          # this iteration's pre-forward order
-        self._recorded: set[UnitState] = set()
-        self.post_forward_order: list[UnitState] = []
-        self._prev_group: dict[UnitState, ParamGroup] = {}
-        self._group_trail: list[ParamGroup] = []  # post-forward order, repeats collapsed
+        self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
         self.in_backward = False
         self.pending_reduce: PendingReduce | None = None
 
     # -- orders -------------------------------------------------------------------------
     def record_pre_forward(self, unit: UnitState) -> None:
-        if unit not in self._recorded:  # a unit run twice is prefetched for its first run
-            self.recording.append(unit)
-            self._recorded.add(unit)
+        self.order.record_pre_forward(unit)
 
     def start_iteration(self) -> None:
-        if self.recording:
-            self.forward_order = self.recording
-            self._next_group = _next_other_group(self.forward_order)
-        self.recording = []
-        self._recorded = set()
-        self.post_forward_order = []
-        self._prev_group = {}
-        self._group_trail = []
+        self.order.start_iteration()
         self.forward_done = set()
 
     def stays_gathered_after_backward(self, group: ParamGroup) -> bool:
@@ -171,23 +154,17 @@ class RootState:
         return len(members) == 1 or all(m in self.forward_done for m in members)
 
     def record_post_forward(self, unit: UnitState) -> None:
-        trail, group = self._group_trail, unit.group
-        earlier = [g for g in trail[-2:] if g is not group]
-        if earlier:
-            self._prev_group[unit] = earlier[-1]
-        if group is not None and (not trail or trail[-1] is not group):
-            trail.append(group)
-        self.post_forward_order.append(unit)
+        self.order.record_post_forward(unit)
 
     def next_group_in_forward(self, unit: UnitState) -> ParamGroup | None:
         """The first other group forward will need after ``unit`` (last iteration's order):
         the one to prefetch while ``unit``'s group computes."""
-        return self._next_group.get(unit)
+        return self.order.next_in_forward(unit)
 
     def prev_group_in_forward(self, unit: UnitState) -> ParamGroup | None:
         """The last other group whose forward finished before ``unit``'s: the next one
         backward reaches, hence the one to prefetch in backward."""
-        return self._prev_group.get(unit)
+        return self.order.prev_in_forward(unit)
 
     def reset_iteration(self) -> None:
         """``reset_iter_state``: after an exception aborted a forward or backward, wait for
@@ -206,7 +183,7 @@ class RootState:
         self.in_backward = False
         self.reduced.clear()
         self.kept_gathered = set()
-        self.recording = []
+        self.order.forget_recording()
         self.start_iteration()
 
     def reduce_options(self, group: ParamGroup) -> ReduceOptions:
@@ -229,17 +206,3 @@ class RootState:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish(self.unit.mesh.size())
-
-
-def _next_other_group(order: list[UnitState]) -> dict[UnitState, ParamGroup]:
-    nxt: dict[UnitState, ParamGroup] = {}
-    upcoming: list[ParamGroup] = []  # groups after position i, nearest last, repeats collapsed
-    for unit in reversed(order):
-        later = [g for g in upcoming[-2:] if g is not unit.group]
-        if later:
-            nxt[unit] = later[-1]
-        if unit.group is not None and (not upcoming or upcoming[-1] is not unit.group):
-            upcoming.append(unit.group)
-    return nxt
-
-

@@ -16,8 +16,10 @@ taken out of the activation count, because fullshard decides when it is freed.
 
 Events are recorded at the moments fullshard acts: a unit's forward starting and
 ending, its backward starting (first gradient reaching its outputs), its inputs'
-gradients being computed, and each parameter's gradient being accumulated. The
-``replay`` module lays fullshard's buffers over this sequence.
+gradients being computed (signalled by fullshard's own watch,
+``core.hooks.watch_input_grads``, so that it comes before the previous unit's
+backward starts, as at run time), and each parameter's gradient being accumulated.
+The ``replay`` module lays fullshard's buffers over this sequence.
 
 One substitution keeps the trace faithful: on the meta device
 ``scaled_dot_product_attention`` takes its math path, which keeps the
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..core.hooks import watch_input_grads
 from .allocator import MMAP_THRESHOLD_BYTES
 
 # Note [freed small blocks stay resident]
@@ -208,18 +211,20 @@ class _Recorder:
         for h in self._handles:
             h.remove()
 
-    def _pre_forward(self, unit: int, args: Any, kwargs: Any) -> None:
+    def _pre_forward(self, unit: int, args: Any, kwargs: Any) -> Any:
         if self.in_backward:  # activation-checkpoint recomputation: traced, not an event
-            return
+            return None
         if unit not in self.trace.forward_order:
             self.trace.forward_order.append(unit)
         self.event("pre_forward", unit)
-        inputs = [t for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
-        if inputs and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return None
+        # fullshard's own watch: one signal per forward call, ordered as at run time
+        watch = _InputGrads(self, unit)
+        args, kwargs = watch_input_grads(watch, args, kwargs)
+        if watch.inputs_pending:
             self.trace.watched_inputs[unit] = self.trace.watched_inputs.get(unit, 0) + 1
-            # one signal per forward call, as fullshard's identity function gives
-            inputs[0].register_hook(lambda _g, i=unit: self.event("inputs_ready", i))
+        return args, kwargs
 
     def _post_forward(self, unit: int, output: Any) -> None:
         if self.in_backward:
@@ -240,6 +245,18 @@ class _Recorder:
         if id(param) not in self._grads_seen:
             self._grads_seen.add(id(param))
             self.event("grad", id(param))
+
+
+class _InputGrads:
+    """What ``watch_input_grads`` signals to: a unit's input gradients are computed."""
+
+    def __init__(self, recorder: _Recorder, unit: int):
+        self.recorder = recorder
+        self.unit = unit
+        self.inputs_pending = 0
+
+    def input_grads_ready(self) -> None:
+        self.recorder.event("inputs_ready", self.unit)
 
 
 def trace_step(model: nn.Module, units: list[nn.Module],

@@ -120,9 +120,9 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
     trace = trace_step(model, units, lambda m: workload.loss_of(m, batch_size, seq))
 
     settings = RunSettings(
-        param_bytes=param_dtype.itemsize, compute_bytes=compute_dtype.itemsize,
-        reduce_bytes=reduce_dtype.itemsize, optimizer_states=OPTIMIZER_STATES[optimizer],
-        foreach_optimizer=device != "cpu", scratch_for_reduce=device == "cpu",
+        param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+        optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
+        device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu")
     replay = Replay(groups, trace, settings, [type(u).__name__ for u in units])
@@ -145,6 +145,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
 
 def _reshard_rule(strategy: str, reshard_after_forward: bool | int | None,
                   world_size: int) -> bool | int:
+    """fully_shard's ``reshard_after_forward`` for the blocks (what an int N means is
+    core's: ``after_forward_rule``)."""
     if reshard_after_forward is not None:
         if isinstance(reshard_after_forward, bool):
             return reshard_after_forward
@@ -152,7 +154,7 @@ def _reshard_rule(strategy: str, reshard_after_forward: bool | int | None,
         if n < 1 or world_size % n:
             raise ValueError(f"estimate: reshard_after_forward={n} must divide world_size "
                              f"{world_size}")
-        return False if n == 1 else (True if n == world_size else n)
+        return n
     if strategy not in STRATEGIES:
         raise ValueError(f"estimate: strategy {strategy!r} not in {STRATEGIES}")
     return strategy == "full_shard"

@@ -7,13 +7,21 @@ is in flight while the current one computes, a reduce-scatter's buffers overlap
 the next unit's backward, and activations shrink as gradients grow. So the
 estimator walks the events of a traced step (activations.py) and, at each one,
 does with byte counts what core/hooks.py and core/group.py do with tensors:
-gather into a pooled buffer and copy out into the unsharded buffer, prefetch one
-group ahead in forward and one behind in backward, free after forward (or keep
-1/N of it for hpZ), accumulate unsharded gradients, reduce them through pooled
-send (and, on gloo, receive) buffers into persistent or fresh sharded gradients,
-then step the optimizer. Pooled buffers follow BufferPool's rule (kept up to
-``max_numel`` elements, two per size), so after the first step they are part of
-the steady state. The largest total seen, with the activations alive at that
+gather into a pooled buffer and copy out into the unsharded buffer, prefetch,
+free after forward (or keep 1/N of it for hpZ), accumulate unsharded gradients,
+reduce them through pooled send (and, on gloo, receive) buffers into persistent or
+fresh sharded gradients, then step the optimizer.
+
+Every decision in that walk is core's, asked with plain sizes and dtypes (Note [one
+schedule for the runtime and the estimate] in core/schedule.py): which group to
+prefetch (``PrefetchOrder``: none in the first step's forward, as at run time),
+what a unit keeps after forward (``frees_after_forward``; the hpZ subgroup from
+``after_forward_rule``), when a group's backward is done (``backward_is_done``),
+what a gather and a reduction allocate (``gather_plan``, ``reduce_plan``), which
+buffers the pool keeps and which groups keep persistent gradients (``FreeLists``).
+What is written here is the byte accounting and the order of the actions at each
+moment, which follows hooks.py; tests/test_schedule_drift.py checks that order
+against the runtime's. The largest total seen, with the activations alive at that
 moment, is the peak; the breakdown is what was alive then.
 """
 
@@ -22,6 +30,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
+from ..core.buffers import FreeLists
+from ..core.schedule import (GatherPlan, PrefetchOrder, ReducePlan, backward_is_done,
+                             frees_after_forward, gather_plan, reduce_plan, shard_device_for)
 from .activations import StepTrace
 from .units import GroupLayout
 
@@ -36,18 +49,23 @@ CATEGORIES = (SHARDED_PARAMS, GRADIENTS, OPTIMIZER, UNSHARDED, ACTIVATIONS, COMM
 
 @dataclass(frozen=True)
 class RunSettings:
-    """How fullshard runs the step, in the terms that decide its buffers."""
+    """How fullshard runs the step, in the terms core decides its buffers from."""
 
-    param_bytes: int          # element size of shards, sharded gradients, optimizer states
-    compute_bytes: int        # of gathered parameters and unsharded gradients
-    reduce_bytes: int         # of the reduce-scatter buffers
-    optimizer_states: int     # state tensors per parameter (AdamW: 2)
-    foreach_optimizer: bool   # CUDA's default: one temporary the size of all shards
-    scratch_for_reduce: bool  # gloo: reduce-scatter receives into a full-size buffer
-    pool_max_numel: int       # BufferPool.max_numel (also the persistent-gradient limit)
-    offload: bool             # shards, gradients, states on the host
-    replicated: bool = False  # shard groups of one rank, replicas all-reduce (no_shard)
+    param_dtype: torch.dtype    # of shards, sharded gradients, optimizer states
+    compute_dtype: torch.dtype  # of gathered parameters and unsharded gradients
+    reduce_dtype: torch.dtype   # of the reduce-scatter buffers
+    optimizer_states: int       # state tensors per parameter (AdamW: 2)
+    foreach_optimizer: bool     # CUDA's default: one temporary the size of all shards
+    device: torch.device        # where forward and backward run
+    backend: str                # of the process groups ("gloo", "nccl")
+    pool_max_numel: int         # BufferPool.max_numel (also the persistent-gradient limit)
+    offload: bool               # shards, gradients, states on the host
+    replicated: bool = False    # shard groups of one rank, replicas all-reduce (no_shard)
     heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
+
+    @property
+    def shard_device(self) -> torch.device:
+        return shard_device_for(self.offload, self.device)
 
 
 @dataclass
@@ -83,34 +101,29 @@ class _Ledger:
         return key in self._live
 
 
-class _Pool:
-    """BufferPool with byte counts: same keys, same keep-or-drop rule."""
+class _Pool(FreeLists[tuple]):
+    """BufferPool with byte counts: the same keys (all on the compute device), the same
+    free lists and keep-or-drop rule."""
 
-    def __init__(self, ledger: _Ledger, max_numel: int, max_per_key: int = 2):
+    def __init__(self, ledger: _Ledger, max_numel: int):
+        super().__init__(max_numel)
         self.ledger = ledger
-        self.max_numel = max_numel
-        self.max_per_key = max_per_key
-        self._free: dict[tuple[int, int], list[object]] = {}
         self._count = 0
 
-    def take(self, numel: int, itemsize: int) -> tuple:
-        free = self._free.get((numel, itemsize))
-        if free:
-            return free.pop()
-        self._count += 1
-        handle = ("pool", self._count, numel, itemsize)
-        self.ledger.alloc(handle, COMMUNICATION, numel * itemsize)
+    def take(self, numel: int, dtype: torch.dtype) -> tuple:
+        handle = self.pop((numel, dtype))
+        if handle is None:
+            self._count += 1
+            handle = ("pool", self._count, numel, dtype)
+            self.ledger.alloc(handle, COMMUNICATION, numel * dtype.itemsize)
         return handle
 
     def give(self, handle: tuple | None) -> None:
         if handle is None:
             return
-        _, _, numel, itemsize = handle
-        free = self._free.setdefault((numel, itemsize), [])
-        if numel > self.max_numel or len(free) >= self.max_per_key:
+        _, _, numel, dtype = handle
+        if not self.push((numel, dtype), numel, handle):
             self.ledger.free(handle)
-        else:
-            free.append(handle)
 
 
 @dataclass
@@ -122,6 +135,15 @@ class _Group:
     grads_seen: int = 0
     inputs_pending: int = 0
     persistent_grads: bool = False
+
+    @property
+    def frees_after_forward(self) -> bool:
+        # a merged group's units share its rule; a root's run follows the root's
+        return frees_after_forward(self.layout.after_forward.reshard, self.layout.is_root)
+
+    @property
+    def post_forward_size(self) -> int | None:
+        return self.layout.after_forward.post_forward_size
 
 
 class Replay:
@@ -137,9 +159,7 @@ class Replay:
         self.group_of_unit = {u: g for g in self.groups for u in g.layout.units}
         self.group_of_param = {p.key: g for g in self.groups for p in g.layout.trainable}
         self.root_unit = len(unit_names) - 1
-        self.next_in_forward = _nearest_other(trace.forward_order, self.group_of_unit)
-        post_order = [e.subject for e in trace.events if e.kind == "post_forward"]
-        self.prev_in_forward = _nearest_other(list(reversed(post_order)), self.group_of_unit)
+        self.order: PrefetchOrder[int, _Group] = PrefetchOrder(self.group_of_unit.get)
         self.peaks: dict[str, Peak] = {}
         self.activations = 0
         self.phase = "forward"
@@ -152,16 +172,11 @@ class Replay:
     def _allocate_model_states(self) -> None:
         s = self.settings
         for g in self.groups:
-            shard = g.layout.shard_numel * s.param_bytes
+            shard = g.layout.shard_numel * s.param_dtype.itemsize
             self.ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
             trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
             self.ledger.alloc(("states", g.index), OPTIMIZER,
-                              s.optimizer_states * trainable * s.param_bytes, s.offload)
-            # Note [persistent sharded gradients]: small groups keep one gradient buffer
-            if g.layout.trainable and g.layout.reduce_numel <= s.pool_max_numel:
-                g.persistent_grads = True
-                self.ledger.alloc(("grad", g.index), GRADIENTS,
-                                  g.layout.reduce_numel * s.param_bytes, s.offload)
+                              s.optimizer_states * trainable * s.param_dtype.itemsize, s.offload)
 
     def run(self, steps: int = 2) -> dict[str, Peak]:
         """Replay ``steps`` steps; the peaks of the last one (pools warmed up)."""
@@ -174,7 +189,6 @@ class Replay:
         self.phase = "forward"
         for g in self.groups:
             g.grads_seen, g.inputs_pending = 0, 0
-        self._forward_done.clear()
         retained = 0  # Note [freed small blocks stay resident]
         for event in self.trace.events:
             if self.settings.heap_retention:
@@ -200,56 +214,51 @@ class Replay:
         if total > peak.total:
             peak.total, peak.breakdown = total, breakdown
 
-    # -- forward ----------------------------------------------------------------------
+    # -- forward (hooks._pre_forward, _root_pre_forward, _post_forward) -------------------
     def _on_pre_forward(self, unit: int) -> None:
         group = self.group_of_unit.get(unit)
         if unit == self.root_unit:
+            self._finish_pending_reduce()
             for g in self.groups:
                 if g.state != "sharded":
                     self._reshard(g)
+            self.order.start_iteration()
             self._forward_done.clear()
+        self.order.record_pre_forward(unit)
         if group is not None:
             self._unshard(group)
             self._wait(group)
-            if group.layout.units and unit in self.trace.watched_inputs:
+            if unit in self.trace.watched_inputs:
                 group.inputs_pending += 1
-        self._prefetch(self.next_in_forward.get(unit))
+        self._prefetch(self.order.next_in_forward(unit))
 
     def _on_post_forward(self, unit: int) -> None:
         group = self.group_of_unit.get(unit)
+        self.order.record_post_forward(unit)
+        if group is None or not group.frees_after_forward:
+            return
         self._forward_done.add(unit)
-        if group is None or unit == self.root_unit or group.layout.is_root:
-            return
-        if group.layout.reshard_after_forward is False:
-            return
         if all(u in self._forward_done for u in group.layout.units):
-            if group.layout.reshard_after_forward is not True:  # hpZ: keep 1/N
-                n = group.layout.reshard_after_forward
-                self.ledger.alloc(("chunk", group.index), UNSHARDED,
-                                  self._unsharded_bytes(group) // n)
-                self._sample()
-                self._free_unsharded(group)
-                group.state = "post_forward"
-            else:
-                self._reshard(group)
+            self._reshard_after_forward(group)
 
     def _on_forward_end(self, _subject: int) -> None:
         pass
 
-    # -- backward ---------------------------------------------------------------------
+    # -- backward (hooks._pre_backward, _post_backward, _final_callback) --------------------
     def _on_pre_backward(self, unit: int) -> None:
         group = self.group_of_unit.get(unit)
         if group is not None and group.index not in self._reduced:
             self._unshard(group)
             self._wait(group)
-        self._prefetch(self.prev_in_forward.get(unit))
+        self._prefetch(self.order.prev_in_forward(unit))
 
     def _on_grad(self, key: int) -> None:
         group = self.group_of_param.get(key)
         if group is None:
             return
         param = next(p for p in group.layout.trainable if p.key == key)
-        self.ledger.alloc(("ugrad", key), GRADIENTS, param.numel * self.settings.compute_bytes)
+        self.ledger.alloc(("ugrad", key), GRADIENTS,
+                          param.numel * self.settings.compute_dtype.itemsize)
         group.grads_seen += 1
         self._maybe_post_backward(group)
 
@@ -260,9 +269,8 @@ class Replay:
             self._maybe_post_backward(group)
 
     def _maybe_post_backward(self, group: _Group) -> None:
-        if group.index in self._reduced:
-            return
-        if group.grads_seen >= len(group.layout.trainable) and group.inputs_pending <= 0:
+        if group.index not in self._reduced and backward_is_done(
+                group.grads_seen, len(group.layout.trainable), group.inputs_pending):
             self._post_backward(group)
 
     def _on_backward_end(self, _subject: int) -> None:
@@ -275,44 +283,71 @@ class Replay:
         self._reduced.clear()
 
     def _post_backward(self, group: _Group) -> None:
-        s, layout = self.settings, group.layout
-        self._finish_pending_reduce()
-        self._reshard(group)
+        self._finish_pending_reduce()  # at most one reduction in flight
+        self._reshard(group)  # before the reduction allocates its buffers
+        self._pending = self._reduce(group)
         self._reduced.add(group.index)
+
+    # -- reducing (ParamGroup.reduce_grads, PendingReduce.finish) ---------------------------
+    def _reduce(self, group: _Group) -> tuple | None:
+        s, layout = self.settings, group.layout
         if not layout.trainable:
-            return
-        w = layout.shard_size
-        full = self.pool.take(w * layout.reduce_numel, s.reduce_bytes)
+            return None
+        w, numel = layout.shard_size, layout.reduce_numel
+        full = self.pool.take(w * numel, s.reduce_dtype)
         self._sample()  # the unsharded gradients are copied into ``full``, then freed
         for p in layout.trainable:
             if self.ledger.holds(("ugrad", p.key)):
                 self.ledger.free(("ugrad", p.key))
-        scratch = self.pool.take(w * layout.reduce_numel, s.reduce_bytes) \
-            if s.scratch_for_reduce and w > 1 else None
-        if not group.persistent_grads:
-            self.ledger.alloc(("grad", group.index), GRADIENTS,
-                              layout.reduce_numel * s.param_bytes, s.offload)
+        self._grad_destination(group)
+        plan = self._reduce_plan(group)
+        if plan.all_reduce:  # all-reduced in ``full``, then copied over
+            self._sample()
+            return group, full, None, None
+        scratch = self.pool.take(w * numel, s.reduce_dtype) if plan.scratch else None
         out = None
-        direct = w == 1 and s.replicated  # all-reduced in ``full``, then copied over
-        if not direct and (s.reduce_bytes != s.param_bytes or s.offload):
+        if plan.output:
             out = ("out", group.index)
-            self.ledger.alloc(out, COMMUNICATION, layout.reduce_numel * s.reduce_bytes)
+            self.ledger.alloc(out, COMMUNICATION, numel * s.reduce_dtype.itemsize)
         self._sample()
-        self._pending = (full, scratch, out)
+        return group, full, scratch, out
+
+    def _grad_destination(self, group: _Group) -> None:
+        """Note [persistent sharded gradients]: small groups keep one gradient buffer,
+        allocated by their first reduction; larger ones get fresh gradients."""
+        s, numel = self.settings, group.layout.reduce_numel
+        group.persistent_grads = self.pool.keeps(numel)
+        if not self.ledger.holds(("grad", group.index)):
+            self.ledger.alloc(("grad", group.index), GRADIENTS,
+                              numel * s.param_dtype.itemsize, s.offload)
+
+    def _reduce_plan(self, group: _Group) -> ReducePlan:
+        s = self.settings
+        return reduce_plan(shard_size=group.layout.shard_size, replicated=s.replicated,
+                           backend=s.backend, reduce_dtype=s.reduce_dtype,
+                           compute_device=s.device, grad_dtype=s.param_dtype,
+                           grad_device=s.shard_device)
 
     def _finish_pending_reduce(self) -> None:
         if self._pending is None:
             return
-        full, scratch, out = self._pending
+        _group, full, scratch, out = self._pending
         self._pending = None
         self.pool.give(full)
         self.pool.give(scratch)
         if out is not None:
             self.ledger.free(out)
 
-    # -- gathering --------------------------------------------------------------------
+    # -- gathering (ParamGroup.unshard, wait_unshard, reshard) -------------------------------
     def _unsharded_bytes(self, group: _Group) -> int:
-        return group.layout.unsharded_numel * self.settings.compute_bytes
+        return group.layout.unsharded_numel * self.settings.compute_dtype.itemsize
+
+    def _gather_plan(self, group: _Group) -> GatherPlan:
+        s = self.settings
+        return gather_plan(shard_size=group.layout.shard_size, shard_dtype=s.param_dtype,
+                           shard_device=s.shard_device, compute_dtype=s.compute_dtype,
+                           compute_device=s.device, offload=s.offload,
+                           post_forward=group.post_forward_size is not None)
 
     def _unshard(self, group: _Group) -> None:
         s, layout = self.settings, group.layout
@@ -323,15 +358,15 @@ class Replay:
             return
         if group.state != "sharded":
             return
-        copy_in = s.compute_bytes != s.param_bytes or s.offload  # a cast / a host copy
-        if layout.shard_size == 1:  # Note [shard groups of one rank]: no collective
-            if copy_in or layout.reshard_after_forward not in (True, False):
+        plan = self._gather_plan(group)
+        if not plan.gathered:  # Note [shard groups of one rank]: no collective
+            if plan.unsharded:  # otherwise the parameters are views of the shard
                 self.ledger.alloc(("unsharded", group.index), UNSHARDED,
                                   self._unsharded_bytes(group))
-            group.state = "unsharded"  # otherwise the parameters are views of the shard
+            group.state = "unsharded"
             return
-        sends = [self.pool.take(layout.shard_numel, s.compute_bytes)] if copy_in else []
-        out = self.pool.take(layout.unsharded_numel, s.compute_bytes)
+        sends = [self.pool.take(layout.shard_numel, s.compute_dtype)] if plan.send else []
+        out = self.pool.take(layout.unsharded_numel, s.compute_dtype)
         group.gather = (out, sends)
         group.state = "gathering"
 
@@ -355,22 +390,39 @@ class Replay:
         if group is not None and group.state == "sharded" and group.index not in self._reduced:
             self._unshard(group)
 
-    def _free_unsharded(self, group: _Group) -> None:
-        if self.ledger.holds(("unsharded", group.index)):
-            self.ledger.free(("unsharded", group.index))
+    def _reshard_after_forward(self, group: _Group) -> None:
+        n = group.post_forward_size
+        if n is None or group.state != "unsharded":
+            self._reshard(group)
+            return
+        # hpZ: keep 1/N (Note [resharding after forward to a smaller group])
+        self.ledger.alloc(("chunk", group.index), UNSHARDED, self._unsharded_bytes(group) // n)
+        self._sample()
+        self._reshard(group)
+        group.state = "post_forward"
 
     def _reshard(self, group: _Group) -> None:
-        if group.state == "gathering":
-            self._wait(group)
-        if self.ledger.holds(("chunk", group.index)):
+        if group.state == "sharded":
+            return
+        if group.state == "post_forward":
             self.ledger.free(("chunk", group.index))
-        self._free_unsharded(group)
+        elif group.state == "gathering":  # never drop a buffer under a live collective
+            if group.gather == ("chunk", group.index):
+                self.ledger.free(("chunk", group.index))
+            else:
+                out, sends = group.gather
+                self.pool.give(out)
+                for send in sends:
+                    self.pool.give(send)
+            group.gather = None
+        if self.ledger.holds(("unsharded", group.index)):
+            self.ledger.free(("unsharded", group.index))
         group.state = "sharded"
 
     # -- optimizer --------------------------------------------------------------------
     def _optimizer_step(self) -> None:
         s = self.settings
-        shards = [p.shard_numel(g.layout.shard_size) * s.param_bytes
+        shards = [p.shard_numel(g.layout.shard_size) * s.param_dtype.itemsize
                   for g in self.groups for p in g.layout.trainable]
         if s.offload or not shards or not s.optimizer_states:
             temporaries = 0  # offloaded: the step runs on the host
@@ -382,18 +434,3 @@ class Replay:
         for g in self.groups:  # zero_grad(set_to_none=True): fresh gradients die
             if not g.persistent_grads and self.ledger.holds(("grad", g.index)):
                 self.ledger.free(("grad", g.index))
-
-
-def _nearest_other(order: list[int], group_of_unit: dict) -> dict[int, _Group]:
-    """For each unit, the nearest group after it in ``order`` that is not its own
-    (RootState's next/prev group, repeats collapsed)."""
-    nearest: dict[int, _Group] = {}
-    upcoming: list[_Group] = []
-    for unit in reversed(order):
-        own = group_of_unit.get(unit)
-        later = [g for g in upcoming[-2:] if g is not own]
-        if later:
-            nearest[unit] = later[-1]
-        if own is not None and (not upcoming or upcoming[-1] is not own):
-            upcoming.append(own)
-    return nearest

@@ -6,7 +6,8 @@ model on the meta device. It picks units the way ``fullshard.wrap.auto_wrap`` do
 collects each unit's parameters the way ``fully_shard`` does (those of the module
 not managed by a unit below it, tied parameters once), pads them into dim-0 shards
 as ``ShardLayout`` does, and merges small adjacent units as the root does at its
-first forward (Note [buckets: units share a group] in core/buckets.py).
+first forward, with the same rule (core/schedule.py ``plan_runs`` and
+``joins_bucket``; Note [buckets: units share a group] in core/buckets.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from ..core.schedule import (AfterForward, after_forward_rule, joins_bucket, plan_runs,
+                             reduce_numel)
 from ..wrap import ModuleWrapPolicy, apply_wrap_policy, repeated_block_classes
 
 
@@ -42,7 +45,7 @@ class GroupLayout:
     params: tuple[ParamShape, ...]
     shard_size: int                 # ranks the parameters are sharded over
     is_root: bool
-    reshard_after_forward: bool | int
+    after_forward: AfterForward     # its first unit's rule, as fully_shard keeps it
 
     @property
     def shard_numel(self) -> int:
@@ -65,8 +68,7 @@ class GroupLayout:
     @property
     def reduce_numel(self) -> int:
         """Per-rank elements of the reduce-scatter: shards plus one presence flag each."""
-        trainable = self.trainable
-        return sum(p.shard_numel(self.shard_size) for p in trainable) + len(trainable)
+        return reduce_numel([p.shard_numel(self.shard_size) for p in self.trainable])
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
@@ -99,16 +101,22 @@ def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
 
 def layout_groups(units: list[nn.Module], shard_size: int,
                   reshard_after_forward: bool | int, bucket_numel: int) -> list[GroupLayout]:
-    """Groups in module order (root first), small adjacent units merged as fullshard does."""
+    """Groups in module order (root first), small adjacent units merged as fullshard does.
+    ``reshard_after_forward`` is fully_shard's argument for every unit but the root,
+    which gets ``None`` (as from ``auto_wrap``)."""
     params = unit_params(units)
     order = sorted(range(len(units)), key=_module_order(units))
     root = len(units) - 1
     shapes = [tuple(ParamShape(id(p), p.numel(), p.shape[0] if p.dim() else 1, p.requires_grad)
                     for p in params[i]) for i in range(len(units))]
     singles = [GroupLayout(type(units[i]).__name__, (i,), shapes[i], shard_size, i == root,
-                           False if i == root else reshard_after_forward)
+                           after_forward_rule(None if i == root else reshard_after_forward,
+                                              shard_size))
                for i in order if shapes[i]]
-    return _merge_small(singles, bucket_numel)
+    runs = plan_runs(singles, lambda g: g.unsharded_numel,
+                     lambda first, g: joins_bucket(first.after_forward, first.is_root,
+                                                   g.after_forward), bucket_numel)
+    return [run[0] if len(run) == 1 else _merged(run) for run in runs]
 
 
 def _module_order(units: list[nn.Module]):
@@ -116,23 +124,10 @@ def _module_order(units: list[nn.Module]):
     return lambda i: position[id(units[i])]
 
 
-def _merge_small(groups: list[GroupLayout], bucket_numel: int) -> list[GroupLayout]:
-    """Runs of adjacent groups whose unsharded sizes sum to <= ``bucket_numel``; a run
-    that starts at the root follows the root's rule (core/buckets.py's plan_buckets)."""
-    if bucket_numel <= 0:
-        return groups
-    runs: list[list[GroupLayout]] = []
-    size = 0
-    for g in groups:
-        same_rule = runs and (runs[-1][0].is_root
-                              or runs[-1][0].reshard_after_forward == g.reshard_after_forward)
-        if runs and same_rule and size + g.unsharded_numel <= bucket_numel:
-            runs[-1].append(g)
-            size += g.unsharded_numel
-        else:
-            runs.append([g])
-            size = g.unsharded_numel
-    return [run[0] if len(run) == 1 else GroupLayout(
-        f"{run[0].name}..{run[-1].name}", tuple(u for g in run for u in g.units),
-        tuple(p for g in run for p in g.params), run[0].shard_size, run[0].is_root,
-        run[0].reshard_after_forward) for run in runs]
+def _merged(run: list[GroupLayout]) -> GroupLayout:
+    """One group for a run of units (core/buckets.py merge_small_units): the first's
+    shard group and rule, every member's parameters in order."""
+    first = run[0]
+    return GroupLayout(f"{first.name}..{run[-1].name}", tuple(u for g in run for u in g.units),
+                       tuple(p for g in run for p in g.params), first.shard_size, first.is_root,
+                       first.after_forward)
