@@ -20,9 +20,8 @@ from ..core.mesh import mesh_device_type
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..wrap import apply_wrap_policy
 from .mesh import resolve_mesh
-from .options import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
-                      FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictSettings,
-                      StateDictType, as_dataclass, as_enum)
+from .options import (BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
+                      as_dataclass, as_enum)
 
 WHERE = "FullyShardedDataParallel"
 
@@ -253,5 +252,3 @@ def _configure(unit: nn.Module, forward_prefetch: bool,
     if backward_prefetch is None:
         state.backward_prefetch = []
     state.backward_prefetch_after_grads = backward_prefetch is BackwardPrefetch.BACKWARD_POST
-    unit.__dict__["_fullshard_state_dict_settings"] = StateDictSettings(
-        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())

@@ -74,7 +74,7 @@ class FullyShardedDataParallel(FSDPModule):
             return super().state_dict(*args, **kwargs)
         with native_state_dict():
             result = super().state_dict(*args, **kwargs)
-        settings = self._fullshard_state_dict_settings
+        settings = sd.settings_of(self)
         if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
             prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
             return sd.full_state_dict(result, settings.state_dict_config, prefix)
@@ -88,7 +88,7 @@ class FullyShardedDataParallel(FSDPModule):
         for m in self.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
-        if self._fullshard_state_dict_settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        if sd.settings_of(self).state_dict_type is StateDictType.FULL_STATE_DICT:
             state_dict = sd.shard_full_values(self, state_dict)
         with native_state_dict():
             return super().load_state_dict(state_dict, strict, assign)
@@ -116,7 +116,7 @@ class FullyShardedDataParallel(FSDPModule):
         previous = FullyShardedDataParallel.get_state_dict_type(module)
         settings = sd.make_settings(state_dict_type, state_dict_config, optim_state_dict_config)
         for unit in FullyShardedDataParallel.fsdp_modules(module):
-            unit.__dict__["_fullshard_state_dict_settings"] = settings
+            sd.set_settings(unit, settings)
         return previous
 
     @staticmethod
@@ -125,7 +125,7 @@ class FullyShardedDataParallel(FSDPModule):
         if not units:
             raise ValueError(f"FSDP.get_state_dict_type: {type(module).__name__} contains no "
                              "FullyShardedDataParallel module.")
-        return units[0]._fullshard_state_dict_settings
+        return sd.settings_of(units[0])
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,

@@ -28,6 +28,19 @@ _DEFAULT_CONFIGS = {
 }
 
 
+_SETTINGS_KEY = "_fullshard_state_dict_settings"  # read and written only below
+
+
+def settings_of(unit: nn.Module) -> StateDictSettings:
+    """The state-dict type an FSDP unit uses (FSDP.state_dict_type sets it; default full)."""
+    return unit.__dict__.get(_SETTINGS_KEY) or StateDictSettings(
+        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
+
+def set_settings(unit: nn.Module, settings: StateDictSettings) -> None:
+    unit.__dict__[_SETTINGS_KEY] = settings
+
+
 def make_settings(state_dict_type, state_dict_config, optim_state_dict_config
                   ) -> StateDictSettings:
     kind = as_enum(state_dict_type, StateDictType, "state_dict_type")
