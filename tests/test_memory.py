@@ -101,3 +101,12 @@ def test_plan_takes_the_cheapest_configuration_that_fits(capsys):
     assert plan(SMALL, budget_bytes=1, **kwargs).choice is None
     assert plan_main(["--preset", "debug", "--world-size", "2", "--budget-gib", "1"]) == 0
     assert "fullshard train --preset debug --parallel.strategy" in capsys.readouterr().out
+
+
+def test_tune_cpu_allocator_refuses_a_threshold_that_is_not_a_positive_int():
+    from fullshard.memory import tune_cpu_allocator
+
+    for bad in (0, -1, 4.0, "4MiB"):
+        with pytest.raises(ValueError, match=r"tune_cpu_allocator: mmap_threshold_bytes must "
+                                             r"be a positive int"):
+            tune_cpu_allocator(bad)
