@@ -2,7 +2,6 @@
 clip_grad_norm_, mixed precision, ignored modules, meta-device init, errors."""
 
 import copy
-import re
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fullshard import FSDP, BackwardPrefetch, ShardingStrategy
 from fullshard.testing import run_distributed

@@ -1,7 +1,6 @@
 """Fine-tuning tiny Hugging Face models (Llama- and GPT-2-style) at world size 2."""
 
 import json
-import tempfile
 
 import pytest
 import torch

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
 
