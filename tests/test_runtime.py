@@ -277,3 +277,31 @@ def _forward_method_worker():
 
 def test_register_fsdp_forward_method():
     assert run_distributed(_forward_method_worker, 2) == [2, 2]
+
+
+def _profiled_step_worker():
+    from torch.profiler import ProfilerActivity, profile
+    model = _sharded_gpt()
+    x, y = _batch()
+    lm_loss(model(x), y).backward()  # warm-up: record the order, allocate the pool
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lm_loss(model(x), y).backward()
+    names = {e.key for e in prof.key_averages()}
+    return sorted(n for n in names if n.startswith("fullshard::"))
+
+
+def test_profiler_trace_names_every_collective_and_copy():
+    names = run_distributed(_profiled_step_worker, 2)[0]
+    kinds = {n.split()[0] for n in names}
+    assert {"fullshard::all_gather", "fullshard::copy_out", "fullshard::reduce_scatter",
+            "fullshard::finish_reduce"} <= kinds, names
+    assert "fullshard::all_gather layers.0" in names and "fullshard::reduce_scatter layers.2" in names
+
+
+def test_no_profiler_range_is_opened_when_no_profiler_runs(monkeypatch):
+    from fullshard.core import streams
+    opened = []
+    monkeypatch.setattr(streams, "record_function", lambda name: opened.append(name))
+    with streams.traced("all_gather x"):
+        pass
+    assert opened == []

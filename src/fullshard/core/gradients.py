@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .buffers import BufferPool
 from .collectives import Pending, all_reduce_sum
 from .param import ShardedParam
+from .streams import HostCopies, traced
 
 
 def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
@@ -57,7 +58,8 @@ class PendingReduce:
                  pending: Pending,
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
-                 options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None):
+                 options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None,
+                 copies: HostCopies | None = None):
         self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
@@ -69,8 +71,13 @@ class PendingReduce:
         self._replicate_pg = replicate_pg
         self._options = options
         self._partial = partial  # the group's sum kept by all_reduce=False
+        self._copies = copies    # copies to offloaded (host) gradients, Note [streams and events]
 
     def finish(self, world_size: int) -> None:
+        with traced(f"finish_reduce {self.unit_name}"):
+            self._finish(world_size)
+
+    def _finish(self, world_size: int) -> None:
         out = self.pending.wait(f"gradient reduction of {self.unit_name}")
         options = self._options
         if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
@@ -88,16 +95,23 @@ class PendingReduce:
         out.div_(divisor)
         if options.hook is not None and not options.force_sum:
             options.hook(grads)
-        if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the CPU
-            self._dest.copy_(out)
+        if all(self.had_grad):
+            present = self.had_grad
+        else:  # see Note [gradient presence flags]; read before ``out`` goes to the host
+            present = [f > 0 for f in out[out.numel() - len(self.params):].tolist()]
+        if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the host
+            if self._copies is not None and self._dest.device != out.device:
+                self._copies.to_host(self._dest, out)  # readable after copies.settle()
+                # the copy stream holds ``out`` until it is done: never back to the pool
+                self._buffers = [b for b in self._buffers if b is not out]
+                if any(p.sharded_param.grad is not None for p in self.params):
+                    self._copies.settle()  # adding to existing gradients reads it now
+            else:
+                self._dest.copy_(out)
             out = self._dest
         self._release_buffers()  # ``out`` may have been one of them: only after the copy
         sizes = [p.layout.shard_numel for p in self.params]
         shards = torch.split(out, sizes + [len(self.params)])
-        if all(self.had_grad):
-            present = self.had_grad
-        else:  # see Note [gradient presence flags]
-            present = [f > 0 for f in shards[-1].tolist()]
         if self._views is not None:  # every .grad was None: hand out the views
             for p, view, keep in zip(self.params, self._views, present):
                 if keep:

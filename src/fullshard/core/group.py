@@ -69,6 +69,7 @@ from .param import ShardedParam
 from .post_forward import PostForwardShard
 from .schedule import (GatherPlan, backward_is_done, gather_plan, reduce_numel, reduce_plan,
                        shard_device_for)
+from .streams import HostCopies, traced
 
 if TYPE_CHECKING:
     from ..policies import CPUOffloadPolicy
@@ -123,6 +124,7 @@ class ParamGroup:
         self.inputs_pending = 0  # forward inputs whose gradients backward has yet to compute
         self._all_present: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
+        self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
         self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
@@ -278,19 +280,26 @@ class ParamGroup:
         self._gather_is_direct = False
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
-        if self._gather_plan().send:  # the one copy-in: cast / offload
-            send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
-            send.copy_(self.flat_shard, non_blocking=True)
         comm = self.all_gather_comm
+        out = (self.pool.take(self.world_size * self.shard_numel, dtype, device) if comm is None
+               else comm.allocate((self.world_size * self.shard_numel,), dtype=dtype,
+                                  device=device))
         self._announce("all-gather")
-        if comm is None:
-            out = self.pool.take(self.world_size * self.shard_numel, dtype, device)
-            self._gather = all_gather(out, send, self.pg, async_op=async_op,
-                                      what=f"all-gather of {self.unit_name}")
-        else:  # Note [custom collectives]
-            out = comm.allocate((self.world_size * self.shard_numel,), dtype=dtype, device=device)
-            self._gather = Pending(out, comm(output_tensor=out, input_tensor=send,
-                                             group=self.pg, async_op=async_op))
+        # The copy-in and the collective run on the copy stream on CUDA (Note [streams
+        # and events]): compute on the current stream goes on meanwhile.
+        # ``ordered`` makes the caller's stream wait for the copy stream, where the copy-in
+        # ran and where a blocking collective was waited on.
+        with self.copies.to_device() as ordered, traced(f"all_gather {self.unit_name}"):
+            if self._gather_plan().send:  # the one copy-in: cast / offload
+                send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
+                send.copy_(self.flat_shard, non_blocking=True)
+            if comm is None:
+                pending = all_gather(out, send, self.pg, async_op=async_op,
+                                     what=f"all-gather of {self.unit_name}")
+            else:  # Note [custom collectives]
+                pending = Pending(out, comm(output_tensor=out, input_tensor=send,
+                                            group=self.pg, async_op=async_op))
+            self._gather = ordered(pending)
         self._gather_pooled = comm is None
         self.state = GroupState.GATHERING
         if not async_op:
@@ -305,7 +314,8 @@ class ParamGroup:
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
             self._release_cast_shard()
             self._alloc_unsharded_storage()
-            self._copy_out(gathered.view(self.world_size, -1))
+            with traced(f"copy_out {self.unit_name}"):
+                self._copy_out(gathered.view(self.world_size, -1))
             self._give_gathered(gathered)
         for p in self.params:
             up = p.unsharded_param
@@ -431,7 +441,13 @@ class ParamGroup:
         return torch.tensor(had_grad, dtype=like.dtype).to(like.device)
 
     def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
-        """Start reducing the unsharded gradients (sum, asynchronously) and free them.
+        """Start reducing the unsharded gradients (sum, asynchronously) and free them
+        (Note [gradient presence flags])."""
+        with traced(f"reduce_scatter {self.unit_name}"):
+            return self._reduce_grads(options)
+
+    def _reduce_grads(self, options: ReduceOptions) -> "PendingReduce | None":
+        """See ``reduce_grads``.
 
         Note [gradient presence flags]
         A parameter unused on one rank has no gradient there but may have one on
@@ -473,12 +489,12 @@ class ParamGroup:
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
                 return PendingReduce(self.unit_name, trainable, had_grad, Pending(full, None),
                                      self.pool, [full], views, dest, self.replicate_pg,
-                                     options, self.partial_sum)
+                                     options, self.partial_sum, copies=self.copies)
             self.partial_sum.add_into(full.view(-1))
             self._announce("all-reduce")
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
-                                 [full], views, dest, options=options)
+                                 [full], views, dest, options=options, copies=self.copies)
         if comm is not None:  # Note [custom collectives]
             out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
             self._announce("reduce-scatter")
@@ -486,7 +502,7 @@ class ParamGroup:
                         op=dist.ReduceOp.SUM)
             return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
                                  self.pool, [], views, dest, self.replicate_pg, options,
-                                 self.partial_sum)
+                                 self.partial_sum, copies=self.copies)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
         if w > 1:
@@ -494,7 +510,7 @@ class ParamGroup:
         pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
         return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                              [full, scratch], views, dest, self.replicate_pg, options,
-                             self.partial_sum)
+                             self.partial_sum, copies=self.copies)
 
     def accumulate_unsharded_grads(self) -> None:
         """Without gradient sync: move this backward's unsharded gradients into a
@@ -511,6 +527,12 @@ class ParamGroup:
                 p.accumulated_grad = grad.to(self.reduce_dtype)
             else:
                 p.accumulated_grad += grad
+
+    def _new_grad_buffer(self, numel: int, ref: torch.Tensor) -> torch.Tensor:
+        """Sharded gradients beside ``ref`` (the flat shard); pinned when offloaded from
+        CUDA, so the copy from the device does not block (Note [streams and events])."""
+        pin = ref.device.type == "cpu" and self.compute_device.type == "cuda"
+        return torch.empty(numel, dtype=ref.dtype, device=ref.device, pin_memory=pin)
 
     def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
                           ) -> tuple[torch.Tensor, list | None]:
@@ -531,10 +553,10 @@ class ParamGroup:
         """
         if not self.pool.keeps(numel) or any(p.sharded_param.grad is not None
                                              for p in trainable):
-            return torch.empty(numel, dtype=ref.dtype, device=ref.device), None
+            return self._new_grad_buffer(numel, ref), None
         key = (tuple(map(id, trainable)), ref.dtype, ref.device)
         if key != self._grad_key:
-            buf = torch.empty(numel, dtype=ref.dtype, device=ref.device)
+            buf = self._new_grad_buffer(numel, ref)
             shards = torch.split(buf, [p.layout.shard_numel for p in trainable] + [len(trainable)])
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key

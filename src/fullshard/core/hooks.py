@@ -217,7 +217,7 @@ def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
 
 
 def _root_pre_forward(root: RootState) -> None:
-    root.finish_pending_reduce()
+    root.settle_gradients()
     event, root.unit.post_optim_event = root.unit.post_optim_event, None
     if event is not None:  # set_post_optim_event: gathers wait for the optimizer step
         event.wait()
@@ -306,7 +306,7 @@ def _final_callback(root: RootState) -> None:
         if u.ran_forward_with_grad and u.group is not None and u.group not in root.reduced:
             _post_backward(root, u.group)
     if root.unit.is_last_backward:
-        root.finish_pending_reduce()
+        root.settle_gradients()
     # else: the last reduce-scatter overlaps whatever comes next; the next backward,
     # forward or optimizer step completes it first (set_is_last_backward(False))
     for group in root.members:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -18,6 +19,7 @@ from .buffers import BufferPool
 from .gradients import DEFAULT_REDUCE, ReduceOptions
 from .group import ParamGroup, PendingReduce
 from .schedule import PrefetchOrder, frees_after_forward
+from .streams import HostCopies
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
@@ -104,9 +106,10 @@ _LIVE_ROOTS: "weakref.WeakSet[RootState]" = weakref.WeakSet()
 
 
 def finish_all_pending_reduces() -> None:
-    """Complete every reduce-scatter left in flight (Optimizer.step calls this first)."""
+    """Complete every reduce-scatter left in flight and every gradient copy to the host
+    (Optimizer.step calls this first)."""
     for root in list(_LIVE_ROOTS):
-        root.finish_pending_reduce()
+        root.settle_gradients()
 
 
 class RootState:
@@ -128,8 +131,11 @@ class RootState:
         self.reduced: set[ParamGroup] = set()
         self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
         self.pool = BufferPool()
+        devices = [g.compute_device for g in self.members]
+        self.copies = HostCopies(devices[0] if devices else torch.device(unit.mesh.device_type))
         for group in self.members:
             group.pool = self.pool
+            group.copies = self.copies
         _LIVE_ROOTS.add(self)
         self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
         self.in_backward = False
@@ -174,6 +180,7 @@ class RootState:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is not None:
             pending.discard()
+        self.copies.settle()
         for group in self.members:
             group.reshard()
             group.forget_backward()
@@ -206,3 +213,9 @@ class RootState:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish(self.unit.mesh.size())
+
+    def settle_gradients(self) -> None:
+        """Finish the reduction in flight and wait for gradients still being copied to the
+        host: afterwards every ``.grad`` holds its final value."""
+        self.finish_pending_reduce()
+        self.copies.settle()

@@ -1,0 +1,120 @@
+"""HostCopies: the device<->host copies of CPU offload on their own CUDA streams.
+
+Note [streams and events]
+On CUDA a unit's collectives are issued with ``async_op=True``: the process group
+runs them on its own NCCL stream after waiting for the current stream, and
+``work.wait()`` makes the current stream wait for them, so the next unit's
+all-gather overlaps this unit's compute and a reduce-scatter overlaps the next
+unit's backward without fullshard owning a communication stream. Buffers a
+collective uses are freed (or returned to the pool) only after ``wait()``, which
+orders every later use on the current stream after the collective: no
+``record_stream``.
+
+CPU offload adds copies between pinned host memory and the device, and a copy on
+the compute stream would stall compute for its whole duration (a gradient copied
+to the host synchronously also blocks the Python thread until the backward queued
+so far has run: 4x FSDP2's offload step time on an H100). So:
+
+* device -> host (reduced gradient shards): on the ``to_host`` stream, after it
+  waits for the current stream (the reduction is complete there); the copy is
+  non-blocking into pinned memory and an event marks its end. The source stays
+  referenced here until that event has passed, so its memory cannot be reused
+  while the copy reads it (what ``record_stream`` would do, without delaying every
+  free on that stream). ``settle()`` synchronizes on the events: at the end of
+  backward, before the optimizer steps on the host gradients, as FSDP2 does.
+* host -> device (the shard before its all-gather): on the ``to_device`` stream,
+  which waits for the current stream first (the pooled destination may still be
+  read there), and the all-gather is issued on that stream so NCCL orders itself
+  after the copy while compute goes on.
+
+Without CUDA every method is the plain synchronous copy, so the CPU test suite runs
+the same code paths. The profiler sees each copy as a ``fullshard::`` range
+(``traced``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .collectives import Pending
+
+
+def _unchanged(pending: Pending) -> Pending:
+    return pending
+
+
+def traced(name: str):
+    """A ``fullshard::NAME`` range for torch.profiler; nothing when no profiler runs
+    (a range costs a dispatcher call, and small units issue several per step)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return record_function(f"fullshard::{name}")
+    return contextlib.nullcontext()
+
+
+class HostCopies:
+    """The offload copies of one root's units (Note [streams and events])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self._to_host = torch.cuda.Stream(device) if self.on_cuda else None
+        self._to_device = torch.cuda.Stream(device) if self.on_cuda else None
+        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (device) into ``dst`` (pinned host memory) without blocking; the
+        values are readable after ``settle()``."""
+        with traced("copy_to_host"):
+            if not self.on_cuda or src.device.type != "cuda":
+                dst.copy_(src)
+                return
+            stream = self._to_host
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            self._in_flight.append((done, src))
+
+    @contextlib.contextmanager
+    def to_device(self):
+        """Run host -> device copies and the collective that sends their result on the
+        copy stream, ordered after the current stream's earlier work. Yields
+        ``ordered(pending)``, which makes waiting on the collective also order the
+        waiting stream after the copy stream (a custom collective may return no work)."""
+        if not self.on_cuda:
+            yield _unchanged
+            return
+        stream = self._to_device
+        caller = torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+
+        def ordered(pending: Pending) -> Pending:
+            issued = stream.record_event()
+            earlier = pending.finish
+
+            def finish() -> None:
+                torch.cuda.current_stream(self.device).wait_event(issued)
+                if earlier is not None:
+                    earlier()
+            return pending._replace(finish=finish)
+
+        with torch.cuda.stream(stream):
+            yield ordered
+
+    def settle(self) -> None:
+        """Wait until every copy to the host has landed, then let go of the sources."""
+        if not self._in_flight:
+            return
+        with traced("wait_for_host_copies"):
+            for done, _src in self._in_flight:
+                done.synchronize()
+            self._in_flight.clear()
+
+    @property
+    def pending(self) -> int:
+        """Copies to the host not yet settled."""
+        return len(self._in_flight)
