@@ -32,6 +32,7 @@ SLOW = {
     "tests/conformance/test_tensor_parallel.py::test_fsdp_with_tensor_parallel_matches_single_process",
     "tests/conformance/test_tensor_parallel.py::test_misuse_names_the_parameter_and_what_to_do",
     "tests/test_activation_checkpointing.py::test_checkpointing_composes_with_sharding",
+    "tests/test_benchmarks.py::test_gpu_benchmark_runs_each_implementation_to_the_same_losses",
     "tests/test_checkpoint.py::test_async_save_writes_the_state_at_the_call",
     "tests/test_checkpoint.py::test_cli_inspect_and_streamed_safetensors_export",
     "tests/test_checkpoint.py::test_corrupt_missing_and_incompatible_checkpoints_are_named",

@@ -1,0 +1,292 @@
+"""fullshard vs PyTorch FSDP2 vs a plain single-device loop on the GPU workloads.
+
+    python benchmarks/gpu.py                          # G1-G4, every implementation
+    python benchmarks/gpu.py --workloads G2 --impls fullshard,fsdp2
+    python benchmarks/gpu.py --tiny --device cpu      # the same code on CPU, tiny shapes
+
+Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused AdamW):
+  G1 compute-bound: d=1536, 24 layers, 12 heads, vocab 32000, batch 8 x 1024
+  G2 overhead-bound: d=192, 64 layers, 3 heads, vocab 4096, batch 8 x 128
+  G3 G1 with CPU offload (fused CPU AdamW; no plain-loop counterpart)
+  G4 G1 with per-block activation checkpointing and per-block torch.compile
+
+Each (implementation, workload) runs in its own set of processes (world size = every
+visible GPU), so memory figures start clean. Per run: median step time over the timed
+steps (no synchronization inside a step), tokens/s, MFU (against --peak-tflops), peak
+allocated and reserved memory, and a per-phase split (forward, backward, clip,
+optimizer) from separate steps synchronized at each phase boundary. The table gives
+fullshard's ratio to FSDP2 and to the plain loop; the losses show the three train
+the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama import Llama, LlamaConfig  # noqa: E402
+
+IMPLS = ("plain", "fsdp2", "fullshard")
+H100_BF16_DENSE_TFLOPS = 989.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    cfg: LlamaConfig
+    batch: int
+    seq: int
+    offload: bool = False
+    compile_and_checkpoint: bool = False
+    warmup: int = 3
+    steps: int = 10
+
+
+G1 = LlamaConfig(vocab_size=32000, d_model=1536, n_layers=24, n_heads=12)
+WORKLOADS = {
+    "G1": Workload(G1, 8, 1024),
+    "G2": Workload(LlamaConfig(vocab_size=4096, d_model=192, n_layers=64, n_heads=3), 8, 128,
+                   steps=20),
+    "G3": Workload(G1, 8, 1024, offload=True, warmup=2, steps=5),
+    "G4": Workload(G1, 8, 1024, compile_and_checkpoint=True, warmup=3),
+}
+TINY = LlamaConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=2)
+
+
+def tiny(w: Workload) -> Workload:
+    return Workload(TINY, 2, 32, w.offload, w.compile_and_checkpoint, warmup=2, steps=3)
+
+
+# -- one run (a worker process) -----------------------------------------------------------
+def _device() -> torch.device:
+    if torch.cuda.is_available() and os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _prepare_blocks(model: Llama, w: Workload) -> None:
+    if not w.compile_and_checkpoint:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(checkpoint_wrapper(block))
+
+
+def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Llama(w.cfg)
+    model.init_weights()
+    _prepare_blocks(model, w)
+    if impl == "plain":
+        return model.to(device)
+    if impl == "fullshard":
+        from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                            reduce_dtype=torch.float32))
+    if w.offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        model.to(device)
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(w: Workload, device: torch.device, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, w.cfg.vocab_size, (w.batch, w.seq + 1), generator=gen)
+        out.append((x[:, :-1].to(device), x[:, 1:].to(device)))
+    return out
+
+
+def run(impl: str, w: Workload, peak_tflops: float) -> dict:
+    device = _device()
+    model = build(impl, w, device)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too (offload)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if impl == "plain"
+                else torch.autocast(device.type, enabled=False))
+
+    def loss_of(x, y):
+        with autocast:
+            logits = model(x)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "clip": [], "optimizer": []}
+
+    def step(x, y, split: bool) -> float:
+        marks = [time.perf_counter()]
+
+        def mark():
+            if split:
+                _sync(device)
+                marks.append(time.perf_counter())
+        loss = loss_of(x, y)
+        mark()
+        loss.backward()
+        mark()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        mark()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        mark()
+        if split:
+            for name, a, b in zip(phases, marks, marks[1:]):
+                phases[name].append((b - a) * 1e3)
+        return loss.item()  # one sync per step: the loss every trainer logs
+
+    n_split = 3
+    batches = _batches(w, device, w.warmup + w.steps + n_split)
+    losses, times = [], []
+    for i, (x, y) in enumerate(batches[:w.warmup + w.steps]):
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step(x, y, split=False))
+        times.append((time.perf_counter() - t0) * 1e3)
+    for x, y in batches[w.warmup + w.steps:]:
+        step(x, y, split=True)
+    step_ms = statistics.median(times[w.warmup:])
+    world = dist.get_world_size()
+    tokens = w.batch * w.seq  # per rank
+    if device.type == "cuda":
+        alloc = torch.cuda.max_memory_allocated(device) / 2**30
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30
+    else:  # peak RSS (ru_maxrss is in KiB on Linux)
+        alloc = reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {
+        "impl": impl, "world": world, "device": _device_name(device),
+        "torch": torch.__version__, "step_ms": step_ms,
+        "tokens_per_s": tokens * world / (step_ms / 1e3),
+        "mfu": tokens * w.cfg.flops_per_token(w.seq) / (step_ms / 1e3) / (peak_tflops * 1e12),
+        "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
+        "phases_ms": {k: statistics.median(v) for k, v in phases.items()},
+        "losses": losses, "params": w.cfg.num_params(),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def worker(args: argparse.Namespace) -> None:
+    device = _device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        w = WORKLOADS[args.workload]
+        result = run(args.impl, tiny(w) if args.tiny else w, args.peak_tflops)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the driver ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(impl: str, workload: str, args: argparse.Namespace) -> dict | None:
+    nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1) or 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker",
+           "--impl", impl, "--workload", workload, "--peak-tflops", str(args.peak_tflops)]
+    if args.tiny:
+        cmd.append("--tiny")
+    env = dict(os.environ, BENCH_DEVICE=args.device, OMP_NUM_THREADS=os.environ.get(
+        "OMP_NUM_THREADS", "1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    print(f"{impl} on {workload} failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
+    return None
+
+
+def table(results: dict[tuple[str, str], dict]) -> str:
+    rows = ["| workload | impl | step ms | tokens/s | MFU | peak alloc GiB | peak reserved GiB "
+            "| fwd / bwd / clip / optim ms | vs FSDP2 | vs plain | last loss |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for (workload, impl), r in results.items():
+        fsdp2, plain = results.get((workload, "fsdp2")), results.get((workload, "plain"))
+        ph = r["phases_ms"]
+        split = " / ".join(f"{ph[k]:.1f}" for k in ("forward", "backward", "clip", "optimizer"))
+        rows.append(
+            f"| {workload} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{100 * r['mfu']:.1f}% | {r['peak_alloc_gib']:.2f} | {r['peak_reserved_gib']:.2f} "
+            f"| {split} | {_ratio(r, fsdp2)} | {_ratio(r, plain)} | {r['losses'][-1]:.4f} |")
+    return "\n".join(rows)
+
+
+def _ratio(r: dict, base: dict | None) -> str:
+    return f"{r['step_ms'] / base['step_ms']:.2f}" if base else "–"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="G1,G2,G3,G4")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=["cuda", "cpu"])
+    parser.add_argument("--nproc", type=int, help="processes (default: every visible GPU)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a quick check)")
+    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
+                        help="the device's dense bf16 peak, for MFU (default: H100 SXM)")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    results = {}
+    for workload in args.workloads.split(","):
+        for impl in args.impls.split(","):
+            if impl == "plain" and WORKLOADS[workload].offload:
+                continue  # a plain loop does not offload
+            r = launch(impl, workload, args)
+            if r is not None:
+                results[(workload, impl)] = r
+                print(f"{workload} {impl}: {r['step_ms']:.1f} ms/step", file=sys.stderr,
+                      flush=True)
+    if results:
+        first = next(iter(results.values()))
+        print(f"device: {first['device']} x {first['world']}, torch {first['torch']}")
+        print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{w}/{i}": r for (w, i), r in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
