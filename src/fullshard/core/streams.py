@@ -18,9 +18,9 @@ so far has run: 4x FSDP2's offload step time on an H100). So:
 * device -> host (reduced gradient shards): on the ``to_host`` stream, after it
   waits for the current stream (the reduction is complete there); the copy is
   non-blocking into pinned memory and an event marks its end. The source stays
-  referenced here until that event has passed, so its memory cannot be reused
-  while the copy reads it (what ``record_stream`` would do, without delaying every
-  free on that stream). ``settle()`` synchronizes on the events: at the end of
+  referenced here until that event has passed (checked without waiting at each new
+  copy), so its memory cannot be reused while the copy reads it: what
+  ``record_stream`` would do, without delaying every free on that stream. ``settle()`` synchronizes on the events: at the end of
   backward, before the optimizer steps on the host gradients, as FSDP2 does.
 * host -> device (the shard before its all-gather): on the ``to_device`` stream,
   which waits for the current stream first (the pooled destination may still be
@@ -71,6 +71,7 @@ class HostCopies:
             if not self.on_cuda or src.device.type != "cuda":
                 dst.copy_(src)
                 return
+            self._release_landed()
             stream = self._to_host
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -104,6 +105,12 @@ class HostCopies:
 
         with torch.cuda.stream(stream):
             yield ordered
+
+    def _release_landed(self) -> None:
+        """Let go of the sources of copies already done (no waiting): a backward's
+        reduced shards would otherwise stay on the device until it ends."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.pop(0)
 
     def settle(self) -> None:
         """Wait until every copy to the host has landed, then let go of the sources."""
