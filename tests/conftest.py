@@ -34,6 +34,7 @@ SLOW = {
     "tests/test_activation_checkpointing.py::test_checkpointing_composes_with_sharding",
     "tests/test_benchmarks.py::test_gpu_benchmark_runs_each_implementation_to_the_same_losses",
     "tests/test_checkpoint.py::test_async_save_writes_the_state_at_the_call",
+    "tests/test_train_loop.py::test_compiled_blocks_train_the_eager_model",
     "tests/test_checkpoint.py::test_cli_inspect_and_streamed_safetensors_export",
     "tests/test_checkpoint.py::test_corrupt_missing_and_incompatible_checkpoints_are_named",
     "tests/test_checkpoint.py::test_exact_resume_in_fresh_processes",

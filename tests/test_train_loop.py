@@ -44,12 +44,21 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model():
         "checkpointed": {"batch.batch_size": 4, "parallel.activation_checkpointing": True},
         "accumulated": {"batch.batch_size": 2, "batch.grad_accum": 2},
         "hpz": {"batch.batch_size": 4, "parallel.reshard_after_forward": 2},
+        "offloaded": {"batch.batch_size": 4, "parallel.offload": True},
     }
     losses = run_distributed(_variants, 2, variants)[0]
     reference = losses.pop("full_shard")
     assert len(reference) == 4 and reference[-1] < reference[0]
     for name, got in losses.items():
         assert got == pytest.approx(reference, rel=1e-5, abs=1e-6), name
+
+
+def test_compiled_blocks_train_the_eager_model():
+    """--parallel.compile: each block one inductor graph between the hooks; the losses
+    are the eager ones up to the compiler's reassociation."""
+    variants = {"eager": {}, "compiled": {"parallel.compile": True}}
+    losses = run_distributed(_variants, 2, variants)[0]
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)
 
 
 def test_bf16_and_fp16_train_close_to_fp32():

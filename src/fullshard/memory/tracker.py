@@ -16,7 +16,10 @@ process alone)::
         report = tracker.step_report()     # dict, see ``step_report``
 
 On CUDA a phase's peak is ``torch.cuda.max_memory_allocated`` after resetting the
-peak at the phase's start; on CPU it is the peak RSS (``VmHWM``), reset at the
+peak at the phase's start. The caching allocator counts on the host, when a tensor is
+created or freed, so phases need no device synchronization (a synchronization at each
+phase boundary would drain the queue of kernels every time: a trainer step would wait
+for the device six times); on CPU it is the peak RSS (``VmHWM``), reset at the
 phase's start through ``/proc/self/clear_refs`` where the kernel allows it.
 """
 
@@ -126,7 +129,6 @@ class MemoryTracker:
     def start(self, name: str) -> None:
         """End the current phase, if any, and start measuring ``name``."""
         self.stop()
-        self._synchronize()
         self._reset_peak()
         self._phase = name
         self._sample_buffers()
@@ -135,7 +137,6 @@ class MemoryTracker:
         """End the current phase (a phase repeated within a step keeps its largest peak)."""
         if self._phase is None:
             return
-        self._synchronize()
         self._sample_buffers()
         name, self._phase = self._phase, None
         self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), self._peak())
@@ -173,10 +174,6 @@ class MemoryTracker:
 
     def _is_cuda(self) -> bool:
         return self.device.type == "cuda"
-
-    def _synchronize(self) -> None:
-        if self._is_cuda():
-            torch.cuda.synchronize(self.device)
 
     def _reset_peak(self) -> None:
         if self._is_cuda():

@@ -133,6 +133,12 @@ class ParallelConfig:
     in fp32; parameters and optimizer states stay fp32. fp16 scales the loss."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile before sharding (one graph per
+    block; fullshard's gathers and reductions run between them)."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer states in CPU memory (CPU offload); the
+    optimizer steps there, fused. For models that do not fit the devices otherwise."""
 
 
 @dataclass

@@ -312,7 +312,10 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+    # fused: one kernel over every tensor, on CUDA and (torch >= 2.4) on the CPU, where it
+    # stepped 3.2M parameters 5-6x faster than foreach here (benchmarks in docs)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                             fused=True)
 
 
 def learning_rate(step: int, optim: OptimConfig) -> float:

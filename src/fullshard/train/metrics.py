@@ -210,7 +210,8 @@ def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
                           reshard_after_forward=reshard,
                           mp_policy=COMPUTE_DTYPES[parallel.precision],
                           activation_checkpointing=parallel.activation_checkpointing,
-                          batch_size=cfg.batch.batch_size, seq_len=cfg.batch.seq_len,
+                          offload=parallel.offload, batch_size=cfg.batch.batch_size,
+                          seq_len=cfg.batch.seq_len,
                           optimizer="adamw", device=device.type,
                           process_baseline=baseline_bytes)
     except Exception:  # noqa: BLE001 - a Hugging Face architecture the trace cannot run

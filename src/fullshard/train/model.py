@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..checkpoint import StateDictOptions, set_model_state_dict
 from ..gpt import GPT, GPTConfig
-from ..policies import MixedPrecisionPolicy
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
 from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
@@ -219,11 +219,27 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """Checkpoint activations per block if asked, then make every repeated block (GPT
     ``Block``s, a Hugging Face model's ``_no_split_modules``) a unit, then the root."""
+    blocks = tuple(repeated_block_classes(model))
     if parallel.activation_checkpointing:
-        blocks = tuple(repeated_block_classes(model))
         apply_activation_checkpointing(model, lambda m: isinstance(m, blocks))
+    if parallel.compile:
+        compile_blocks(model, blocks)
+    offload = CPUOffloadPolicy() if parallel.offload else None
     return auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
-                     mp_policy=mixed_precision(parallel.precision))
+                     mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
+
+
+def compile_blocks(model: nn.Module, blocks: tuple[type, ...] | None = None) -> None:
+    """Replace each block (of ``blocks``, default the repeated ones; or its checkpoint
+    wrapper) by ``torch.compile`` of it, in place. Sharding afterwards makes the block
+    inside a unit: each compiled graph is one block's forward between fullshard's hooks,
+    as torchtitan compiles."""
+    blocks = blocks or tuple(repeated_block_classes(model))
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            inner = getattr(child, "_checkpoint_wrapped_module", child)
+            if isinstance(inner, blocks):
+                parent.register_module(name, torch.compile(child))
 
 
 # -- rank 0's initial weights ----------------------------------------------------------
