@@ -84,6 +84,7 @@ SLOW = {
     "tests/test_train_reliability.py::test_worker_killed_inside_a_save_leaves_the_previous_checkpoint",
     "tests/test_train_reliability.py::test_worker_killed_mid_step_restarts_from_the_last_checkpoint",
     "tests/test_train_soak.py::test_memory_stays_flat_and_every_checkpoint_loads",
+    "tests/test_train_units.py::test_loss_plot_is_a_png_of_the_asked_size_with_both_curves",
     "tests/test_wrap.py::test_auto_wrap_and_policy_parity",
 }
 
