@@ -18,7 +18,7 @@ RECORDS = [{"step": 0, "val_loss": 4.2},
             "peak_mem_bytes_per_rank": [123456790, 12], "grad_norm": 0.4, "val_loss": 3.8}]
 
 
-def _tensorboard_scalars(out: str) -> dict[str, list[tuple[int, float]]]:
+def tensorboard_scalars(out: str) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(out)
@@ -34,7 +34,7 @@ def test_tensorboard_event_files_hold_every_record_and_a_resume_drops_the_lost_s
     for record in RECORDS:
         board.write(record)
     board.close()
-    got = _tensorboard_scalars(str(tmp_path))
+    got = tensorboard_scalars(str(tmp_path))
     assert set(got) == {"val_loss", "loss", "lr", "peak_mem_bytes", "grad_norm"}
     assert got["loss"] == [(1, pytest.approx(4.1)), (2, pytest.approx(3.9))]
     assert got["val_loss"] == [(0, pytest.approx(4.2)), (2, pytest.approx(3.8))]
@@ -43,7 +43,7 @@ def test_tensorboard_event_files_hold_every_record_and_a_resume_drops_the_lost_s
     board = TensorBoard(str(tmp_path), resume_step=1)
     board.write({"step": 2, "loss": 3.5})
     board.close()
-    assert _tensorboard_scalars(str(tmp_path))["loss"] == [(1, pytest.approx(4.1)),
+    assert tensorboard_scalars(str(tmp_path))["loss"] == [(1, pytest.approx(4.1)),
                                                            (2, pytest.approx(3.5))]
 
 

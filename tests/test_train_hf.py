@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 import torch.distributed.checkpoint as dcp
 
 from fullshard import FSDPModule
@@ -19,6 +18,7 @@ from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.data import load_text
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
+from test_train_dashboards import tensorboard_scalars
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,8 +172,14 @@ def test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers(tm
                          "--batch.seq-len", "16", "--batch.batch-size", "2",
                          "--optim.lr", "1e-2", "--optim.warmup-steps", "1", "--eval.every", "0",
                          "--eval.sample-prompt", prompt, "--eval.sample-tokens", "8",
-                         "--eval.temperature", "0", "--out", str(run))
+                         "--eval.temperature", "0", "--metrics.tensorboard", "true",
+                         "--out", str(run))
     assert trained.returncode == 0, trained.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").open()
+              if "loss" in json.loads(line)]
+    logged = tensorboard_scalars(str(run))["loss"]  # rank 0 sent every step on
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in logged] == pytest.approx(losses)
     assert sorted(os.listdir(run / "hf")) == sorted(
         ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
         + [f for f in os.listdir(run / "hf") if f == "special_tokens_map.json"])
