@@ -78,6 +78,7 @@ SLOW = {
     "tests/test_schedule_drift.py::test_replay_makes_the_runtime_schedule",
     "tests/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
     "tests/test_train_cli.py::test_resume_continues_exactly_like_one_straight_run",
+    "tests/test_train_hf.py::test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers",
     "tests/test_train_hf.py::test_fine_tune_tiny_llama_and_gpt2_from_local_folders",
     "tests/test_train_loop.py::test_bf16_and_fp16_train_close_to_fp32",
     "tests/test_train_loop.py::test_data_dependent_errors_name_the_field",
@@ -86,6 +87,7 @@ SLOW = {
     "tests/test_train_reliability.py::test_worker_killed_inside_a_save_leaves_the_previous_checkpoint",
     "tests/test_train_reliability.py::test_worker_killed_mid_step_restarts_from_the_last_checkpoint",
     "tests/test_train_soak.py::test_memory_stays_flat_and_every_checkpoint_loads",
+    "tests/test_train_units.py::test_loss_plot_is_a_png_of_the_asked_size_with_both_curves",
     "tests/test_wrap.py::test_auto_wrap_and_policy_parity",
 }
 

@@ -259,11 +259,49 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
     }
 
 
+def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
+    import sys
+
+    from fullshard import checkpoint
+    from fullshard.cli.train import build_parser, resolve_config
+    from fullshard.train.config import get_preset, to_toml
+    from fullshard.train.hf_export import export_hf, parse_size
+
+    def resolve(*argv):
+        resolve_config(build_parser().parse_args(list(argv)))
+
+    def without_tensorboard():
+        saved = sys.modules.get("tensorboard")
+        sys.modules["tensorboard"] = None  # what import sees when it is not installed
+        try:
+            resolve("--metrics.tensorboard", "true")
+        finally:
+            if saved is None:
+                del sys.modules["tensorboard"]
+            else:
+                sys.modules["tensorboard"] = saved
+
+    alone = os.path.join(tmp, "alone", "step_1")
+    checkpoint.save(alone, nn.Linear(2, 2))
+    run = os.path.join(tmp, "run")
+    checkpoint.save(os.path.join(run, "checkpoints", "step_000001"), nn.Linear(2, 2))
+    with open(os.path.join(run, "config.toml"), "w") as f:
+        f.write(to_toml(get_preset("debug")))
+    return {
+        "E50": _message(without_tensorboard),
+        "E51": _message(lambda: resolve("--metrics.wandb", "team/project")),
+        "E52": _message(lambda: export_hf(alone, os.path.join(tmp, "hf"), 10**9)),
+        "E53": _message(lambda: parse_size("big")),
+        "E54": _message(lambda: export_hf(run, os.path.join(tmp, "hf"), 10**9)),
+    }
+
+
 @pytest.fixture(scope="module")
 def produced(tmp_path_factory) -> dict[str, str]:
     tmp = str(tmp_path_factory.mktemp("errors"))
     messages = _no_process_group_case()
     messages.update(_trainer_cases(tmp))
+    messages.update(_metrics_and_export_cases(tmp))
     ranks = run_distributed(_library_cases, 2, tmp)
     messages.update(ranks[0])
     messages["E35"] = ranks[1]["E35"]  # the rank outside the mesh

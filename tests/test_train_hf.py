@@ -1,17 +1,24 @@
-"""Fine-tuning tiny Hugging Face models (Llama- and GPT-2-style) at world size 2."""
+"""Fine-tuning tiny Hugging Face models (Llama- and GPT-2-style) at world size 2, and
+exporting the result with ``fullshard ckpt export --hf`` back to Hugging Face."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from fullshard import FSDPModule
+from fullshard.cli import main as fullshard_main
 from fullshard.testing import run_distributed
 from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.data import load_text
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
+from test_train_dashboards import tensorboard_scalars
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,8 +32,8 @@ def _save_llama(path: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
-def _save_gpt2_with_tokenizer(path: str) -> None:
-    """A GPT-2 with a byte-level BPE tokenizer trained here (no hub access)."""
+def _bpe_tokenizer():
+    """A byte-level BPE tokenizer trained here on a little Shakespeare (no hub access)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
@@ -35,7 +42,12 @@ def _save_gpt2_with_tokenizer(path: str) -> None:
     bpe.train_from_iterator([load_text()[:50_000]], trainers.BpeTrainer(
         vocab_size=400, special_tokens=["<eos>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+
+
+def _save_gpt2_with_tokenizer(path: str) -> None:
+    """A GPT-2 with the BPE tokenizer; its embeddings are tied to its output layer."""
+    tokenizer = _bpe_tokenizer()
     eos = tokenizer.eos_token_id
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32,
                                      n_layer=2, n_head=4, bos_token_id=eos, eos_token_id=eos)
@@ -76,13 +88,43 @@ def _fine_tune(model_dir: str, data: str, out: str) -> dict:
             "layers_sharded": [isinstance(m, FSDPModule) for m in decoder_layers]}
 
 
+def _checkpoint_tensors(run: str) -> dict[str, torch.Tensor]:
+    """Every model tensor of the run's latest checkpoint, read with torch's DCP alone."""
+    from fullshard.checkpoint.export import model_tensors
+    from fullshard.train.checkpoints import resolve_checkpoint
+
+    path = resolve_checkpoint(run)
+    state = {f"model.{name}": torch.empty(m.size, dtype=m.properties.dtype)
+             for name, m in model_tensors(path).items()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {name.removeprefix("model."): t for name, t in state.items()}
+
+
+def _export_and_reload(run: str, out: str, max_shard_size: str):
+    """``fullshard ckpt export RUN OUT --hf``, then ``from_pretrained(OUT)``; checks that
+    it holds exactly the checkpoint's weights."""
+    assert fullshard_main(["ckpt", "export", run, out, "--hf",
+                           "--max-shard-size", max_shard_size]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    exported = model.state_dict()
+    saved = _checkpoint_tensors(run)
+    assert set(saved) <= set(exported)
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+    return model
+
+
+def _jsonl(path) -> None:
+    with open(path, "w") as f:
+        for paragraph in load_text()[:30_000].split("\n\n"):
+            f.write(json.dumps({"text": paragraph}) + "\n")
+
+
 def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
     _save_llama(str(tmp_path / "llama"))
     _save_gpt2_with_tokenizer(str(tmp_path / "gpt2"))
     data = tmp_path / "data.jsonl"
-    with open(data, "w") as f:
-        for paragraph in load_text()[:30_000].split("\n\n"):
-            f.write(json.dumps({"text": paragraph}) + "\n")
+    _jsonl(data)
     for name, tokenizer in (("llama", "bytes"), ("gpt2", "the model's tokenizer")):
         results = run_distributed(_fine_tune, 2, str(tmp_path / name), str(data),
                                   str(tmp_path / f"out-{name}"), timeout=240)
@@ -94,3 +136,60 @@ def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
                                                                           result["losses"])))
         assert result["val"][-1] < result["val"][0], name
         assert (tmp_path / f"out-{name}" / "checkpoints" / "latest").exists()
+        # Back to Hugging Face: the trained weights, the tokenizer the run had (if any).
+        exported = tmp_path / f"hf-{name}"
+        model = _export_and_reload(str(tmp_path / f"out-{name}"), str(exported), "20KB")
+        assert len(list(exported.glob("model-*.safetensors"))) > 1
+        assert (exported / "tokenizer.json").exists() == (name == "gpt2")
+        before = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / name))
+        assert not torch.equal(model.lm_head.weight, before.lm_head.weight)
+        if name == "gpt2":  # tied: one tensor, written once, tied again on load
+            assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def _fullshard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fullshard", *args], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers(tmp_path):
+    """The whole flow as a person runs it: a Llama folder with a tokenizer, fullshard
+    train on JSONL over 2 ranks, export, transformers loads and generates."""
+    model_dir, run, exported = tmp_path / "llama", tmp_path / "run", tmp_path / "hf"
+    tokenizer = _bpe_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    _jsonl(tmp_path / "data.jsonl")
+    prompt = "ROMEO:"
+    trained = _fullshard("train", "--preset", "debug", "--model", f"hf:{model_dir}",
+                         "--data", str(tmp_path / "data.jsonl"), "--steps", "6",
+                         "--batch.seq-len", "16", "--batch.batch-size", "2",
+                         "--optim.lr", "1e-2", "--optim.warmup-steps", "1", "--eval.every", "0",
+                         "--eval.sample-prompt", prompt, "--eval.sample-tokens", "8",
+                         "--eval.temperature", "0", "--metrics.tensorboard", "true",
+                         "--out", str(run))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").open()
+              if "loss" in json.loads(line)]
+    logged = tensorboard_scalars(str(run))["loss"]  # rank 0 sent every step on
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in logged] == pytest.approx(losses)
+    assert sorted(os.listdir(run / "hf")) == sorted(
+        ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+        + [f for f in os.listdir(run / "hf") if f == "special_tokens_map.json"])
+    exported_model = _export_and_reload(str(run), str(exported), "5GB")
+    assert (exported / "model.safetensors").exists()  # small enough for one file
+    assert not (exported / "model.safetensors.index.json").exists()
+    loaded = transformers.AutoTokenizer.from_pretrained(str(exported))
+    ids = loaded(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    generated = exported_model.generate(ids, max_new_tokens=8, do_sample=False)
+    text = loaded.decode(generated[0])
+    assert generated.shape[1] == ids.shape[1] + 8
+    # Greedy decoding in transformers continues the prompt as the trainer's own sample did.
+    assert f"--- sample after 6 steps ---\n{text}\n---" in trained.stdout

@@ -1,8 +1,10 @@
-"""The trainer's parts that need no processes: config, presets, data order, schedule, plot."""
+"""The trainer's parts that need no processes: config, presets, data order, schedule,
+plot, progress line."""
 
+import io
 import math
-import struct
-import zlib
+import re
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ from fullshard.train.config import (PRESETS, ConfigError, OptimConfig, apply_ove
                                     get_preset, load_toml, to_toml, validate)
 from fullshard.train.data import EpochSampler, validation_batches
 from fullshard.train.loop import learning_rate
-from fullshard.train.metrics import plot_losses
+from fullshard.train.metrics import expected_memory_line
+from fullshard.train.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
+from fullshard.train.progress import ProgressLine
 from fullshard.train.model import build_model, preset_model
 
 
@@ -130,37 +134,65 @@ def test_sampler_and_validation_refuse_too_little_data():
     assert len(starts) == 16
 
 
-def _png_size_and_pixels(data: bytes):
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        crc = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
-        assert zlib.crc32(kind + body) & 0xFFFFFFFF == crc
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2)
-    raw = zlib.decompress(chunks[b"IDAT"])
-    rows = [raw[y * (3 * width + 1) + 1:(y + 1) * (3 * width + 1)] for y in range(height)]
-    return width, height, rows
+def _rgb_pixels(path):
+    image = pytest.importorskip("PIL.Image").open(path)
+    assert image.format == "PNG"
+    return image.size, set(image.convert("RGB").getdata())
 
 
 def test_loss_plot_is_a_png_of_the_asked_size_with_both_curves(tmp_path):
+    pytest.importorskip("matplotlib")
     train = [(s, 4.0 * math.exp(-s / 50) + 1.5) for s in range(1, 201)]
     val = [(s, 4.0 * math.exp(-s / 50) + 1.6) for s in (0, 50, 100, 150, 200)]
     path = str(tmp_path / "loss.png")
-    plot_losses(path, train, val, width=500, height=300)
-    width, height, rows = _png_size_and_pixels(open(path, "rb").read())
-    assert (width, height) == (500, 300)
-    pixels = {bytes(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
-    assert bytes((31, 119, 180)) in pixels and bytes((255, 127, 14)) in pixels
-    non_white = sum(row[i:i + 3] != b"\xff\xff\xff" for row in rows
-                    for i in range(0, len(row), 3))
-    assert 2000 < non_white < 0.5 * width * height
-    plot_losses(path, [], [])  # before any step: axes only, still a valid PNG
-    assert _png_size_and_pixels(open(path, "rb").read())[:2] == (640, 400)
+    assert plot_losses(path, train, val, width=500, height=300)
+    size, colors = _rgb_pixels(path)
+    assert size == (500, 300)
+    assert (31, 119, 180) in colors and (255, 127, 14) in colors  # tab:blue, tab:orange
+    assert plot_losses(path, [], [])  # before any step: axes only, still a PNG
+    size, colors = _rgb_pixels(path)
+    assert size == (640, 400) and (31, 119, 180) not in colors
+
+
+def test_without_matplotlib_no_plot_is_drawn_and_the_notice_names_the_extra(tmp_path,
+                                                                            monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # what import sees when not installed
+    path = tmp_path / "loss.png"
+    assert matplotlib_figure() is None
+    assert plot_losses(str(path), [(1, 2.0)], [(1, 2.1)]) is False
+    assert not path.exists()
+    assert "pip install 'fullshard[plot]'" in NOT_INSTALLED and "\n" not in NOT_INSTALLED
+
+
+def _progress(stream, steps=range(41, 45)):
+    line = ProgressLine(steps[0], 60, stream)
+    for step in steps:
+        line.update(step, 2.5, 12345.6, [2 * 2**20, 3 * 2**20])
+        if step == 42:
+            line.message("step 42: val loss 2.1000")
+    line.close()
+    return stream.getvalue()
+
+
+def test_progress_is_one_line_per_step_off_a_terminal():
+    lines = _progress(io.StringIO()).splitlines()
+    assert len(lines) == 5 and lines[2] == "step 42: val loss 2.1000"
+    assert re.fullmatch(r"step 41/60  loss 2\.5000  12,346 tok/s  peak/rank 2 MiB 3 MiB  "
+                        r"elapsed 00:00  eta \d\d:\d\d", lines[0]), lines[0]
+    assert [int(line.split()[1].split("/")[0]) for line in lines if "tok/s" in line] == \
+        [41, 42, 43, 44]
+    assert "\r" not in "".join(lines)
+
+
+def test_progress_rewrites_one_line_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    text = _progress(Terminal())
+    assert "\r" in text and "step 42: val loss 2.1000\n" in text
+    assert text.rstrip("\n").split("\r")[-1].startswith("step 44/60  loss 2.5000")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -172,3 +204,23 @@ def test_flag_errors_are_one_line_too(flags, message, capsys):
         train_cli.main(flags)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_gpu_presets_print_their_estimated_memory_before_launching(monkeypatch, capsys):
+    from fullshard.memory import estimate
+
+    cfg = get_preset("gpt2-124m")
+    expected = estimate("gpt2-124m", world_size=8, mp_policy=torch.bfloat16, batch_size=8,
+                        seq_len=1024, device="cuda", process_baseline=0).total
+    line = expected_memory_line(cfg, "gpt2-124m", 8, "cuda")
+    assert line.startswith(f"gpt2-124m: expected peak memory {expected / 2**30:,.1f} GiB "
+                           "per GPU at 8 ranks, bf16, micro-batch 8 x 1024")
+    # A larger micro-batch is a larger estimate: computed for the run, not a constant.
+    bigger = apply_overrides(cfg, {"batch.batch_size": "16"}, "flags")
+    assert expected_memory_line(bigger, "gpt2-124m", 8, "cuda") != line
+    launched = []
+    monkeypatch.setattr(train_cli, "launch", lambda options, argv: launched.append(argv) or 0)
+    assert train_cli.main(["--preset", "llama-1b", "--nproc", "4"]) == 0
+    assert launched and "expected peak memory" in capsys.readouterr().err
+    assert train_cli.main(["--preset", "debug"]) == 0  # not a GPU preset: no estimate
+    assert "expected peak memory" not in capsys.readouterr().err

@@ -1,17 +1,21 @@
-"""Inspect a checkpoint, and export its model to one ``.safetensors`` file.
+"""Inspect a checkpoint, and export its model to one ``.safetensors`` file or to
+Hugging Face's sharded layout (several files and an index).
 
 Both run in one process with no process group. Export streams: it writes the
 safetensors header from the checkpoint's metadata first, then reads and appends
 one tensor at a time (DCP reads only the pieces of that tensor from the shard
-files), so its peak memory is about the largest tensor, not the model.
+files), so its peak memory is about the largest tensor, not the model. A sharded export
+writes its files one after another the same way.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,30 +62,106 @@ def inspect(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
             "bytes": sum(f["bytes"] for f in manifest["files"].values())}
 
 
+@dataclass(frozen=True)
+class ExportedTensor:
+    """One tensor of an export: its name there, the checkpoint tensor it is read from
+    (without the ``model.`` prefix), and whether its two dimensions are swapped."""
+
+    name: str
+    source: str
+    transpose: bool = False
+
+
 def export_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> str:
     """Write the checkpoint's model tensors, unsharded, to one ``.safetensors`` file."""
     path = resolve(path)
     read_manifest(path)
     tensors = model_tensors(path)
+    out = os.fspath(out)
+    _write_file(path, out, [ExportedTensor(name, name) for name in tensors], tensors)
+    return out
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def export_sharded(path: str | os.PathLike, out_dir: str | os.PathLike,
+                   entries: list[ExportedTensor], max_shard_bytes: int) -> list[str]:
+    """Write ``entries`` in Hugging Face's layout: ``model.safetensors`` when they fit in
+    ``max_shard_bytes``, else ``model-0000k-of-0000n.safetensors`` files of at most that
+    size (a larger tensor gets a file of its own) and ``model.safetensors.index.json``
+    mapping each name to its file. Files of an earlier export in ``out_dir`` that this one
+    does not rewrite are removed. Returns the files written."""
+    path = resolve(path)
+    read_manifest(path)
+    tensors = model_tensors(path)
+    missing = [e.source for e in entries if e.source not in tensors]
+    if missing:
+        raise CheckpointError(f"export: checkpoint {path} has no model tensor "
+                              f"{', '.join(missing[:5])}; it is not a checkpoint of this model")
+    shards: list[list[ExportedTensor]] = [[]]
+    filled = 0
+    for entry in entries:
+        nbytes = _nbytes(tensors[entry.source])
+        if shards[-1] and filled + nbytes > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(entry)
+        filled += nbytes
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name in os.listdir(out_dir):  # an earlier export's files would mislead a loader
+        if (name in (SINGLE_FILE, INDEX) or _SHARD_FILE.match(name)) and name not in names:
+            os.remove(os.path.join(out_dir, name))
+    written = []
+    for name, shard in zip(names, shards):
+        written.append(_write_file(path, os.path.join(out_dir, name), shard, tensors))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(tensors[e.source]) for e in entries)},
+                 "weight_map": {e.name: name for name, shard in zip(names, shards)
+                                for e in shard}}
+        with open(os.path.join(out_dir, INDEX + ".partial"), "w") as f:
+            json.dump(index, f, indent=2)
+        os.replace(os.path.join(out_dir, INDEX + ".partial"), os.path.join(out_dir, INDEX))
+        written.append(os.path.join(out_dir, INDEX))
+    return written
+
+
+def _nbytes(m: TensorStorageMetadata) -> int:
+    return m.size.numel() * m.properties.dtype.itemsize
+
+
+def _write_file(path: str, out: str, entries: list[ExportedTensor],
+                tensors: dict[str, TensorStorageMetadata]) -> str:
+    """Stream ``entries`` into the safetensors file ``out``: the header from the
+    checkpoint's metadata, then one tensor at a time."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "fullshard"}}
     offset = 0
-    for name, m in tensors.items():
+    for entry in entries:
+        m = tensors[entry.source]
         if m.properties.dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"export: tensor '{name}' has dtype {m.properties.dtype}, "
-                                  "which safetensors cannot store.")
-        nbytes = m.size.numel() * m.properties.dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[m.properties.dtype],
-                        "shape": list(m.size), "data_offsets": [offset, offset + nbytes]}
+            raise CheckpointError(f"export: tensor '{entry.source}' has dtype "
+                                  f"{m.properties.dtype}, which safetensors cannot store.")
+        nbytes = _nbytes(m)
+        shape = list(m.size)[::-1] if entry.transpose else list(m.size)
+        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[m.properties.dtype],
+                              "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data on 8 bytes
-    out = os.fspath(out)
     tmp = f"{out}.partial"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, m in tensors.items():
-            f.write(_read_tensor(path, name, m).contiguous().view(torch.uint8).numpy().tobytes())
+        for entry in entries:
+            tensor = _read_tensor(path, entry.source, tensors[entry.source])
+            if entry.transpose:
+                tensor = tensor.t()
+            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     os.replace(tmp, out)
     return out
 

@@ -145,8 +145,11 @@ def load(path: str | os.PathLike, model: nn.Module,
 
 
 def resolve(path: str | os.PathLike) -> str:
-    """``path`` itself if it is a checkpoint, else the one its ``latest`` file names."""
+    """``path`` itself if it is a checkpoint, else the one its ``latest`` file names;
+    ``path`` may also be that ``latest`` file."""
     path = os.path.abspath(os.fspath(path))
+    if os.path.basename(path) == LATEST and os.path.isfile(path):
+        path = os.path.dirname(path)
     pointer = os.path.join(path, LATEST)
     if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.isfile(pointer):
         with open(pointer) as f:

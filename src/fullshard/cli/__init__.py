@@ -5,6 +5,7 @@
     fullshard plan [FLAGS]              the fastest configuration that fits a memory budget
     fullshard ckpt inspect DIR          what a checkpoint holds, checksums verified
     fullshard ckpt export DIR OUT       its model as one .safetensors file (streamed)
+    fullshard ckpt export DIR OUT --hf  its model as a Hugging Face folder (streamed)
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(importlib.import_module(module_name), function_name)(argv[1:])
     args = build_parser().parse_args(argv)
     from ..checkpoint import CheckpointError
+    from ..train.config import ConfigError
 
     try:
         return args.run(args)
-    except CheckpointError as err:
+    except (CheckpointError, ConfigError) as err:
         print(f"fullshard: {err}", file=sys.stderr)
         return 2

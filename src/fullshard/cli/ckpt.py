@@ -1,12 +1,21 @@
-"""``fullshard ckpt``: what a checkpoint holds, and its model as one .safetensors file.
+"""``fullshard ckpt``: what a checkpoint holds, and its model as one .safetensors file
+or as a Hugging Face folder.
 
     fullshard ckpt inspect DIR          what a checkpoint holds, checksums verified
     fullshard ckpt export DIR OUT       its model as one .safetensors file (streamed)
+    fullshard ckpt export DIR OUT --hf  a folder AutoModelForCausalLM.from_pretrained loads
+
+DIR is a checkpoint, a directory whose ``latest`` names one, that ``latest`` file, or a
+``fullshard train`` run's output directory (its latest checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+
+
+DIR_HELP = ("a checkpoint, a directory whose 'latest' names one, that 'latest' file, or a "
+            "fullshard train run's output directory")
 
 
 def add_parser(commands) -> None:
@@ -15,19 +24,27 @@ def add_parser(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="inspect or export checkpoints")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     inspect = ckpt_commands.add_parser("inspect", help="what a checkpoint holds")
-    inspect.add_argument("dir", help="a checkpoint, or a directory whose 'latest' names one")
+    inspect.add_argument("dir", help=DIR_HELP)
     inspect.add_argument("--no-verify", action="store_true", help="skip the checksums")
     inspect.set_defaults(run=_inspect)
-    export = ckpt_commands.add_parser("export", help="write the model to one .safetensors")
-    export.add_argument("dir", help="a checkpoint, or a directory whose 'latest' names one")
-    export.add_argument("out", help="the .safetensors file to write")
+    export = ckpt_commands.add_parser(
+        "export", help="write the model to one .safetensors, or a Hugging Face folder")
+    export.add_argument("dir", help=DIR_HELP)
+    export.add_argument("out", help="the .safetensors file to write (with --hf: the folder)")
+    export.add_argument("--hf", action="store_true",
+                        help="write a Hugging Face folder (config.json, tokenizer, sharded "
+                        "safetensors) of a fullshard train run's checkpoint")
+    export.add_argument("--max-shard-size", metavar="SIZE", default=None,
+                        help="with --hf: the largest weights file, e.g. 500MB or 2GiB "
+                        "(default 5GB)")
     export.set_defaults(run=_export)
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..checkpoint.export import inspect
+    from ..train.checkpoints import resolve_checkpoint
 
-    info = inspect(args.dir, verify=not args.no_verify)
+    info = inspect(resolve_checkpoint(args.dir), verify=not args.no_verify)
     print(f"checkpoint   {info['path']}")
     print(f"saved at     world size {info['world_size']}, "
           f"{'with' if info['has_optimizer'] else 'without'} optimizer state")
@@ -55,6 +72,18 @@ def _numel(shape: list[int]) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from ..checkpoint.export import export_safetensors
+    from ..train.checkpoints import resolve_checkpoint
+    from ..train.config import ConfigError
 
-    print(export_safetensors(args.dir, args.out))
+    if not args.hf:
+        if args.max_shard_size is not None:
+            raise ConfigError("--max-shard-size: applies to --hf exports only; add --hf, "
+                              "or leave it out for one .safetensors file")
+        print(export_safetensors(resolve_checkpoint(args.dir), args.out))
+        return 0
+    from ..train.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_size
+
+    size = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    for path in export_hf(args.dir, args.out, size):
+        print(path)
     return 0

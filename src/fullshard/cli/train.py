@@ -27,11 +27,12 @@ import sys
 
 from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint,
                                  resumes_after_restart)
-from ..train.config import (DEFAULT_PRESET, PRESETS, ConfigError, TrainConfig,
+from ..train.config import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
                             apply_overrides, field_docs, get_preset, load_toml, metavar,
                             scalar_fields, sections, type_hints, validate)
 from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, is_worker,
                             launch, start_worker, stop_worker)
+from ..train.packages import check_packages
 
 FIELD_DEST = "field:"  # argparse dest prefix of config fields
 
@@ -96,7 +97,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
     cfg = apply_overrides(cfg, overrides, "command line")
     if cfg.optim.decay_steps == 0:  # fixed now, and saved in config.toml for --resume
         cfg = apply_overrides(cfg, {"optim.decay_steps": cfg.steps}, "command line")
-    return validate(cfg), out
+    return check_packages(validate(cfg)), out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fullshard train: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     if not is_worker():
+        if args.preset in GPU_PRESETS:
+            _print_expected_memory(cfg, args)
         return launch(LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.master_addr,
                                     args.master_port, args.max_restarts), argv)
     return _work(cfg, out, args.resume)
@@ -127,6 +130,19 @@ def _check_launch(args: argparse.Namespace, out: str) -> None:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.nnodes > 1 and not args.master_addr:
         raise ConfigError("--master-addr: needed with --nnodes > 1 (the address of node 0)")
+
+
+def _print_expected_memory(cfg: TrainConfig, args: argparse.Namespace) -> None:
+    import torch
+
+    from ..train.launch import default_nproc
+    from ..train.metrics import expected_memory_line
+
+    world = (args.nproc or default_nproc()) * args.nnodes
+    line = expected_memory_line(cfg, args.preset, world,
+                                "cuda" if torch.cuda.is_available() else "cpu")
+    if line is not None:
+        print(f"fullshard train: {line}", file=sys.stderr, flush=True)
 
 
 def _work(cfg: TrainConfig, out: str, resume: bool) -> int:

@@ -41,6 +41,7 @@ from .config import ConfigError
 from .launch import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+RUN_CONFIG = "config.toml"  # the resolved configuration, written by the loop at start
 
 
 @dataclass
@@ -99,6 +100,26 @@ def saved_job(out: str) -> str | None:
     latest = checkpoint.io.resolve(checkpoint_dir(out))
     extra = torch.load(os.path.join(latest, checkpoint.io.EXTRA), weights_only=False)
     return extra.get("job")
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The checkpoint a person names: a checkpoint directory, a directory whose ``latest``
+    names one, that ``latest`` file, or a run's OUT (its ``checkpoints/latest``)."""
+    if os.path.isdir(checkpoint_dir(path)) and not os.path.exists(
+            os.path.join(path, checkpoint.io.MANIFEST)):
+        path = checkpoint_dir(path)
+    return checkpoint.io.resolve(path)
+
+
+def run_of(checkpoint_path: str) -> str | None:
+    """The run directory (OUT) a checkpoint was saved in, or None when it lies elsewhere:
+    OUT/checkpoints/step_NNNNNN beside OUT/config.toml."""
+    parent = os.path.dirname(os.path.abspath(checkpoint_path))
+    run = os.path.dirname(parent)
+    if os.path.basename(parent) == "checkpoints" and os.path.isfile(
+            os.path.join(run, RUN_CONFIG)):
+        return run
+    return None
 
 
 def load(out: str, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -71,6 +71,7 @@ else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 PRECISIONS = ("fp32", "bf16", "fp16")
+WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
 
 
 class ConfigError(ValueError):
@@ -169,6 +170,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where metrics go besides OUT/metrics.jsonl and OUT/loss.png (rank 0 writes them)."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to OUT (view with tensorboard --logdir OUT); needs
+    pip install 'fullshard[tensorboard]'."""
+    wandb: str = ""
+    """Also log to this Weights & Biases project (empty: off; WANDB_MODE=offline logs to
+    OUT/wandb without an account); needs pip install 'fullshard[wandb]'."""
+
+
+@dataclass
 class TrainConfig:
     """One training run."""
 
@@ -187,6 +200,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def is_hf(self) -> bool:
@@ -197,7 +211,7 @@ class TrainConfig:
         return self.model[len("hf:"):]
 
 
-SECTIONS = ("gpt", "batch", "optim", "parallel", "eval", "checkpoint")
+SECTIONS = ("gpt", "batch", "optim", "parallel", "eval", "checkpoint", "metrics")
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -218,6 +232,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"batch.val_fraction: must be in [0, 1), got {cfg.batch.val_fraction}")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr: {cfg.optim.min_lr} is above optim.lr {cfg.optim.lr}")
+    if set(WANDB_FORBIDDEN) & set(cfg.metrics.wandb) or len(cfg.metrics.wandb) > 128:
+        raise ConfigError(f"metrics.wandb: a W&B project name of at most 128 characters, "
+                          f"without any of {' '.join(WANDB_FORBIDDEN)}; got "
+                          f"{cfg.metrics.wandb!r}")
     raf = cfg.parallel.reshard_after_forward
     if isinstance(raf, int) and not isinstance(raf, bool) and raf < 1:
         raise ConfigError(f"parallel.reshard_after_forward: accepted values are true, false, "
@@ -237,6 +255,8 @@ def _check_field(name: str, value, metadata) -> None:
 # -- presets ---------------------------------------------------------------------------
 
 DEFAULT_PRESET = "shakespeare"
+# Presets sized for GPUs: the launcher prints their estimated peak memory per rank first.
+GPU_PRESETS = ("gpt2-124m", "llama-1b")
 
 PRESETS: dict[str, TrainConfig] = {
     "debug": TrainConfig(

@@ -30,9 +30,14 @@ from . import checkpoints
 from .config import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
 from .launch import StopRequest, Worker, restart_count
-from .metrics import (FIGURES, MetricsLog, ProgressLine, StepMemory, estimate_line,
-                      estimated_peak_bytes, metrics_fields, plot_losses)
-from .model import Workload, build_mesh, build_workload, receive_initial_weights, shard_model
+from .dashboards import import_dashboards, open_dashboards
+from .metrics import (FIGURES, MetricsLog, StepMemory, estimate_line, estimated_peak_bytes,
+                      metrics_fields)
+from .model import (Workload, build_mesh, build_workload, receive_initial_weights,
+                    save_for_export, shard_model)
+from .packages import check_packages
+from .plot import NOT_INSTALLED, matplotlib_figure, plot_losses
+from .progress import ProgressLine
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -53,6 +58,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, out: str, worker: Worker):
         self.cfg, self.out, self.worker = cfg, out, worker
+        self.plotting = False  # rank 0, where matplotlib is installed
+        check_packages(cfg)  # on every rank, before anything collective
+        if worker.is_main:  # before the memory baseline, which then counts their modules
+            self.plotting = matplotlib_figure() is not None
+            import_dashboards(cfg)
         if worker.device.type == "cpu":  # this process is the trainer's: a lower CPU peak,
             tune_cpu_allocator()         # as its memory estimate assumes (memory/allocator.py)
         self.memory = StepMemory(worker.device)  # collective, and before the model exists
@@ -76,6 +86,7 @@ class Trainer:
         self.stop = StopRequest()
         self.log: MetricsLog | None = None
         self.progress: ProgressLine | None = None
+        self.dashboards: list = []  # rank 0: TensorBoard, W&B
         self.estimated_peak: int | None = None  # rank 0
         self.measured_peak = 0  # rank 0: the largest over ranks in this run's first steps
 
@@ -100,6 +111,8 @@ class Trainer:
                 self.progress.close()
             if self.log is not None:
                 self.log.close()
+            for dashboard in self.dashboards:
+                dashboard.close()
 
     def _start_reporting(self, resume: bool) -> None:
         if self.worker.is_main:
@@ -109,14 +122,18 @@ class Trainer:
             if restart_count() == 0:
                 checkpoints.forget_divergence(self.out)
             # Atomically: on --resume the other ranks may be reading it as they start.
-            config_path = os.path.join(self.out, "config.toml")
+            config_path = os.path.join(self.out, checkpoints.RUN_CONFIG)
             with open(config_path + ".partial", "w") as f:
                 f.write(to_toml(self.cfg))
             os.replace(config_path + ".partial", config_path)
-            self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl"),
-                                  self.step if resume else None)
+            resume_step = self.step if resume else None
+            self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl"), resume_step)
             self.progress = ProgressLine(self.step + 1, self.cfg.steps)
             self._say(self._banner(resume))
+            if not self.plotting:
+                self._say(NOT_INSTALLED)
+            self.dashboards = open_dashboards(self.cfg, self.out, resume_step)
+            save_for_export(self.cfg, self.workload, self.out)
             self.estimated_peak = estimated_peak_bytes(self.cfg, self.worker.world,
                                                        self.worker.device,
                                                        self.memory.baseline_bytes)
@@ -282,11 +299,13 @@ class Trainer:
                                     self.step))
 
     def _record(self, record: dict) -> None:
-        """Append to metrics.jsonl; redraw loss.png after an evaluation."""
+        """Append to metrics.jsonl and the dashboards; redraw loss.png after an evaluation."""
         if self.log is None:
             return
         self.log.write(record)
-        if "val_loss" in record:
+        for dashboard in self.dashboards:
+            dashboard.write(record)
+        if "val_loss" in record and self.plotting:
             records = self.log.records
             plot_losses(os.path.join(self.out, "loss.png"),
                         [(r["step"], r["loss"]) for r in records if "loss" in r],

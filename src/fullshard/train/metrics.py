@@ -1,7 +1,7 @@
-"""What a person sees: the progress line, eval log lines, ``metrics.jsonl``, ``loss.png``;
-and the memory figures in them.
+"""``metrics.jsonl``, and the memory figures in it and in the progress line.
 
-The progress line, the log and the plot run on rank 0 only; the memory figures come from
+The log runs on rank 0 only (as do the progress line, ``progress.py``, the plot,
+``plot.py``, and the dashboards, ``dashboards.py``); the memory figures come from
 :class:`StepMemory`, on every rank.
 
 Each step's memory per rank, measured by ``fullshard.memory.MemoryTracker``, and the
@@ -15,25 +15,14 @@ fullshard's own buffers (sharded and gathered parameters, gradients, pooled comm
 buffers) are sampled at phase edges and before each unit's forward: ~0.05 ms a sample
 (over the units and parameters the tracker listed once), ~0.3 ms a step for the debug
 preset, 3% of its step time. So they are sampled on every ``BUFFERS_EVERY``-th step only.
-
-``loss.png``: train and validation loss against step, drawn without dependencies. A line
-plot needs little: a pixel buffer, straight lines, a few digits and letters (a 5x7 bitmap
-font) and PNG's encoding (zlib + CRC-framed chunks, both in the standard library). Drawing
-it here keeps matplotlib (and its ~40 MB of dependencies and a second of import time on
-every rank) out of the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import struct
-import sys
-import time
-import zlib
-from typing import Iterator, TextIO
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -71,63 +60,6 @@ def read_metrics(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
-
-
-class ProgressLine:
-    """One status line on stderr rewritten in place (carriage return) on a terminal;
-    elsewhere (logs, pipes) a plain line every ``every_when_piped`` steps."""
-
-    def __init__(self, first_step: int, last_step: int, stream: TextIO = sys.stderr,
-                 every_when_piped: int = 10):
-        self.stream = stream
-        self.first_step, self.last_step = first_step, last_step
-        self.interactive = stream.isatty()
-        self.every_when_piped = every_when_piped
-        self.start = time.perf_counter()
-        self._open = False
-
-    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: list[int]) -> None:
-        done = step - self.first_step + 1
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.last_step - step)
-        width = len(str(self.last_step))
-        mem = " ".join(_mib(m) for m in peak_mem) if len(peak_mem) <= 4 else \
-            f"max {_mib(max(peak_mem))}"
-        text = (f"step {step:>{width}}/{self.last_step}  loss {loss:.4f}  "
-                f"{tokens_per_s:,.0f} tok/s  peak/rank {mem}  "
-                f"elapsed {_duration(elapsed)}  eta {_duration(eta)}")
-        if self.interactive:
-            self.stream.write("\r" + text + "\x1b[K")
-            self._open = True
-        elif step % self.every_when_piped == 0 or step == self.last_step:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def message(self, text: str) -> None:
-        """A line of its own (eval results, checkpoints) that the status line does not
-        overwrite."""
-        if self._open:
-            self.stream.write("\n")
-            self._open = False
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
 
 
 # -- memory per step -------------------------------------------------------------------
@@ -194,7 +126,7 @@ def metrics_fields(per_rank: torch.Tensor) -> dict:
 
 
 def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
-                         baseline_bytes: int) -> int | None:
+                         baseline_bytes: int | None) -> int | None:
     """``fullshard.memory.estimate``'s peak per rank for this run, or None where the
     estimator does not model the configuration (hybrid_shard's 2-D sharding, a Hugging
     Face model its meta-device trace cannot run)."""
@@ -221,162 +153,22 @@ def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
     return result.total
 
 
+def expected_memory_line(cfg: TrainConfig, preset: str, world: int, device_type: str
+                         ) -> str | None:
+    """The launcher's line for a GPU preset: ``fullshard.memory.estimate``'s peak per
+    rank for the resolved configuration at ``world`` ranks (None where not estimable)."""
+    peak = estimated_peak_bytes(cfg, world, torch.device(device_type),
+                                0 if device_type == "cuda" else None)
+    if peak is None:
+        return None
+    where = "per GPU" if device_type == "cuda" else "per rank (CPU)"
+    return (f"{preset}: expected peak memory {peak / 2**30:,.1f} GiB {where} at {world} "
+            f"ranks, {cfg.parallel.precision}, micro-batch {cfg.batch.batch_size} x "
+            f"{cfg.batch.seq_len} (fullshard.memory.estimate for this configuration)")
+
+
 def estimate_line(estimated: int, measured: int, first_step: int, last_step: int) -> str:
     error = (estimated - measured) / measured * 100 if measured else float("nan")
     return (f"memory: estimated peak {estimated / 2**20:,.0f} MiB per rank "
             f"(fullshard.memory.estimate); measured {measured / 2**20:,.0f} MiB (largest "
             f"rank, steps {first_step}-{last_step}): estimate {error:+.1f}%")
-
-
-# -- loss.png --------------------------------------------------------------------------
-
-Color = tuple[int, int, int]
-WHITE: Color = (255, 255, 255)
-BLACK: Color = (0, 0, 0)
-GRID: Color = (225, 225, 225)
-TRAIN_COLOR: Color = (31, 119, 180)
-VAL_COLOR: Color = (255, 127, 14)
-
-# 5x7 glyphs, one int per row, bit 4 the leftmost pixel.
-FONT = {
-    "0": (14, 17, 19, 21, 25, 17, 14), "1": (4, 12, 4, 4, 4, 4, 14),
-    "2": (14, 17, 1, 2, 4, 8, 31), "3": (31, 2, 4, 2, 1, 17, 14),
-    "4": (2, 6, 10, 18, 31, 2, 2), "5": (31, 16, 30, 1, 1, 17, 14),
-    "6": (6, 8, 16, 30, 17, 17, 14), "7": (31, 1, 2, 4, 8, 8, 8),
-    "8": (14, 17, 17, 14, 17, 17, 14), "9": (14, 17, 17, 15, 1, 2, 12),
-    ".": (0, 0, 0, 0, 0, 12, 12), "-": (0, 0, 0, 31, 0, 0, 0), " ": (0,) * 7,
-    "a": (0, 0, 14, 1, 15, 17, 15), "e": (0, 0, 14, 17, 31, 16, 14),
-    "i": (4, 0, 12, 4, 4, 4, 14), "l": (12, 4, 4, 4, 4, 4, 14),
-    "n": (0, 0, 22, 25, 17, 17, 17), "o": (0, 0, 14, 17, 17, 17, 14),
-    "p": (0, 0, 30, 17, 30, 16, 16), "r": (0, 0, 22, 25, 16, 16, 16),
-    "s": (0, 0, 14, 16, 14, 1, 30), "t": (8, 8, 28, 8, 8, 9, 6),
-    "v": (0, 0, 17, 17, 17, 10, 4),
-}
-SCALE = 2            # font pixels are SCALE x SCALE
-ADVANCE = 6 * SCALE  # glyph width plus one column of spacing
-
-
-class Canvas:
-    """An RGB pixel buffer that writes itself as PNG."""
-
-    def __init__(self, width: int, height: int, background: Color = WHITE):
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(background) * (width * height))
-
-    def set(self, x: int, y: int, color: Color) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = 3 * (y * self.width + x)
-            self.pixels[i:i + 3] = bytes(color)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
-        for y in range(y0, y1 + 1):
-            for x in range(x0, x1 + 1):
-                self.set(x, y, color)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color: Color, thick: int = 1) -> None:
-        """Bresenham's line; ``thick`` > 1 repeats it shifted down and right."""
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        err = dx + dy
-        while True:
-            for t in range(thick):
-                self.set(x0 + t, y0, color)
-                self.set(x0, y0 + t, color)
-            if x0 == x1 and y0 == y1:
-                return
-            e2 = 2 * err
-            if e2 >= dy:
-                err += dy
-                x0 += sx
-            if e2 <= dx:
-                err += dx
-                y0 += sy
-
-    def text(self, x: int, y: int, text: str, color: Color = BLACK) -> None:
-        """``text`` with its top-left corner at (x, y); characters without a glyph are
-        left blank."""
-        for k, char in enumerate(text):
-            for row, bits in enumerate(FONT.get(char, FONT[" "])):
-                for col in range(5):
-                    if bits >> (4 - col) & 1:
-                        px, py = x + k * ADVANCE + col * SCALE, y + row * SCALE
-                        self.rect(px, py, px + SCALE - 1, py + SCALE - 1, color)
-
-    def png(self) -> bytes:
-        stride = 3 * self.width
-        raw = b"".join(b"\x00" + bytes(self.pixels[y * stride:(y + 1) * stride])
-                       for y in range(self.height))  # filter type 0 on every row
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return (struct.pack(">I", len(data)) + kind + data
-                    + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-
-
-def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About ``count`` round values (steps of 1, 2 or 5 x 10^k) covering [low, high]."""
-    if high <= low:
-        high = low + 1.0
-    raw = (high - low) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(low / step) * step
-    return [first + i * step for i in range(int((high - first) / step + 1e-9) + 1)]
-
-
-def _label(value: float, step: float) -> str:
-    decimals = max(0, -math.floor(math.log10(step))) if step < 1 else 0
-    return f"{value:.{decimals}f}"
-
-
-def plot_losses(path: str, train: list[tuple[int, float]], val: list[tuple[int, float]],
-                width: int = 640, height: int = 400) -> None:
-    """Write a PNG of ``train`` and ``val`` (lists of (step, loss)) to ``path``."""
-    canvas = Canvas(width, height)
-    left, right, top, bottom = 70, width - 20, 40, height - 50
-    points = train + val
-    if points:
-        x_low, x_high = min(p[0] for p in points), max(p[0] for p in points)
-        y_low, y_high = min(p[1] for p in points), max(p[1] for p in points)
-    else:
-        x_low, x_high, y_low, y_high = 0, 1, 0.0, 1.0
-    x_ticks, y_ticks = nice_ticks(x_low, x_high), nice_ticks(y_low, y_high)
-    x_low, x_high = min(x_low, x_ticks[0]), max(x_high, x_ticks[-1], x_low + 1)
-    y_low, y_high = min(y_low, y_ticks[0]), max(y_high, y_ticks[-1], y_low + 1e-6)
-
-    def to_pixel(step: float, loss: float) -> tuple[int, int]:
-        px = left + (step - x_low) / (x_high - x_low) * (right - left)
-        py = bottom - (loss - y_low) / (y_high - y_low) * (bottom - top)
-        return round(px), round(py)
-
-    for value in y_ticks:
-        _, py = to_pixel(x_low, value)
-        canvas.line(left, py, right, py, GRID)
-        label = _label(value, y_ticks[1] - y_ticks[0] if len(y_ticks) > 1 else 1.0)
-        canvas.text(left - 8 - len(label) * ADVANCE, py - 7, label)
-    for value in x_ticks:
-        px, _ = to_pixel(value, y_low)
-        canvas.line(px, top, px, bottom, GRID)
-        label = f"{value:.0f}"
-        canvas.text(px - len(label) * ADVANCE // 2, bottom + 8, label)
-    canvas.line(left, top, left, bottom, BLACK)
-    canvas.line(left, bottom, right, bottom, BLACK)
-    canvas.text((left + right) // 2 - 2 * ADVANCE, height - 18, "step")
-    canvas.text(8, 8, "loss")
-    for series, color in ((train, TRAIN_COLOR), (val, VAL_COLOR)):
-        pixels = [to_pixel(s, v) for s, v in series]
-        for (x0, y0), (x1, y1) in zip(pixels, pixels[1:]):
-            canvas.line(x0, y0, x1, y1, color, thick=2)
-        if series is val:
-            for x, y in pixels:  # evaluations are few: mark each one
-                canvas.rect(x - 3, y - 3, x + 3, y + 3, color)
-    for k, (name, color) in enumerate((("train", TRAIN_COLOR), ("val", VAL_COLOR))):
-        x, y = right - 100, top + 6 + k * 20
-        canvas.rect(x, y + 4, x + 16, y + 8, color)
-        canvas.text(x + 24, y, name)
-    with open(path + ".partial", "wb") as f:
-        f.write(canvas.png())
-    os.replace(path + ".partial", path)  # a viewer never sees half a file

@@ -53,6 +53,7 @@ from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
 from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
+from .packages import import_optional
 
 
 # -- what a run trains -----------------------------------------------------------------
@@ -117,12 +118,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model: hf:PATH needs the transformers package; install it with "
-                          "pip install 'fullshard[hf]'") from None
-    return transformers
+    return import_optional("model")
 
 
 def load_hf_model(path: str, on_meta: bool = False) -> nn.Module:
@@ -178,6 +174,27 @@ def load_hf_tokenizer(path: str, model_vocab_size: int) -> Tokenizer:
 
 def hf_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits
+
+
+# What ``fullshard ckpt export --hf`` copies beside the weights (train/hf_export.py).
+EXPORT_DIR = "hf"
+
+
+def save_for_export(cfg: TrainConfig, workload: Workload, out: str) -> None:
+    """Rank 0, Hugging Face models: the source folder's config (and generation config)
+    and the tokenizer the run uses into ``OUT/hf``, so that an export needs neither the
+    source folder nor hub access later. A GPT's Hugging Face config is derived at export."""
+    if not cfg.is_hf:
+        return
+    transformers = _transformers()
+    target = os.path.join(out, EXPORT_DIR)
+    os.makedirs(target, exist_ok=True)
+    # Read again rather than taken from the model: training changed use_cache.
+    transformers.AutoConfig.from_pretrained(cfg.hf_path).save_pretrained(target)
+    if os.path.isfile(os.path.join(cfg.hf_path, "generation_config.json")):
+        transformers.GenerationConfig.from_pretrained(cfg.hf_path).save_pretrained(target)
+    if isinstance(workload.tokenizer, HFTokenizer):
+        workload.tokenizer.tokenizer.save_pretrained(target)
 
 
 # -- sharding --------------------------------------------------------------------------
