@@ -20,16 +20,20 @@ BATCH, SEQ = 1, 64
 MIB = 2 ** 20
 
 
-def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool):
+def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool,
+                    param_dtype: torch.dtype | None = None):
+    from fullshard import MixedPrecisionPolicy
     from fullshard.activation_checkpointing import apply_activation_checkpointing
 
     tune_cpu_allocator()
     tracker = MemoryTracker(warm_up=True)
     with torch.device("meta"):
         model = GPT(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
+                              if param_dtype else None)
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=strategy == "full_shard")
-    fully_shard(model, reshard_after_forward=strategy == "full_shard")
+        fully_shard(layer, reshard_after_forward=strategy == "full_shard", mp_policy=mp)
+    fully_shard(model, reshard_after_forward=strategy == "full_shard", mp_policy=mp)
     if activation_checkpointing:
         apply_activation_checkpointing(model, lambda m: m in set(model.layers))
     model.to_empty(device="cpu")
@@ -40,7 +44,7 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
     for _ in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=gen)
         with tracker.phase("forward"):
-            loss = lm_loss(model(tokens), torch.roll(tokens, -1, 1))
+            loss = lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1))
         with tracker.phase("backward"):
             loss.backward()
         with tracker.phase("optimizer"):
@@ -70,6 +74,19 @@ def test_estimate_within_10_percent_of_measured_peak(world_size, d_model, n_laye
               f"phases measured {_mib(report['phases'])} estimated "
               f"{ {p: round(b / MIB) for p, b in est.phase_peaks.items()} }")
         assert abs(error) <= 0.10, (rank, measured / MIB, est.table())
+
+
+def test_bf16_estimate_counts_the_fp32_loss():
+    """Under bf16 the loss runs over an fp32 copy of the logits (as trainers compute it):
+    with a large vocabulary those are the step's largest tensors."""
+    cfg = GPTConfig(vocab_size=32000, seq_len=SEQ, d_model=256, n_layers=2, n_heads=4)
+    batch = 16
+    report = run_distributed(train_and_track, 1, cfg, "full_shard", batch, False,
+                             torch.bfloat16, timeout=300)[0]
+    est = estimate(cfg, world_size=1, batch_size=batch, seq_len=SEQ, device="cpu",
+                   mp_policy=torch.bfloat16, process_baseline=report["baseline_bytes"])
+    error = (est.total - report["peak_bytes"]) / report["peak_bytes"]
+    assert abs(error) <= 0.05, (report["peak_bytes"] / MIB, est.table())
 
 
 def _mib(phases: dict) -> dict:
