@@ -97,6 +97,7 @@ class MemoryTracker:
         self._phase: str | None = None
         self._phase_peaks: dict[str, int] = {}
         self._buffer_peaks: dict[str, dict[str, int]] = {}
+        self._reserved_peak = 0  # CUDA: max_memory_reserved over the step's phases
         self._hooks: list = []
         self._units: list = []  # listed once by watch(): sampling walks no modules
         self._params: list[torch.Tensor] = []
@@ -140,6 +141,9 @@ class MemoryTracker:
         self._sample_buffers()
         name, self._phase = self._phase, None
         self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), self._peak())
+        if self._is_cuda():
+            self._reserved_peak = max(self._reserved_peak,
+                                      torch.cuda.max_memory_reserved(self.device))
 
     def step_report(self) -> dict:
         """This step's figures, then start afresh for the next step::
@@ -149,7 +153,10 @@ class MemoryTracker:
              "phases": {"forward": {"peak_bytes": ..., "fullshard": {kind: bytes}}, ...}}
 
         ``peak_bytes`` includes the baseline (the process before the model existed):
-        compare it with ``fullshard.memory.estimate(...).total``.
+        compare it with ``fullshard.memory.estimate(...).total``. On CUDA
+        ``peak_reserved_bytes`` adds what the caching allocator held from the device at
+        most: allocated plus its cached free blocks (fragmentation), the figure that
+        decides an out-of-memory error.
         """
         self.stop()
         self.step += 1
@@ -161,7 +168,10 @@ class MemoryTracker:
                   "peak_bytes": self._phase_peaks.get(peak_phase, self._peak()),
                   "peak_phase": peak_phase, "peak_resets_work": self.peak_resets_work,
                   "phases": phases}
+        if self._is_cuda():  # what the caching allocator held from the device at most
+            report["peak_reserved_bytes"] = self._reserved_peak
         self._phase_peaks, self._buffer_peaks = {}, {}
+        self._reserved_peak = 0
         return report
 
     # -- measurement ------------------------------------------------------------------
