@@ -82,35 +82,39 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
         _CHECKED.add(opt)
-    sharded = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]") is not None
-                for j, p in enumerate(group["params"])]
-               for i, group in enumerate(opt.param_groups)]
+    owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
+               for j, p in enumerate(group["params"])]
+              for i, group in enumerate(opt.param_groups)]
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
-                and any(map(any, sharded)))
+                and any(o is not None for group in owners for o in group))
     replaced = _run_closure_first(args, kwargs) if swapping else None
     finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     if not swapping:
         return replaced
     swaps = []
-    for group, tracked in zip(opt.param_groups, sharded):
-        if not any(tracked):
-            continue
+    for group, group_owners in zip(opt.param_groups, owners):
         params = group["params"]
         local_params = []
-        for p, is_sharded in zip(params, tracked):
-            local = _local_view(p) if is_sharded else None
+        swapped = False
+        for p, owner in zip(params, group_owners):
+            local = _local_view(p) if owner is not None else None
             if local is None:
                 local_params.append(p)
                 continue
-            local.grad = p.grad._local_tensor if p.grad is not None else None
+            grad = p.grad
+            local.grad = grad._local_tensor if grad is not None else None
             state = opt.state.pop(p, None)
+            local_state = None
             if state:
-                opt.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v
-                                    for k, v in state.items()}
-            swaps.append((p, local, state))
+                local_state = {k: v._local_tensor if isinstance(v, DTensor) else v
+                               for k, v in state.items()}
+                opt.state[local] = local_state
+            swaps.append((p, local, state, local_state and tuple(local_state.values())))
             local_params.append(local)
-        swaps.append((group, params, None))
-        group["params"] = local_params
+            swapped = True
+        if swapped:
+            swaps.append((group, params, None, None))
+            group["params"] = local_params
     if swaps:
         _SWAPPED[opt] = swaps
     return replaced
@@ -163,14 +167,17 @@ def _restore(opt: torch.optim.Optimizer) -> None:
     swaps = _SWAPPED.pop(opt, None)
     if not swaps:
         return
-    for first, second, state in swaps:
+    for first, second, state, local_values in swaps:
         if isinstance(first, dict):  # (param_group, original params list)
             first["params"] = second
             continue
         p, local = first, second
         local.grad = None
         new_state = opt.state.pop(local, None)
-        if new_state:
+        if new_state and local_values is not None and len(new_state) == len(local_values) \
+                and all(a is b for a, b in zip(new_state.values(), local_values)):
+            opt.state[p] = state  # updated in place (every step after the first): as it was
+        elif new_state:
             opt.state[p] = _as_dtensor_state(p, new_state, state or {})
         elif state:
             opt.state[p] = state
