@@ -11,7 +11,7 @@ in a job is a *worker*, whoever launched it: torchrun's (``LOCAL_RANK`` and
 Several nodes meet in torchrun's c10d rendezvous at ``--master-addr:--master-port``, which
 node 0's launcher hosts: each launcher waits up to ``--join-timeout`` seconds for the
 others (at the start and after a restart), so a node that never comes is an error, not a
-hang. The rendezvous numbers the nodes itself (by address), so ``--node-rank`` says only
+hang. The rendezvous numbers the nodes itself (by host name), so ``--node-rank`` says only
 which node hosts it. Ranks are contiguous per node: node k holds ranks
 ``k*nproc ... (k+1)*nproc - 1``.
 
