@@ -348,4 +348,16 @@ _TESTED_ELSEWHERE = {
            "test_misuse_names_the_parameter_and_what_to_do",
     "E47": "tests/conformance/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
+    # launching: in-process with a patched environment or torchrun, or several launchers
+    "E60": "tests/test_launch_flags.py::test_more_ranks_than_gpus_is_refused_before_nccl_sees_them",
+    "E61": "tests/test_multinode.py::test_a_node_with_another_config_is_named_on_every_node",
+    "E62": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E63": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E64": "tests/test_multinode.py::"
+           "test_an_out_that_only_its_own_node_sees_stops_at_the_first_save",
+    "E65": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E66": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E67": "tests/test_launch_flags.py::test_srun_with_several_tasks_per_node_is_refused",
+    "E68": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
+    "E69": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
 }

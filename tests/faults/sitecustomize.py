@@ -1,9 +1,15 @@
-"""Fault injection for the trainer's tests: a worker dies at an exact point of a run.
+"""Fault injection and probes for the trainer's tests: a worker dies at an exact point of
+a run, or counts the collectives it issues.
 
     FULLSHARD_TEST_KILL_AT_STEP=K   rank 1 sends itself SIGKILL as step K starts
+                                    (FULLSHARD_TEST_KILL_RANK=R: rank R instead)
     FULLSHARD_TEST_KILL_IN_SAVE=K   rank 0 dies inside the save of step K's checkpoint,
                                     after every rank has written its shards and before
                                     the save commits (see fullshard.checkpoint.save)
+    FULLSHARD_TEST_COUNT_COLLECTIVES=DIR
+                                    each worker writes DIR/rank<R>.json at exit: its node
+                                    (GROUP_RANK) and how many times it called each
+                                    torch.distributed collective on each group of ranks
 
 A test runs ``fullshard train`` with :func:`environment`: this directory on PYTHONPATH
 and one variable set. Python imports ``sitecustomize`` when any process starts; in
@@ -20,14 +26,21 @@ import signal
 
 KILL_AT_STEP = "FULLSHARD_TEST_KILL_AT_STEP"
 KILL_IN_SAVE = "FULLSHARD_TEST_KILL_IN_SAVE"
+KILL_RANK = "FULLSHARD_TEST_KILL_RANK"
+COUNT_COLLECTIVES = "FULLSHARD_TEST_COUNT_COLLECTIVES"
+# The collectives fullshard and the trainer call as torch.distributed.NAME.
+COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+               "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
+               "all_gather", "all_gather_object", "broadcast_object_list", "barrier")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def environment(variable: str, step: int) -> dict[str, str]:
-    """Environment entries that arm fault ``variable`` at ``step`` in a ``fullshard
-    train`` subprocess (to add to its environment)."""
+def environment(variable: str, value) -> dict[str, str]:
+    """Environment entries that arm fault or probe ``variable`` (at step ``value``, or
+    writing to folder ``value``) in a ``fullshard train`` subprocess (to add to its
+    environment)."""
     path = [HERE, *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {"PYTHONPATH": os.pathsep.join(path), variable: str(step)}
+    return {"PYTHONPATH": os.pathsep.join(path), variable: str(value)}
 
 
 def _armed(variable: str, step: int) -> bool:
@@ -58,7 +71,7 @@ def _kill_at_step_start() -> None:
     begin_step = StepMemory.begin_step
 
     def wrapped(self, step: int) -> None:
-        if dist.get_rank() == 1 and _armed(KILL_AT_STEP, step):
+        if dist.get_rank() == int(os.environ.get(KILL_RANK, "1")) and _armed(KILL_AT_STEP, step):
             _die()
         begin_step(self, step)
 
@@ -82,6 +95,35 @@ def _kill_in_save() -> None:
     checkpoint.save = wrapped
 
 
+def _count_collectives(folder: str) -> None:
+    """Wrap each collective of torch.distributed's namespace (before fullshard imports
+    it) to count calls per (name, ranks of the group); write the counts at exit."""
+    import atexit
+    import json
+    from collections import Counter
+
+    import torch.distributed as dist
+
+    counts: Counter = Counter()
+
+    def counted(name, collective):
+        def wrapped(*args, group=None, **kwargs):
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            counts[f"{name} {','.join(map(str, ranks))}"] += 1
+            return collective(*args, group=group, **kwargs)
+        return wrapped
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+
+    def write() -> None:
+        with open(os.path.join(folder, f"rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump({"node": int(os.environ.get("GROUP_RANK", "-1")), "counts": counts}, f)
+
+    atexit.register(write)
+
+
 def install() -> None:
     if "LOCAL_RANK" not in os.environ:  # not a worker: the launcher, the test itself
         return
@@ -89,6 +131,8 @@ def install() -> None:
         _kill_at_step_start()
     if KILL_IN_SAVE in os.environ:
         _kill_in_save()
+    if COUNT_COLLECTIVES in os.environ:
+        _count_collectives(os.environ[COUNT_COLLECTIVES])
 
 
 if __name__ == "sitecustomize":

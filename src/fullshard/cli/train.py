@@ -8,7 +8,10 @@
                                                       latest checkpoint, up to 3 times
 
 Without torchrun's environment it launches ``--nproc`` workers itself (2 on CPU, one
-per GPU); under ``torchrun ... -m fullshard train`` each process is a worker.
+per GPU); under ``torchrun ... -m fullshard train`` (or any launcher that sets RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT) each process is a worker. Several nodes: the
+same command on each with ``--nnodes N --node-rank K --master-addr NODE0``, or under
+``srun --ntasks-per-node=1`` with no launch flag (docs/multinode.md).
 Configuration: a preset, then ``--config FILE.toml``, then ``--section.field VALUE``
 flags, each applied over the one before (on ``--resume``, OUT/config.toml replaces the
 preset).
@@ -25,29 +28,31 @@ import argparse
 import os
 import sys
 
+from ..core.collectives import CollectiveError
+from ..train.agreement import check_same_run
 from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint,
                                  resumes_after_restart)
+from ..train.cluster import check_worker_environment, local_place
 from ..train.config import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
                             apply_overrides, field_docs, get_preset, load_toml, metavar,
                             scalar_fields, sections, type_hints, validate)
-from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, is_worker,
-                            launch, start_worker, stop_worker)
+from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, agree_on_attempt,
+                            is_worker, launch, start_worker, stop_worker)
 from ..train.packages import check_packages
+from . import launch_flags
+from .parsing import OneLineParser
 
 FIELD_DEST = "field:"  # argparse dest prefix of config fields
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """One line (no usage block): the message names the flag."""
-        self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="fullshard train", description=__doc__.split("\n\n")[0],
+    """The run's flags; the launch flags are listed too (for --help) but read first, on
+    their own (launch_flags.split)."""
+    parser = OneLineParser(
+        prog=launch_flags.PROG, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.split("\n\n")[1:]), allow_abbrev=False)
+        epilog="\n".join(__doc__.split("\n\n")[1:]), allow_abbrev=False,
+        parents=[launch_flags.parser()])
     run = parser.add_argument_group("run")
     run.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
                      help=f"named configuration to start from (default {DEFAULT_PRESET})")
@@ -56,16 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
                      "checkpoints go (default runs/PRESET)")
     run.add_argument("--resume", action="store_true",
                      help="continue from the latest checkpoint in --out")
-    where = parser.add_argument_group("launch (ignored under torchrun)")
-    where.add_argument("--nproc", type=int, help="ranks on this node (default: one per GPU, "
-                       "2 on CPU)")
-    where.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
-    where.add_argument("--node-rank", type=int, default=0, help="this node's index")
-    where.add_argument("--master-addr", help="address of node 0 (multi-node)")
-    where.add_argument("--master-port", type=int, default=29500, help="port on node 0")
-    where.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                       help="when a worker fails, restart all of them from the latest "
-                       "checkpoint, up to N times (default 0)")
     template = TrainConfig()
     for prefix, obj in sections(template):
         summary = (type(obj).__doc__ or "").splitlines()[0].rstrip(".")
@@ -102,18 +97,19 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    launch_given, run_argv = launch_flags.split(argv)
+    args = build_parser().parse_args(run_argv)
     try:
         cfg, out = resolve_config(args)
         _check_launch(args, out)
+        if not is_worker():
+            options = launch_flags.launch_options(launch_given, os.environ)
+            if args.preset in GPU_PRESETS:
+                _print_expected_memory(cfg, args.preset, options)
+            return launch(options, run_argv)
     except ConfigError as err:
         print(f"fullshard train: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
-    if not is_worker():
-        if args.preset in GPU_PRESETS:
-            _print_expected_memory(cfg, args)
-        return launch(LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.master_addr,
-                                    args.master_port, args.max_restarts), argv)
     return _work(cfg, out, args.resume)
 
 
@@ -121,25 +117,16 @@ def _check_launch(args: argparse.Namespace, out: str) -> None:
     if args.resume and not has_checkpoint(out):
         raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run without "
                           "--resume to start there")
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank: must be in [0, --nnodes={args.nnodes}), got "
-                          f"{args.node_rank}")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
-    if args.nnodes > 1 and not args.master_addr:
-        raise ConfigError("--master-addr: needed with --nnodes > 1 (the address of node 0)")
 
 
-def _print_expected_memory(cfg: TrainConfig, args: argparse.Namespace) -> None:
+def _print_expected_memory(cfg: TrainConfig, preset: str, options: LaunchOptions) -> None:
     import torch
 
     from ..train.launch import default_nproc
     from ..train.metrics import expected_memory_line
 
-    world = (args.nproc or default_nproc()) * args.nnodes
-    line = expected_memory_line(cfg, args.preset, world,
+    world = (options.nproc or default_nproc()) * options.nnodes
+    line = expected_memory_line(cfg, preset, world,
                                 "cuda" if torch.cuda.is_available() else "cpu")
     if line is not None:
         print(f"fullshard train: {line}", file=sys.stderr, flush=True)
@@ -148,23 +135,34 @@ def _print_expected_memory(cfg: TrainConfig, args: argparse.Namespace) -> None:
 def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
     from ..train.loop import Diverged, Trainer  # the launcher never needs the training stack
 
-    diverged_before = divergence_of_this_job(out)
-    if diverged_before is not None:  # a restart would only diverge again: Note [restarts]
-        if os.environ.get("RANK") == "0":
-            print(f"fullshard train: {diverged_before}", file=sys.stderr)
-        return DIVERGED_EXIT
-    resume = resume or resumes_after_restart(out)
+    # Errors are printed once per node (each node's launcher shows its own workers').
+    first_on_node = local_place(os.environ)[0] == 0
+    try:
+        check_worker_environment(os.environ)
+    except ConfigError as err:
+        if first_on_node:
+            print(f"fullshard train: {err}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     worker = start_worker()
     try:
+        agree_on_attempt()  # Note [restarts across nodes]
+        check_same_run(cfg, resume)
+        diverged_before = divergence_of_this_job(out)
+        if diverged_before is not None:  # a restart would only diverge again: Note [restarts]
+            raise Diverged(diverged_before)
+        resume = resume or resumes_after_restart(out)
         Trainer(cfg, out, worker).run(resume)
     except ConfigError as err:
-        if worker.is_main:
+        if first_on_node:
             print(f"fullshard train: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     except Diverged as err:
-        if worker.is_main:
+        if first_on_node:
             print(f"fullshard train: {err}", file=sys.stderr)
         return DIVERGED_EXIT
+    except CollectiveError as err:  # a peer went away: the rank that failed is elsewhere
+        print(err, file=sys.stderr)
+        return 1
     finally:
         stop_worker()
     return 0

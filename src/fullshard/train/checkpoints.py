@@ -6,18 +6,22 @@ the steps after it: the step, the data position (Note [epochs of disjoint window
 every rank's RNG state (dropout in Hugging Face models), the fp16 loss scaler, and the
 torchrun job that saved it (Note [restarts], below).
 
+Every save first checks that every rank sees the files rank 0 writes in
+``OUT/checkpoints`` (``check_shared``): a node saving to a directory of its own would
+leave its shards where the commit never looks, so a run whose ``--out`` is not shared by
+every node stops at its first save, on every rank, before anything is committed.
+
 Restarts under ``--max-restarts``: which attempt a worker is, and where it continues.
 
 Note [restarts]
 When a worker fails, torchrun stops every worker of the job and, up to ``--max-restarts``
-times, starts them all again with the same command line and TORCHELASTIC_RESTART_COUNT
-raised by one. A restarted worker resumes from the latest checkpoint in --out when this
-job wrote it (checkpoints record TORCHELASTIC_RUN_ID), exactly as --resume would, so the
-run ends with the weights of an uninterrupted one; a job that failed before its first
-checkpoint starts again from scratch. torchrun gives each job a fresh id with
---standalone (what ``fullshard train`` uses on one node); multi-node jobs with the
-default static rendezvous all share the id "none", so there a restart also takes a
-checkpoint an earlier job left in --out if the first attempt died before clearing it.
+times, starts them all again with the same command line, on every node (the attempt and
+the job as the workers agree on them: Note [restarts across nodes]). A restarted worker
+resumes from the latest checkpoint in --out when this job wrote it (checkpoints record
+the job's id), exactly as --resume would, so the run ends with the weights of an
+uninterrupted one; a job that failed before its first checkpoint starts again from
+scratch. Each ``fullshard train`` launch is a job of its own (workers started by another
+torchrun take its TORCHELASTIC_RUN_ID, "none" unless --rdzv-id names one).
 
 A run stopped on a non-finite loss would diverge again from the same checkpoint, every
 restart: rank 0 leaves OUT/diverged naming the job and the error, and restarted workers
@@ -29,6 +33,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +43,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
+from .agreement import counted
 from .config import ConfigError
 from .launch import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 RUN_CONFIG = "config.toml"  # the resolved configuration, written by the loop at start
+# How long a rank looks for rank 0's probe file before it calls --out unshared: a network
+# filesystem may show another node's new file a moment late.
+SHARED_WAIT_S = 3.0
 
 
 @dataclass
@@ -66,6 +76,7 @@ def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
          data_position: dict, scaler: Any, device: torch.device, keep: int) -> str:
     """Save step ``step`` on every rank (collective); rank 0 then deletes all but the
     ``keep`` newest."""
+    check_shared(out)
     rng_states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, _rng_state(device))
     extra = {"step": step, "data": data_position, "rng": rng_states,
@@ -75,6 +86,45 @@ def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     if dist.get_rank() == 0:
         _prune(checkpoint_dir(out), keep)
     return path
+
+
+def check_shared(out: str) -> None:
+    """Collective: every rank sees the file rank 0 writes in ``OUT/checkpoints``, so the
+    shards every rank writes there end up in one checkpoint; else ConfigError on every
+    rank, naming the ranks that do not."""
+    directory = checkpoint_dir(out)
+    name = [f".shared-{uuid.uuid4().hex}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name)
+    probe = os.path.join(directory, name[0])
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(name[0])
+    dist.barrier()
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, _appears(probe, name[0]))
+    if dist.get_rank() == 0:  # every rank has looked
+        os.remove(probe)
+    blind = [rank for rank, saw in enumerate(seen) if not saw]
+    if blind:
+        raise ConfigError(
+            f"--out {out}: {counted('rank', blind)} cannot see the files rank 0 writes in "
+            f"{directory} (a checkpoint would miss their shards); every node must save to "
+            "one shared directory (a network filesystem mounted on each): point --out at one")
+
+
+def _appears(path: str, content: str) -> bool:
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while True:
+        try:
+            with open(path) as f:
+                if f.read() == content:
+                    return True
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _prune(directory: str, keep: int) -> None:
