@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-torchtitan bench setup clean
+.PHONY: run test test-fast test-multinode test-torchtitan bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ run: $(STAMP)
 
 # pytest exits 5 when it collects nothing: report it instead of failing on it.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+# Several "nodes" on 127.0.0.1 (two launchers, c10d rendezvous; ~3 minutes): CI runs it
+# after `make test`.
+test-multinode: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m multinode
 
 # The tests a developer runs often (under 2 minutes on 2 cores): everything but the tests
 # tests/conftest.py marks slow.

@@ -101,11 +101,19 @@ SLOW = {
 }
 
 
+# The multi-node lane (2 launchers x 2 ranks each, ~3 minutes on 2 cores): left out of
+# `make test` to keep it under 10 minutes, run by `make test-multinode`; CI runs both.
+MULTINODE_FILES = ("tests/test_multinode.py",)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("[")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(MULTINODE_FILES):
+            item.add_marker(pytest.mark.multinode)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of `make test-fast` (see conftest.py)")
+    config.addinivalue_line("markers", "multinode: the multi-node lane, `make test-multinode`")

@@ -281,9 +281,6 @@ class ParamGroup:
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
         comm = self.all_gather_comm
-        out = (self.pool.take(self.world_size * self.shard_numel, dtype, device) if comm is None
-               else comm.allocate((self.world_size * self.shard_numel,), dtype=dtype,
-                                  device=device))
         self._announce("all-gather")
         # The copy-in and the collective run on the copy stream on CUDA (Note [streams
         # and events]): compute on the current stream goes on meanwhile.
@@ -293,6 +290,10 @@ class ParamGroup:
             if self._gather_plan().send:  # the one copy-in: cast / offload
                 send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
                 send.copy_(self.flat_shard, non_blocking=True)
+            out = (self.pool.take(self.world_size * self.shard_numel, dtype, device)
+                   if comm is None else
+                   comm.allocate((self.world_size * self.shard_numel,), dtype=dtype,
+                                 device=device))
             if comm is None:
                 pending = all_gather(out, send, self.pg, async_op=async_op,
                                      what=f"all-gather of {self.unit_name}")
