@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -112,12 +113,16 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    if "MASTER_PORT" not in os.environ:  # a free one: several runs may share the machine
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
 
-    cfg = get_preset(args.preset or ("gpt2-124m" if cuda else "shakespeare"))
+    preset = args.preset or ("gpt2-124m" if cuda else "shakespeare")
+    cfg = get_preset(preset)
     batch = dataclasses.replace(cfg.batch, grad_accum=1,
                                 batch_size=args.batch_size or cfg.batch.batch_size)
     cfg = dataclasses.replace(
@@ -142,7 +147,7 @@ def main() -> None:
     tokens = batch.batch_size * batch.seq_len
     t, p = statistics.median(trainer_times), statistics.median(plain_times)
     where = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print(f"{cfg.model} preset {args.preset or ''}, {tokens} tokens/step, {where}, torch "
+    print(f"preset {preset}, {tokens} tokens/step, {where}, torch "
           f"{torch.__version__}, compile={args.compile}")
     print("| loop | ms/step | tokens/s |\n|---|---:|---:|")
     print(f"| fullshard train | {t * 1e3:.1f} | {tokens / t:,.0f} |")

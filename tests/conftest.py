@@ -33,6 +33,7 @@ SLOW = {
     "tests/conformance/test_tensor_parallel.py::test_misuse_names_the_parameter_and_what_to_do",
     "tests/test_activation_checkpointing.py::test_checkpointing_composes_with_sharding",
     "tests/test_benchmarks.py::test_gpu_benchmark_runs_each_implementation_to_the_same_losses",
+    "tests/test_benchmarks.py::test_trainer_benchmark_times_the_trainer_beside_a_plain_loop",
     "tests/test_checkpoint.py::test_async_save_writes_the_state_at_the_call",
     "tests/test_train_loop.py::test_compiled_blocks_train_the_eager_model",
     "tests/test_checkpoint.py::test_cli_inspect_and_streamed_safetensors_export",

@@ -25,3 +25,12 @@ def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
         assert set(r["phases_ms"]) == {"forward", "backward", "clip", "optimizer"}
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
     assert "| G3 | fullshard |" in proc.stdout
+
+
+def test_trainer_benchmark_times_the_trainer_beside_a_plain_loop():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "trainer.py"), "--preset", "debug",
+         "--rounds", "1", "--block", "2"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| fullshard train |" in proc.stdout and "trainer / plain tokens/s:" in proc.stdout
