@@ -244,6 +244,40 @@ def _no_process_group_case() -> dict[str, str]:
     return {"E04": _message(lambda: fully_shard(nn.Linear(2, 2)))}
 
 
+def _checksum_cases(tmp: str) -> dict[str, str]:
+    """Checkpoints whose checksums cannot be computed here (one process)."""
+    import json
+    import sys
+
+    from fullshard import checkpoint as ckpt
+
+    model = nn.Linear(2, 2)
+    path = ckpt.save(os.path.join(tmp, "checksums", "step_1"), model)
+    manifest_path = os.path.join(path, "fullshard.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+
+    def load_with(kind: str) -> str:
+        for entry in manifest["files"].values():
+            entry.pop("sha256", None)
+            entry.pop("xxh3_128", None)
+            entry[kind] = "0" * 32
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f)
+        return _message(lambda: ckpt.load(path, model))
+
+    out = {"E71": load_with("blake3")}
+    saved, sys.modules["xxhash"] = sys.modules.get("xxhash"), None  # as if not installed
+    try:
+        out["E70"] = load_with("xxh3_128")
+    finally:
+        if saved is None:
+            del sys.modules["xxhash"]
+        else:
+            sys.modules["xxhash"] = saved
+    return out
+
+
 def _trainer_cases(tmp: str) -> dict[str, str]:
     from fullshard.cli.train import _check_launch, build_parser, resolve_config
 
@@ -302,6 +336,7 @@ def produced(tmp_path_factory) -> dict[str, str]:
     messages = _no_process_group_case()
     messages.update(_trainer_cases(tmp))
     messages.update(_metrics_and_export_cases(tmp))
+    messages.update(_checksum_cases(tmp))
     ranks = run_distributed(_library_cases, 2, tmp)
     messages.update(ranks[0])
     messages["E35"] = ranks[1]["E35"]  # the rank outside the mesh

@@ -6,16 +6,16 @@ Layout of ``save("runs/x/step_000100", ...)``::
                              plus one shard file per rank, so torch's own DCP (and a
                              model sharded by PyTorch FSDP2) can load it
         extra.pt             the user's ``extra`` (step, RNG states, data position, ...)
-        fullshard.json       the manifest: world size, every file's size and sha256,
-                             every model tensor's shape and dtype
+        fullshard.json       the manifest: world size, every file's size and checksum
+                             (checksums.py), every model tensor's shape and dtype
     runs/x/latest            the name of the newest complete checkpoint
 
 Note [atomic commit]
-Every rank writes into ``.step_000100.tmp`` beside the target. Only after all ranks
-have finished does rank 0 hash the files (the ranks share the hashing), write the
-manifest, rename the directory into place, and finally rewrite ``latest`` (by
-rename, so it is never half written). A save killed at any moment leaves either no
-new directory or an unreferenced temporary one: ``latest`` still names the previous
+Every rank writes into ``.step_000100.tmp`` beside the target, hashing each file as
+it writes it (Note [checksums while writing]). Only after all ranks have finished
+does rank 0 gather the checksums, write the manifest, rename the directory into
+place, and finally rewrite ``latest`` (by rename, so it is never half written). A
+save killed at any moment leaves either no new directory or an unreferenced temporary one: ``latest`` still names the previous
 complete checkpoint. ``load`` refuses a directory without a manifest and checks every
 file's size and checksum before reading, naming the file that is missing or corrupt.
 Resharding comes from DCP: shards are addressed by global offsets, so a checkpoint
@@ -24,7 +24,6 @@ saved at world size N loads at any M, or into a plain module on one process.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -39,7 +38,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
 from ..core.native_state_dict import native_state_dict
-from . import background
+from . import background, checksums
+from .hashing_writer import HashingWriter, file_sizes, unrecorded
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
 
@@ -105,11 +105,14 @@ def _write_and_commit(path: str, state: dict[str, Any], extra: Any, meta: dict,
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died before committing
         os.makedirs(tmp)
     _barrier(group)
-    dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not _distributed())
+    writer = HashingWriter(tmp, checksums.preferred())
+    dcp.save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group,
+             no_dist=not _distributed())
     if rank == 0:
-        torch.save(extra, os.path.join(tmp, EXTRA))
-    _barrier(group)
-    files = _hash_files(tmp, group)
+        with writer.fs.create_stream(os.path.join(tmp, EXTRA), "wb") as f:
+            torch.save(extra, f)
+    _barrier(group)  # every file complete before any rank lists the directory
+    files = _gather_checksums(tmp, writer.entries(), group)
     if rank == 0:
         manifest = {"format": FORMAT, "world_size": world, "files": files, **meta}
         _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
@@ -133,11 +136,12 @@ def load(path: str | os.PathLike, model: nn.Module,
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load the model "
                               "alone (optimizer=None) and start the optimizer fresh.")
     state = _states(model, optimizer)
+    reader = _Reader(path)
     if optimizer is not None:
-        _check_optimizer_fits(path, state)
+        _check_optimizer_fits(path, state, reader.read_metadata())
     with warnings.catch_warnings():  # DCP: "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=path, storage_reader=reader, no_dist=not _distributed())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -205,10 +209,26 @@ def _misfit(missing: list[str], mismatched: list[str], unexpected: list[str] = (
     return " | ".join(parts)
 
 
-def _check_optimizer_fits(path: str, state: dict[str, Any]) -> None:
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader, which reads ``.metadata`` once per load although both the optimizer
+    check and DCP ask for it (a pickle of every item: ~5 ms at W1's size)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._metadata = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if args or kwargs:  # a rank's own metadata (checkpoints saved without collectives)
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+
+def _check_optimizer_fits(path: str, state: dict[str, Any], metadata: Any) -> None:
     """Every optimizer value the load will ask for is in the checkpoint with its shape, so
     that DCP cannot fail halfway: a load that raises here has changed nothing."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict({"optim": state["optim"]})
     missing, mismatched = [], []
     for key, value in flat.items():
@@ -228,44 +248,71 @@ def _check_optimizer_fits(path: str, state: dict[str, Any]) -> None:
             "fresh. Nothing was loaded.")
 
 
-def _hash_files(directory: str, group: dist.ProcessGroup | None = None) -> dict[str, dict]:
-    """Sizes and sha256 of every file, the hashing split across ranks."""
+def _gather_checksums(directory: str, written: dict[str, dict],
+                      group: dist.ProcessGroup | None = None) -> dict[str, dict]:
+    """Every file's manifest entry: each rank's files as hashed while written, plus any
+    file no rank could vouch for, hashed by reading it back (split across ranks)."""
     rank, world = _rank_world()
-    names = sorted(os.listdir(directory))
-    mine = {n: _file_info(os.path.join(directory, n)) for n in names[rank::world]}
-    if not _distributed():
-        return mine
-    gathered: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(gathered, mine, group=group)
-    return {k: v for part in gathered for k, v in part.items()}
-
-
-def _file_info(path: str) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+    # Listed before the gather, which no rank leaves before every rank has listed: rank 0
+    # writes the manifest into this directory right after, and renames it.
+    sizes = file_sizes(directory)
+    entries = dict(written)
+    if _distributed():
+        gathered: list[dict] = [{} for _ in range(world)]
+        dist.all_gather_object(gathered, written, group=group)
+        entries = {k: v for part in gathered for k, v in part.items()}
+    rest = unrecorded(sizes, entries)  # the same on every rank
+    if not rest:
+        return entries
+    algorithm = checksums.preferred()
+    mine = {n: checksums.file_entry(os.path.join(directory, n), algorithm)
+            for n in rest[rank::world]}
+    if _distributed():
+        read_back: list[dict] = [{} for _ in range(world)]
+        dist.all_gather_object(read_back, mine, group=group)
+        mine = {k: v for part in read_back for k, v in part.items()}
+    return {**entries, **mine}
 
 
 def _verify_files(path: str, files: dict[str, dict]) -> None:
     rank, world = _rank_world()
-    problems = []
-    for name in sorted(files)[rank::world]:
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            problems.append(f"{full} is missing")
-        elif os.path.getsize(full) != files[name]["bytes"]:
-            problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says "
-                            f"{files[name]['bytes']} (truncated or overwritten)")
-        elif _file_info(full)["sha256"] != files[name]["sha256"]:
-            problems.append(f"{full} is corrupt (sha256 differs from the manifest)")
+    problems = _unverifiable(path, files)  # every rank, before any collective
+    if not problems:
+        for name in sorted(files)[rank::world]:
+            problem = _check_file(os.path.join(path, name), files[name])
+            if problem:
+                problems.append(problem)
     if _distributed():
         everyone: list[list[str]] = [[] for _ in range(world)]
         dist.all_gather_object(everyone, problems)
-        problems = [p for part in everyone for p in part]
+        problems = list(dict.fromkeys(p for part in everyone for p in part))
     if problems:
         raise CheckpointError("checkpoint failed verification: " + "; ".join(problems))
+
+
+def _unverifiable(path: str, files: dict[str, dict]) -> list[str]:
+    """Checksum kinds in the manifest that this installation cannot compute."""
+    problems = []
+    for algorithm in sorted({checksums.algorithm_of(e) for e in files.values()}):
+        try:
+            checksums.new_hasher(algorithm)
+        except checksums.UnverifiableChecksum as err:
+            problems.append(f"{path} cannot be checked here: {err}")
+    return problems
+
+
+def _check_file(full: str, expected: dict) -> str | None:
+    """What is wrong with one file, or None."""
+    if not os.path.isfile(full):
+        return f"{full} is missing"
+    size = os.path.getsize(full)
+    if size != expected["bytes"]:
+        return (f"{full} has {size} bytes, the manifest says {expected['bytes']} "
+                "(truncated or overwritten)")
+    algorithm = checksums.algorithm_of(expected)
+    if checksums.file_digest(full, algorithm) != expected[algorithm]:
+        return f"{full} is corrupt ({algorithm} differs from the manifest)"
+    return None
 
 
 def _write_atomic(path: str, text: str) -> None:
