@@ -240,8 +240,11 @@ def _mixed():
 
 def _no_process_group_case() -> dict[str, str]:
     from fullshard import fully_shard
+    from fullshard.testing import visible_gpus
     assert not dist.is_initialized()
-    return {"E04": _message(lambda: fully_shard(nn.Linear(2, 2)))}
+    return {"E04": _message(lambda: fully_shard(nn.Linear(2, 2))),
+            "E72": _message(lambda: run_distributed(_mixed, visible_gpus() + 1,
+                                                    backend="nccl"))}
 
 
 def _checksum_cases(tmp: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.testing import run_distributed
+from fullshard.testing.parity import cast_reference_step
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=48, seq_len=12, d_model=32, n_layers=3, n_heads=4)
@@ -200,13 +201,8 @@ def _versus_cast_reference():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        low = copy.deepcopy(master).to(torch.bfloat16)
-        ref_loss = lm_loss(low(x), y)
-        ref_loss.backward()
-        for p, q in zip(master.parameters(), low.parameters()):
-            p.grad = q.grad.float()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = cast_reference_step(master, ref_opt, lambda low: lm_loss(low(x), y),
+                                       torch.bfloat16)
         mean = loss.detach().float()
         dist.all_reduce(mean)
         assert abs(mean.item() / world - ref_loss.float().item()) <= 2e-2 * ref_loss.float().item()

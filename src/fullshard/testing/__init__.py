@@ -1,5 +1,6 @@
-"""Multi-process test harness and parity helpers (gloo on CPU)."""
+"""Multi-process test harness and parity helpers (gloo on CPU, NCCL on GPUs)."""
 
+from .devices import rank_device, visible_gpus
 from .harness import run_distributed
 
-__all__ = ["run_distributed"]
+__all__ = ["run_distributed", "rank_device", "visible_gpus"]

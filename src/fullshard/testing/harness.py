@@ -1,10 +1,13 @@
-"""Run a function on N local ranks (gloo on CPU) and collect what each returns.
+"""Run a function on N local ranks (gloo on CPU, or NCCL with one GPU per rank) and
+collect what each returns.
 
-Processes come from a forkserver that has already imported torch, so a 4-rank
-test starts in well under a second. Ranks meet through a ``file://`` rendezvous
-in a fresh temporary directory: no ports, no races between concurrent tests.
-When one rank fails the others are given a few seconds and then killed, so a
-bug shows up as the failing rank's traceback, not as a hang.
+gloo ranks come from a forkserver that has already imported torch, so a 4-rank
+test starts in well under a second. NCCL ranks are spawned: a child forked after the
+CUDA driver was initialized cannot use CUDA, nothing promises that the forkserver's
+imports never ask CUDA anything, and a spawned interpreter starts clean. Ranks meet
+through a ``file://`` rendezvous in a fresh temporary directory: no ports, no races
+between concurrent tests. When one rank fails the others are given a few seconds and
+then killed, so a bug shows up as the failing rank's traceback, not as a hang.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .devices import check_gpus_for_ranks, uses_cuda
+
 _CTX = None  # the forkserver context, started once per test process (it preloads torch)
 GRACE_AFTER_FAILURE_S = 5.0
 
 
-def _context():
+def _context(backend: str):
     global _CTX
+    if uses_cuda(backend):
+        return mp.get_context("spawn")
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(
@@ -46,8 +53,12 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
 
     torch.set_num_threads(1)
     try:
+        options = {}
+        if uses_cuda(backend):  # rank r on GPU r (NCCL refuses two ranks on one GPU)
+            options["device_id"] = torch.device("cuda", rank)
+            torch.cuda.set_device(options["device_id"])
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, **options)
         torch.manual_seed(0)
         # Pickled here, by value: the queue's own pickler would share tensors through
         # file descriptors that die with this process before the parent reads them.
@@ -69,10 +80,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 
     ``fn`` must be importable (defined at module level). The process group is
     initialized before ``fn`` runs and ``torch.manual_seed(0)`` is set on every rank.
+    With ``backend="nccl"`` rank ``r`` runs on ``cuda:r`` (its current device), and
+    ``world_size`` must not exceed the GPUs visible; ``fn`` should return CPU values.
     Raises ``AssertionError`` with every failing rank's traceback, or
     ``TimeoutError`` naming the ranks that did not finish.
     """
-    ctx = _context()
+    if uses_cuda(backend):
+        check_gpus_for_ranks(world_size)
+    ctx = _context(backend)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fullshard-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

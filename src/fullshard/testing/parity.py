@@ -82,8 +82,36 @@ def check_parity(build: Callable[[], nn.Module], shard: Callable[[nn.Module], No
     return report
 
 
+def cast_reference_step(master: nn.Module, optimizer: torch.optim.Optimizer,
+                        loss_fn: Callable[[nn.Module], torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """One step of a single-process mixed-precision reference: a ``dtype`` copy of the fp32
+    ``master`` runs forward and backward; its gradients, cast to fp32, step ``optimizer``
+    on the master weights (what sharding with ``param_dtype=dtype`` and an fp32
+    ``reduce_dtype`` does). Returns the copy's loss."""
+    low = copy.deepcopy(master).to(dtype)
+    loss = loss_fn(low)
+    loss.backward()
+    for p, q in zip(master.parameters(), low.parameters()):
+        p.grad = q.grad.float()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def full_value(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
+    """The whole tensor of a (sharded) parameter, on the device its mesh computes on."""
+    if not hasattr(p, "full_tensor"):
+        return p
+    mesh = p.device_mesh
+    if p.to_local().device.type != mesh.device_type:  # offloaded: NCCL gathers GPU tensors
+        from torch.distributed.tensor import DTensor
+
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        local = p.to_local().to(device)
+        p = DTensor.from_local(local, mesh, p.placements, shape=p.shape, stride=p.stride())
+    return p.full_tensor()
 
 
 def assert_same_weights(model: nn.Module, reference: nn.Module, *, rtol: float,
