@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-multinode test-torchtitan bench setup clean
+.PHONY: run test test-fast test-multinode test-gpu test-torchtitan bench setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-multinode: $(STAMP)
 # tests/conftest.py marks slow.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow"
+
+# The CUDA lane (tests/gpu): NCCL ranks, one per visible GPU, against references on the
+# same GPUs. Needs a CUDA build of torch; skipped, with one line saying why, without a GPU.
+# Every other target is the CPU lane, which hides CUDA (tests/lanes.py).
+test-gpu: $(STAMP)
+	FULLSHARD_TEST_LANE=cuda OMP_NUM_THREADS=1 $(PY) -m pytest tests/gpu
 
 # torchtitan's own FSDP code on fullshard. Not a dependency: torchtitan's imports pull
 # triton (~1 GB), so its runtime dependencies are installed here without theirs.

@@ -5,8 +5,12 @@
 (multi-rank training runs, the trainer end to end, checkpoints on disk, measured
 memory). A new test is fast unless it is added here; keep the fast lane under 2 minutes
 (``pytest -m "not slow" --durations=20`` shows what to move).
+
+It also keeps CUDA out of the CPU lane on machines that have a GPU (tests/lanes.py);
+``make test-gpu`` runs the CUDA lane, tests/gpu.
 """
 
+import os
 import pathlib
 import sys
 
@@ -15,6 +19,13 @@ import pytest
 # Tests in subfolders (tests/conformance) import helpers of tests/ by module name, e.g.
 # ``from test_error_catalogue import matches_documented``.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import lanes  # noqa: E402 - found through the path set just above
+
+# The CPU lane runs as on a machine without a GPU, whatever the machine (see tests/lanes.py).
+# Done when this file is imported: before any test imports torch and asks CUDA anything.
+if not lanes.is_cuda_lane(os.environ):
+    lanes.hide_cuda(os.environ)
 
 
 SLOW = {
@@ -58,6 +69,7 @@ SLOW = {
     "tests/test_hybrid.py::test_hybrid_state_dicts_and_checkpoints",
     "tests/test_hybrid.py::test_reshard_after_forward_int_gathers_within_the_smaller_group",
     "tests/test_hybrid.py::test_reshard_after_forward_int_parity",
+    "tests/test_lanes.py::test_the_cpu_lane_hides_cuda_from_tests_ranks_and_subprocesses",
     "tests/test_memory.py::test_plan_takes_the_cheapest_configuration_that_fits",
     "tests/test_memory.py::test_strategies_checkpointing_and_world_size_order_the_peaks",
     "tests/test_memory_measured.py::test_estimate_within_10_percent_of_measured_peak",
@@ -116,5 +128,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    if not lanes.is_cuda_lane(os.environ) and lanes.cuda_was_already_initialized():
+        raise pytest.UsageError(
+            "tests/conftest.py: CUDA was initialized before the CPU lane could hide it (a "
+            "plugin or conftest used torch.cuda first); run with CUDA_VISIBLE_DEVICES= set.")
     config.addinivalue_line("markers", "slow: left out of `make test-fast` (see conftest.py)")
     config.addinivalue_line("markers", "multinode: the multi-node lane, `make test-multinode`")
