@@ -1,19 +1,26 @@
 """Checkpoint save/load throughput per rank (fullshard.checkpoint).
 
-    OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py [--world-size 2] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py [--world-size 2] [--repeats 3] [--options]
 
 Saves a GPT (W1's shape: d=512, 8 layers, vocab 8192) with its AdamW state, then loads
 it into fresh sharded model and optimizer, and reports MB/s per rank: this rank's share
 of the checkpoint's bytes over the median wall time. Saving includes hashing every file
 and the atomic commit; loading includes verifying every checksum. The same state is
 saved and loaded with torch's DCP (``dcp.save`` / ``dcp.load`` of torch's
-``get_state_dict``, no checksums), alternating with fullshard's, and the ratio printed.
+``get_state_dict``, no checksums), alternating with fullshard's. Three ratios are
+printed: of the median wall times; the median over pairs of each run's wall time over
+the DCP run right after it (steadier when other work shares the machine: both runs of
+a pair see the same load); and the same for rank 0's CPU seconds (what the hashing
+costs, which other work disturbs least). ``--options`` also times the checksum options
+fullshard chose from: sha256 or XXH3, each hashed while written or read back after the
+write.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -23,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import checkpoint as ckpt
+from fullshard.checkpoint import checksums, hashing_writer
 from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.gpt import GPT, GPTConfig, lm_loss
@@ -44,12 +52,18 @@ def _sharded():
     return model, opt
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """Wall seconds (the slowest rank's, between barriers) and this rank's CPU seconds.
+    Writes still in flight from the previous operation (deleting the last checkpoints,
+    for one) are flushed first, so that no operation pays for another's."""
+    if dist.get_rank() == 0:
+        os.sync()
     dist.barrier()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - cpu
     dist.barrier()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, cpu
 
 
 def _dcp_save(path: str, model, opt) -> None:
@@ -70,38 +84,106 @@ def _dcp_load(path: str, model, opt) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def worker(root: str, repeats: int) -> dict:
+# How fullshard checksums a checkpoint, and the options it was chosen from (``--options``):
+# name -> (algorithm, hashed while written; else every file is read back after the write,
+# split across ranks, as fullshard did before).
+SHIPPED = "xxh3, while writing"
+OPTIONS = {
+    "sha256, read back": (checksums.SHA256, False),
+    "sha256, while writing": (checksums.SHA256, True),
+    "xxh3, read back": (checksums.XXH3, False),
+    SHIPPED: (checksums.XXH3, True),
+}
+
+
+def _use(option: str) -> None:
+    """Make this process's saves hash as ``option`` says (the benchmark's own ranks only)."""
+    algorithm, while_writing = OPTIONS[option]
+    checksums.preferred = lambda: algorithm
+    hashing_writer.HashingWriter.entries = _ENTRIES if while_writing else (lambda self: {})
+
+
+_ENTRIES = hashing_writer.HashingWriter.entries
+
+
+def worker(root: str, repeats: int, options: list[str]) -> dict:
+    # fullshard and DCP each save from, and load into, models of their own (built alike):
+    # what one implementation's load leaves in a model and its optimizer (DTensor state
+    # or plain, as each state-dict path sets it) must not change what the other one costs.
     model, opt = _sharded()
+    dcp_model, dcp_opt = _sharded()
     fresh, fresh_opt = _sharded()
-    times: dict[str, list[float]] = {"save_s": [], "load_s": [], "dcp_save_s": [],
-                                     "dcp_load_s": []}
-    for i in range(repeats):  # interleaved, so drift on a shared disk hits both alike
-        path, dcp_path = os.path.join(root, f"step_{i}"), os.path.join(root, f"dcp_{i}")
-        times["save_s"].append(_timed(lambda: ckpt.save(path, model, opt, extra={"step": i})))
-        times["dcp_save_s"].append(_timed(lambda: _dcp_save(dcp_path, model, opt)))
-        times["load_s"].append(_timed(lambda: ckpt.load(path, fresh, fresh_opt)))
-        times["dcp_load_s"].append(_timed(lambda: _dcp_load(dcp_path, fresh, fresh_opt)))
-    size = sum(f["bytes"] for f in ckpt.read_manifest(path)["files"].values())
-    return {"bytes": size, **{k: statistics.median(v) for k, v in times.items()}}
+    dcp_fresh, dcp_fresh_opt = _sharded()
+    times = {o: {k: [] for k in ("save", "load", "dcp_save", "dcp_load")} for o in options}
+    # Interleaved, so drift on a shared machine hits fullshard and DCP alike. Where an
+    # operation falls in the sequence moves its time (by 1.5x here), so every option takes
+    # every place in turn, and within a pair fullshard and DCP take turns at going first,
+    # once over every rotation of the options.
+    n = len(options)
+    for i in range(repeats):
+        for j in range(n):
+            option = options[(i + j) % n]
+            _use(option)
+            t = times[option]
+            path, dcp_path = os.path.join(root, "fullshard"), os.path.join(root, "dcp")
+            ops = [("save", lambda: ckpt.save(path, model, opt, extra={"step": i})),
+                   ("dcp_save", lambda: _dcp_save(dcp_path, dcp_model, dcp_opt)),
+                   ("load", lambda: ckpt.load(path, fresh, fresh_opt)),
+                   ("dcp_load", lambda: _dcp_load(dcp_path, dcp_fresh, dcp_fresh_opt))]
+            if (i // n) % 2:
+                ops = [ops[1], ops[0], ops[3], ops[2]]
+            for name, fn in ops:
+                t[name].append(_timed(fn))
+            files = ckpt.read_manifest(path)["files"].values()
+            assert {checksums.algorithm_of(e) for e in files} == {OPTIONS[option][0]}, option
+            size = sum(f["bytes"] for f in files)
+            dist.barrier()
+            if dist.get_rank() == 0:  # one checkpoint of each on disk at a time
+                shutil.rmtree(path)
+                shutil.rmtree(dcp_path)
+            dist.barrier()
+    return {"bytes": size, **{o: _summary(t) for o, t in times.items()}}
+
+
+def _summary(times: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Per operation: median wall and CPU seconds, and the median over pairs of each run's
+    ratio to the DCP run right after it."""
+    out = {}
+    med = statistics.median
+    for op in ("save", "load"):
+        mine, theirs = times[op], times[f"dcp_{op}"]
+        out[op] = med(w for w, _ in mine)
+        out[f"dcp_{op}"] = med(w for w, _ in theirs)
+        out[f"{op}_paired"] = med(a[0] / b[0] for a, b in zip(mine, theirs))
+        out[f"{op}_cpu_paired"] = med(a[1] / b[1] for a, b in zip(mine, theirs))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--options", action="store_true",
+                        help="also time the checksum options fullshard chose from")
     args = parser.parse_args()
+    options = list(OPTIONS) if args.options else [SHIPPED]
     with tempfile.TemporaryDirectory(prefix="fullshard-ckpt-bench-") as root:
-        res = run_distributed(worker, args.world_size, root, args.repeats, timeout=3600)[0]
+        res = run_distributed(worker, args.world_size, root, args.repeats, options,
+                              timeout=3600)[0]
     per_rank_mb = res["bytes"] / args.world_size / 1e6
     print(f"command: {' '.join(sys.argv)}")
     print(f"checkpoint {res['bytes'] / 1e6:.0f} MB (model + AdamW state), world size "
           f"{args.world_size}, {per_rank_mb:.0f} MB per rank\n")
-    print("| operation | fullshard median s | MB/s per rank | torch DCP median s | "
-          "fullshard / DCP |\n|---|---:|---:|---:|---:|")
-    for op, what in (("save", "write, hash, commit"), ("load", "verify, read, reshard")):
-        mine, theirs = res[f"{op}_s"], res[f"dcp_{op}_s"]
-        print(f"| {op} ({what}) | {mine:.2f} | {per_rank_mb / mine:.0f} | {theirs:.2f} | "
-              f"{mine / theirs:.2f} |")
+    print("| checksums | operation | fullshard median s | MB/s per rank | torch DCP median s | "
+          "/ DCP, medians | / DCP, median of pairs | / DCP, rank 0 CPU s, median of pairs |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
+    for option in options:
+        r = res[option]
+        for op, what in (("save", "write, hash, commit"), ("load", "verify, read, reshard")):
+            mine, theirs = r[op], r[f"dcp_{op}"]
+            print(f"| {option} | {op} ({what}) | {mine:.2f} | {per_rank_mb / mine:.0f} | "
+                  f"{theirs:.2f} | {mine / theirs:.2f} | {r[f'{op}_paired']:.2f} | "
+                  f"{r[f'{op}_cpu_paired']:.2f} |")
 
 
 if __name__ == "__main__":

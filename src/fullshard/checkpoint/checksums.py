@@ -3,7 +3,7 @@
 A manifest entry is ``{"bytes": N, ALGORITHM: HEX}``: the key names the algorithm, so a
 manifest written with sha256 (every checkpoint before xxh3 was adopted) still loads.
 New checkpoints use XXH3-128 (the ``xxhash`` package, a dependency): ~14x faster than
-sha256 here (22 GB/s against 1.8 GB/s on 64 MiB in memory), so hashing costs little next
+sha256 here (25 GB/s against 1.8 GB/s on 64 MiB in memory), so hashing costs little next
 to the disk. The checksum guards against files damaged or cut short on disk, not
 against tampering, for which neither a manifest beside the files nor sha256 would do.
 Where ``xxhash`` is not installed, saves fall back to sha256.
