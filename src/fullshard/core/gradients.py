@@ -74,7 +74,7 @@ class PendingReduce:
         self._copies = copies    # copies to offloaded (host) gradients, Note [streams and events]
 
     def finish(self, world_size: int) -> None:
-        with traced(f"finish_reduce {self.unit_name}"):
+        with traced("finish_reduce", self.unit_name):
             self._finish(world_size)
 
     def _finish(self, world_size: int) -> None:

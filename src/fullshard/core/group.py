@@ -282,11 +282,9 @@ class ParamGroup:
         send = self.flat_shard
         comm = self.all_gather_comm
         self._announce("all-gather")
-        # The copy-in and the collective run on the copy stream on CUDA (Note [streams
-        # and events]): compute on the current stream goes on meanwhile.
-        # ``ordered`` makes the caller's stream wait for the copy stream, where the copy-in
-        # ran and where a blocking collective was waited on.
-        with self.copies.to_device() as ordered, traced(f"all_gather {self.unit_name}"):
+        # On CUDA the copy-in and the collective run on the copy stream while compute goes
+        # on (Note [streams and events]); ``ordered`` makes the caller's stream wait for it.
+        with self.copies.to_device() as ordered, traced("all_gather", self.unit_name):
             if self._gather_plan().send:  # the one copy-in: cast / offload
                 send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
                 send.copy_(self.flat_shard, non_blocking=True)
@@ -315,7 +313,7 @@ class ParamGroup:
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
             self._release_cast_shard()
             self._alloc_unsharded_storage()
-            with traced(f"copy_out {self.unit_name}"):
+            with traced("copy_out", self.unit_name):
                 self._copy_out(gathered.view(self.world_size, -1))
             self._give_gathered(gathered)
         for p in self.params:
@@ -444,7 +442,7 @@ class ParamGroup:
     def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
         """Start reducing the unsharded gradients (sum, asynchronously) and free them
         (Note [gradient presence flags])."""
-        with traced(f"reduce_scatter {self.unit_name}"):
+        with traced("reduce_scatter", self.unit_name):
             return self._reduce_grads(options)
 
     def _reduce_grads(self, options: ReduceOptions) -> "PendingReduce | None":

@@ -121,7 +121,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         if group is not None:
             group.unshard()
             group.wait_unshard()
-        return _cast_inputs(unit, args, kwargs)
+        return _prepare_inputs(unit, None, args, kwargs)  # cast only: no new backward
     if unit is root.unit:
         _check_input_devices(unit, args, kwargs)
         _root_pre_forward(root)
@@ -139,8 +139,8 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
 
 def _prepare_inputs(unit: UnitState, watched: ParamGroup | None, args: Any, kwargs: Any
                     ) -> tuple[Any, Any] | None:
-    """The inputs cast to ``param_dtype`` (``_cast_inputs``) and watched for their
-    gradients (``watch_input_grads``) in one pass, or None to keep them: this runs
+    """The inputs cast to ``param_dtype`` and watched for their gradients
+    (``watch_input_grads``; not when ``watched`` is None) in one pass, or None to keep them: this runs
     before every unit's forward, so the usual call, positional tensors only, skips
     pytree (flattening twice was a third of the hook's time on small units)."""
     policy = unit.mp_policy
@@ -218,14 +218,6 @@ def watch_input_grads(group: ParamGroup, args: Any, kwargs: Any) -> Any:
     if not _watch(group, leaves):
         return args, kwargs
     return tree_unflatten(leaves, spec)
-
-
-def _cast_inputs(unit: UnitState, args: Any, kwargs: Any) -> Any:
-    """(args, kwargs) with floating tensors in ``param_dtype``, or None to keep them."""
-    policy = unit.mp_policy
-    if policy.param_dtype is None or not policy.cast_forward_inputs:
-        return None
-    return _cast_floats((args, kwargs), policy.param_dtype)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

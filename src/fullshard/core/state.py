@@ -131,8 +131,9 @@ class RootState:
         self.reduced: set[ParamGroup] = set()
         self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
         self.pool = BufferPool()
-        devices = [g.compute_device for g in self.members]
-        self.copies = HostCopies(devices[0] if devices else torch.device(unit.mesh.device_type))
+        first = next(iter(self.members), None)
+        self.copies = HostCopies(first.compute_device if first is not None
+                                 else torch.device(unit.mesh.device_type))
         for group in self.members:
             group.pool = self.pool
             group.copies = self.copies

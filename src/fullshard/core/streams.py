@@ -46,11 +46,11 @@ def _unchanged(pending: Pending) -> Pending:
     return pending
 
 
-def traced(name: str):
-    """A ``fullshard::NAME`` range for torch.profiler; nothing when no profiler runs
-    (a range costs a dispatcher call, and small units issue several per step)."""
+def traced(name: str, unit: str | None = None):
+    """A ``fullshard::NAME [UNIT]`` range for torch.profiler; nothing, not even the name's
+    formatting, when no profiler runs (small units open several ranges per step)."""
     if torch.autograd.profiler._is_profiler_enabled:
-        return record_function(f"fullshard::{name}")
+        return record_function(f"fullshard::{name}" + (f" {unit}" if unit else ""))
     return contextlib.nullcontext()
 
 
@@ -120,8 +120,3 @@ class HostCopies:
             for done, _src in self._in_flight:
                 done.synchronize()
             self._in_flight.clear()
-
-    @property
-    def pending(self) -> int:
-        """Copies to the host not yet settled."""
-        return len(self._in_flight)
