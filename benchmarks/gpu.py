@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Llama, LlamaConfig  # noqa: E402
+
+from fullshard.testing import free_port  # noqa: E402
 
 IMPLS = ("plain", "fsdp2", "fullshard")
 H100_BF16_DENSE_TFLOPS = 989.0
@@ -206,16 +207,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # -- the driver ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(impl: str, workload: str, args: argparse.Namespace) -> dict | None:
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1) or 1
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker",
+           f"--master_port={free_port()}", os.path.abspath(__file__), "--worker",
            "--impl", impl, "--workload", workload, "--peak-tflops", str(args.peak_tflops)]
     if args.tiny:
         cmd.append("--tiny")

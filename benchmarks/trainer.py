@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.gpt import lm_loss
+from fullshard.testing import free_port
 from fullshard.train.config import get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer, build_optimizer
@@ -113,10 +113,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:  # a free one: several runs may share the machine
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    # a free port: several runs may share the machine
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)

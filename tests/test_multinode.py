@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import torch
 
 from fullshard import checkpoint
 from fullshard.gpt import lm_loss
+from fullshard.testing import free_port
 from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.data import EpochSampler
 from fullshard.train.loop import build_optimizer, learning_rate, set_learning_rate
@@ -39,13 +39,6 @@ TWO_BY_TWO = ["--nproc", "2", "--batch.batch-size", str(SEQUENCES // 4)]
 
 
 # -- launching nodes -------------------------------------------------------------------
-
-def _free_port() -> int:
-    """A port nobody listens on now (the kernel's pick for a socket bound to port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class Node:
@@ -87,7 +80,7 @@ def _run_nodes(commands: list[list[str]], envs: list[dict] | None = None,
 
 def _two_nodes(out: str, *flags: str, env: dict | None = None, **options) -> list[Node]:
     """2 nodes x 2 ranks, node k started with ``--node-rank k``."""
-    port = _free_port()
+    port = free_port()
     where = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     return _run_nodes([[*RUN, *TWO_BY_TWO, *where, "--node-rank", str(k), "--out", out,
                         *flags] for k in range(2)], [env or {}] * 2, **options)
@@ -203,7 +196,7 @@ def test_hybrid_shard_under_slurm_shards_in_a_node_and_replicates_across(
     --master-addr: Slurm's variables give them): one replica per node."""
     out, counted = str(tmp_path / "run"), tmp_path / "collectives"
     counted.mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     probe = environment(COUNT_COLLECTIVES, counted)
     command = [*RUN, "--batch.batch-size", str(SEQUENCES // 4), "--master-port", port,
                "--parallel.strategy", "hybrid_shard", "--out", out]
@@ -311,7 +304,7 @@ def test_nodes_that_never_meet_give_up_after_the_join_timeout(tmp_path):
     (its node 0 never hosts); two nodes started with different --nnodes. Each launcher
     ends with one line after --join-timeout. (Each message, and a port already taken:
     tests/test_launch_flags.py.)"""
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     common = [*RUN, "--join-timeout", "3", "--master-addr", "127.0.0.1", "--nproc", "1"]
 
     def node(port: int, rank: int, nnodes: int = 2) -> list[str]:
@@ -341,7 +334,7 @@ def test_nodes_that_never_meet_give_up_after_the_join_timeout(tmp_path):
 def test_a_node_with_another_config_is_named_on_every_node(tmp_path):
     """Node 1 differs in two fields and a launch flag: the workers compare before they
     build anything."""
-    port = _free_port()
+    port = free_port()
     where = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
              "--out", str(tmp_path / "run")]
     node0 = [*RUN, "--nproc", "1", *where, "--node-rank", "0"]
@@ -365,7 +358,7 @@ def test_an_out_that_only_its_own_node_sees_stops_at_the_first_save(tmp_path):
     own files, as with a local disk on each machine."""
     (tmp_path / "node0").mkdir()
     (tmp_path / "node1").mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     command = [*RUN, "--nproc", "1", "--checkpoint.every", "1", "--nnodes", "2",
                "--master-addr", "127.0.0.1", "--master-port", port, "--out", "run"]
     nodes = _run_nodes([[*command, "--node-rank", str(k)] for k in range(2)],
@@ -386,7 +379,7 @@ def test_an_out_that_only_its_own_node_sees_stops_at_the_first_save(tmp_path):
 
 def test_pods_of_a_pytorchjob_are_workers(tmp_path, reference):
     """What a PyTorchJob with 2 pods (nprocPerNode "1") sets in each pod's container."""
-    out, port = str(tmp_path / "run"), str(_free_port())
+    out, port = str(tmp_path / "run"), str(free_port())
     pods = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
              "RANK": str(r), "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(r),
              "PET_NNODES": "2", "PYTHONUNBUFFERED": "0"} for r in range(2)]

@@ -2,5 +2,6 @@
 
 from .devices import rank_device, visible_gpus
 from .harness import run_distributed
+from .ports import free_port
 
-__all__ = ["run_distributed", "rank_device", "visible_gpus"]
+__all__ = ["run_distributed", "rank_device", "visible_gpus", "free_port"]
