@@ -305,3 +305,22 @@ def test_no_profiler_range_is_opened_when_no_profiler_runs(monkeypatch):
     with streams.traced("all_gather x"):
         pass
     assert opened == []
+
+
+def _shared_copies_worker():
+    from fullshard import share_comm_ctx
+    from fullshard.core.state import unit_of
+    models = [_sharded_gpt() for _ in range(3)]
+    x, _ = _batch()
+    models[0](x)  # already a root when the context is shared: it moves
+    share_comm_ctx(models[:2])
+    for m in models:
+        m(x)
+    copies = [unit_of(m).root.copies for m in models]
+    groups_follow = all(g.copies is copies[0] for g in unit_of(models[0]).root.members)
+    return copies[0] is copies[1], copies[0] is copies[2], groups_follow
+
+
+def test_share_comm_ctx_gives_the_roots_one_set_of_copy_streams():
+    shared, with_third, groups_follow = run_distributed(_shared_copies_worker, 1)[0]
+    assert shared and groups_follow and not with_third

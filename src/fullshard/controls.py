@@ -1,7 +1,7 @@
 """torch 2.13's ``FSDPModule`` setters that go beyond fullshard's core surface.
 
 ``FSDPModule`` inherits these. Each has torch's signature and semantics; the ones that
-tune NCCL or CUDA-stream internals fullshard does not have (separate communicators,
+tune NCCL internals fullshard does not have (separate communicators,
 process-group or symmetric-memory allocation, several reduce-scatter buffers in
 flight) validate their arguments and do nothing, as documented in the README's API
 table, because fullshard's schedule already does what they are for or has no such knob.
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .core.state import UnitState
+from .core.streams import SharedCopies
 
 
 class TorchControls:
@@ -191,13 +192,19 @@ def _expect_bool(method: str, value) -> None:
 
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:
-    """torch's ``share_comm_ctx``: FSDP2 shares CUDA streams between roots (pipeline
-    stages); fullshard issues every collective on the current stream, so there is
-    nothing to share. Checks the modules are sharded."""
+    """torch's ``share_comm_ctx``: the roots of ``modules`` (pipeline stages) use one set
+    of copy streams (core/streams.SharedCopies); collectives run on the process group's
+    streams in any case (Note [streams and events])."""
     for module in modules:
         if not isinstance(module, TorchControls):
             raise ValueError(f"share_comm_ctx: expects a list of FSDPModules but got "
                              f"{type(module).__name__}")
+    shared = SharedCopies()
+    for module in modules:
+        unit = module._unit
+        unit.shared_copies = shared
+        if unit.is_root:  # already initialized: move it now
+            unit.root.use_copies(shared)
 
 
 __all__ = ["TorchControls", "share_comm_ctx"]

@@ -19,7 +19,7 @@ from .buffers import BufferPool
 from .gradients import DEFAULT_REDUCE, ReduceOptions
 from .group import ParamGroup, PendingReduce
 from .schedule import PrefetchOrder, frees_after_forward
-from .streams import HostCopies
+from .streams import SharedCopies
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
@@ -72,6 +72,7 @@ class UnitState:
         self.reduce_options: ReduceOptions = DEFAULT_REDUCE  # torch's gradient-reduction setters
         self.unshard_in_backward = True  # False: backward never gathers (e.g. an embedding)
         self.post_optim_event = None     # root only: waited on before the next forward's gathers
+        self.shared_copies = SharedCopies()  # as a root: its copy streams (share_comm_ctx)
         # The units one fully_shard call made: itself, or every module of a list, which
         # share one group; torch's per-unit setters apply to all of them together.
         self.created_with: list[UnitState] = [self]
@@ -131,12 +132,9 @@ class RootState:
         self.reduced: set[ParamGroup] = set()
         self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
         self.pool = BufferPool()
-        first = next(iter(self.members), None)
-        self.copies = HostCopies(first.compute_device if first is not None
-                                 else torch.device(unit.mesh.device_type))
         for group in self.members:
             group.pool = self.pool
-            group.copies = self.copies
+        self.use_copies(unit.shared_copies)
         _LIVE_ROOTS.add(self)
         self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
         self.in_backward = False
@@ -214,6 +212,17 @@ class RootState:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish(self.unit.mesh.size())
+
+    def use_copies(self, shared: SharedCopies) -> None:
+        """Move every group's host<->device copies to ``shared``'s streams (after the
+        copies in flight on the current ones have landed)."""
+        if getattr(self, "copies", None) is not None:
+            self.copies.settle()
+        first = next(iter(self.members), None)
+        self.copies = shared.for_device(first.compute_device if first is not None
+                                        else torch.device(self.unit.mesh.device_type))
+        for group in self.members:
+            group.copies = self.copies
 
     def settle_gradients(self) -> None:
         """Finish the reduction in flight and wait for gradients still being copied to the

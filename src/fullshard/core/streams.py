@@ -120,3 +120,17 @@ class HostCopies:
             for done, _src in self._in_flight:
                 done.synchronize()
             self._in_flight.clear()
+
+
+class SharedCopies:
+    """One set of copy streams for several roots (torch's ``share_comm_ctx``, e.g. the
+    stages of a pipeline): blocks the caching allocator hands out on a stream are reused
+    only on that stream, so roots with streams of their own would each keep memory."""
+
+    def __init__(self):
+        self._copies: HostCopies | None = None
+
+    def for_device(self, device: torch.device) -> HostCopies:
+        if self._copies is None:
+            self._copies = HostCopies(device)
+        return self._copies
