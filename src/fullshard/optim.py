@@ -65,6 +65,13 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
             "installs a new tensor): stepping it would no longer change the model. Create "
             "the optimizer after such a load and load its state then, or load without "
             "assign=True, which copies into the existing parameters.")
+    if owner.extension is not None and not owner.sharded_param.requires_grad:
+        raise RuntimeError(
+            f"fullshard: {type(opt).__name__} {where} is parameter '{owner.fqn}', a frozen "
+            f"{type(owner.sharded_param._local_tensor).__name__} weight that gathers through "
+            "its tensor subclass (a quantized base); an optimizer must not hold it. Build "
+            "the optimizer over the trainable parameters only: "
+            "[p for p in model.parameters() if p.requires_grad].")
     if not owner.local_is_shard():
         raise RuntimeError(
             f"fullshard: parameter '{owner.fqn}': the tensor {type(opt).__name__} updates is no "

@@ -61,6 +61,9 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
     # A custom collective serves its own unit only (Note [custom collectives]).
     pinned |= {u for u in units if u.group is not None and (
         u.group.all_gather_comm is not None or u.group.reduce_scatter_comm is not None)}
+    # Tensor-subclass parameters gather beside the flat buffers (Note [tensor-subclass
+    # parameters]); their units keep their own group.
+    pinned |= {u for u in units if u.group is not None and u.group.subclass is not None}
     for run in plan_buckets([u for u in units if u not in pinned], bucket_numel, root):
         if len(run) == 1:
             continue

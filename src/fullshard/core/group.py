@@ -70,6 +70,7 @@ from .post_forward import PostForwardShard
 from .schedule import (GatherPlan, backward_is_done, gather_plan, reduce_numel, reduce_plan,
                        shard_device_for)
 from .streams import HostCopies, traced
+from .subclass_params import SubclassGather
 
 if TYPE_CHECKING:
     from ..policies import CPUOffloadPolicy
@@ -93,8 +94,14 @@ class ParamGroup:
                  replicate_pg: dist.ProcessGroup | None = None,
                  post_forward_size: int | None = None,
                  offload: "CPUOffloadPolicy | None" = None,
-                 compute_device: torch.device | None = None):
+                 compute_device: torch.device | None = None, mesh=None,
+                 mp_policy=None):
         self.params = params
+        # Note [tensor-subclass parameters]: those gather beside the flat buffers
+        self.flat_params = [p for p in params if p.extension is None]
+        subclass = [p for p in params if p.extension is not None]
+        self.subclass = SubclassGather(subclass, pg, mesh, unit_name) if subclass else None
+        self.mp_policy = mp_policy
         self.offload = offload  # Note [CPU offload]
         self._compute_device = compute_device
         self.post_forward_size = post_forward_size
@@ -109,9 +116,9 @@ class ParamGroup:
         self.world_size = pg.size()
         self.unit_name = unit_name
         self.state = GroupState.SHARDED
-        self.shard_sizes = [p.layout.shard_numel for p in params]
+        self.shard_sizes = [p.layout.shard_numel for p in self.flat_params]
         self.shard_numel = sum(self.shard_sizes)
-        self._dim0_only = all(p.layout.dim == 0 for p in params)  # Note [shards on another dim]
+        self._dim0_only = all(p.layout.dim == 0 for p in self.flat_params)  # Note [shards on another dim]
         self.flat_shard: torch.Tensor | None = None
         self.unsharded: torch.Tensor | None = None
         self._copy_out_targets: list[torch.Tensor] = []
@@ -144,11 +151,12 @@ class ParamGroup:
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
         """Allocate the flat shard on ``device`` and copy each original's rows into it."""
-        requires_grad = [t.requires_grad for t in originals]
-        originals = [p.local_value(t) for p, t in zip(self.params, originals)]
+        requires_grad = {p: t.requires_grad for p, t in zip(self.params, originals)}
+        full = {p: p.local_value(t) for p, t in zip(self.params, originals)}
+        originals = [full[p] for p in self.flat_params] or list(full.values())
         dtypes = {t.dtype for t in originals}
         if len(dtypes) > 1:
-            found = ", ".join(f"{p.fqn}: {t.dtype}" for p, t in zip(self.params, originals))
+            found = ", ".join(f"{p.fqn}: {t.dtype}" for p, t in zip(self.flat_params, originals))
             raise TypeError(
                 f"fully_shard({self.unit_name}): all parameters of one unit must share a dtype "
                 f"to be gathered in one collective; found {found}. Cast them to one dtype or "
@@ -159,9 +167,10 @@ class ParamGroup:
                                           device="meta")
         else:
             self.flat_shard = self._new_flat_shard(originals[0].dtype, self.shard_device(device))
-        for p, full, view, grad in zip(self.params, originals,
-                                       self._shard_views(self.flat_shard), requires_grad):
-            p.shard_from(full, view, requires_grad=grad)
+        for p, view in zip(self.flat_params, self._shard_views(self.flat_shard)):
+            p.shard_from(full[p], view, requires_grad=requires_grad[p])
+        for p in self.subclass.params if self.subclass is not None else ():
+            p.shard_subclass(full[p], self.unit_name, requires_grad=requires_grad[p])
 
     def shard_device(self, device: torch.device) -> torch.device:
         """Where the flat shard lives when parameters are computed on ``device``."""
@@ -202,7 +211,7 @@ class ParamGroup:
         ``assign=True`` load replaced them; reallocate when device or dtype changed."""
         self._check_live("readopt")
         self.reshard()
-        first = self.params[0].refs[0]
+        first = (self.flat_params or self.params)[0].refs[0]
         current = first.module._parameters[first.name]
         local = getattr(current, "_local_tensor", current)
         device = local.device if local.is_meta else self.shard_device(local.device)
@@ -215,8 +224,10 @@ class ParamGroup:
                                self._new_flat_shard(local.dtype, device))
             self.unsharded = None
             self._copy_out_targets = []
-        for p, view in zip(self.params, self._shard_views(self.flat_shard)):
+        for p, view in zip(self.flat_params, self._shard_views(self.flat_shard)):
             p.readopt(view)
+        for p in self.subclass.params if self.subclass is not None else ():
+            p.readopt(None)
 
     def _shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, self.shard_sizes))
@@ -243,7 +254,8 @@ class ParamGroup:
         self._writer = writer
         self._copy_out_targets = [v.view(w, -1) for v in torch.split(
             writer, [w * n for n in self.shard_sizes])]
-        for p, view in zip(self.params, torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
+        for p, view in zip(self.flat_params,
+                           torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
             p.make_unsharded(view)
         self._free_unsharded_storage()
 
@@ -269,6 +281,15 @@ class ParamGroup:
             return
         if self.unsharded is None:
             self._build_unsharded()
+        if self.subclass is not None:  # Note [tensor-subclass parameters]
+            self._announce("all-gather (tensor-subclass parameters)")
+            self.subclass.start(self.mp_policy, self.pool, async_op)
+            if not self.flat_params:
+                self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
+                self.state = GroupState.GATHERING
+                if not async_op:
+                    self.wait_unshard()
+                return
         if self.world_size == 1:  # Note [shard groups of one rank]: no collective
             if self.unsharded is not self.flat_shard:
                 self._alloc_unsharded_storage()
@@ -316,6 +337,8 @@ class ParamGroup:
             with traced("copy_out", self.unit_name):
                 self._copy_out(gathered.view(self.world_size, -1))
             self._give_gathered(gathered)
+        if self.subclass is not None:
+            self.subclass.finish(self.param_dtype)
         for p in self.params:
             up = p.unsharded_param
             if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
@@ -333,7 +356,7 @@ class ParamGroup:
             torch.split_with_sizes_copy(rows, self.shard_sizes, dim=1,
                                         out=self._copy_out_targets)
             return
-        for p, src, dst in zip(self.params, torch.split(rows, self.shard_sizes, dim=1),
+        for p, src, dst in zip(self.flat_params, torch.split(rows, self.shard_sizes, dim=1),
                                self._copy_out_targets):
             p.layout.copy_gathered(self.world_size, src, dst)
 
@@ -361,10 +384,14 @@ class ParamGroup:
             if not self._gather_is_direct:
                 self._give_gathered(gathered)
             self._release_cast_shard()
+            if self.subclass is not None:
+                self.subclass.drop()
         else:
             for p in self.params:
                 p.register(p.sharded_param)
         self._free_unsharded_storage()
+        if self.subclass is not None:
+            self.subclass.free()
         self.state = GroupState.SHARDED
 
     def _give_gathered(self, gathered: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
 from .param import ParamRef, ShardedParam
 from .registry import SHARDED_ORIGINALS, is_sharded_param
 from .schedule import after_forward_rule
+from .subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
 from .state import RootState, UnitState, attach_unit, unit_of
 from .tensor_parallel import SpmdDims, is_foreign_dtensor
 
@@ -62,14 +63,19 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
     group = None
     sharded: dict[nn.Parameter, ShardedParam] = {}
     if refs_by_param:
+        for p, refs in refs_by_param.items():
+            if has_all_gather_hooks(p.to_local() if isinstance(p, DTensor) else p):
+                check_subclass_unit(label, refs[0].fqn, offload=isinstance(
+                    offload_policy, CPUOffloadPolicy), post_forward=post_forward_size is not None,
+                    tensor_parallel=isinstance(p, DTensor), mesh_ndim=mesh.ndim)
         sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd,
                                    shard_dims.get(p, 0))
                    for p, refs in refs_by_param.items()}
         _check_tensor_parallel(label, sharded.values(), post_forward_size)
+        offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
                            mp_policy.reduce_dtype, replicate_pg, post_forward_size,
-                           offload=offload_policy if isinstance(offload_policy, CPUOffloadPolicy)
-                           else None)
+                           offload=offload, mesh=mesh, mp_policy=mp_policy)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             SHARDED_ORIGINALS.add(original, label)
@@ -234,6 +240,7 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
                     f"({owner}); a parameter shared between two units is not supported. Shard "
                     "the modules that share it together: apply fully_shard to their common "
                     "parent only (e.g. leave tied embeddings to the root).")
+            check_subclass_param(label, fqn, p)
             if not (p.is_floating_point() or p.is_complex()):
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "

@@ -79,6 +79,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import registry
+from .subclass_params import SubclassShard, has_all_gather_hooks
 from .tensor_parallel import SpmdDims, local_grad, sharded_layout
 
 
@@ -194,6 +195,10 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
         self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
+        # Note [tensor-subclass parameters]: gathered through the subclass's own hooks
+        self.extension: SubclassShard | None = (
+            SubclassShard(self.fqn, refs[0].module, param)
+            if self.tp_spec is None and has_all_gather_hooks(param) else None)
 
     def local_value(self, tensor: torch.Tensor) -> torch.Tensor:
         """The plain tensor fullshard shards: a TP DTensor's local piece, else itself."""
@@ -228,7 +233,14 @@ class ShardedParam:
         registry.track(self)
         self.register(self.sharded_param)
 
-    def readopt(self, flat_view: torch.Tensor) -> None:
+    def shard_subclass(self, full: torch.Tensor, label: str, requires_grad: bool) -> None:
+        """Register the DTensor whose local tensor is this rank's shard of the subclass
+        parameter ``full``, made by the subclass (Note [tensor-subclass parameters])."""
+        local = self.extension.shard(label, full, self.rank, self.world_size)
+        self._adopt(nn.Parameter(DTensor(local, self.spec, requires_grad=False),
+                                 requires_grad=requires_grad))
+
+    def readopt(self, flat_view: torch.Tensor | None) -> None:
         """Re-attach to whatever DTensor is registered now (after ``_apply`` or
         ``load_state_dict(assign=True)``) and make its local tensor view ``flat_view``."""
         ref = self.refs[0]
@@ -247,6 +259,9 @@ class ShardedParam:
                 f"fullshard: parameter '{self.fqn}' was replaced by a DTensor of shape "
                 f"{tuple(current.shape)} and placements {current.placements}; expected shape "
                 f"{tuple(self.global_shape)} with {self.placements}.")
+        if self.extension is not None:  # its local tensor is what its next gather reads
+            self._adopt(current)
+            return
         lay = self.layout
         old_local = current._local_tensor
         self.padded_shard = flat_view.view(lay.padded_shape(lay.rows_per_rank))
@@ -257,6 +272,9 @@ class ShardedParam:
                     new_local.copy_(old_local)
                 lay.padding(self.padded_shard).zero_()
             current._local_tensor = new_local
+        self._adopt(current)
+
+    def _adopt(self, current: DTensor) -> None:
         self.sharded_param = current
         self.spec = current._spec
         registry.track(self)
@@ -288,6 +306,8 @@ class ShardedParam:
         """Whether the registered DTensor's local tensor is still this rank's rows of the
         padded shard (Note [one storage is the shard])."""
         local = self.sharded_param._local_tensor
+        if self.extension is not None:
+            return True  # each gather reads the local tensor itself
         if local.numel() == 0 or local.is_meta:
             return True  # nothing to send or update
         return local.data_ptr() == self.padded_shard.data_ptr()

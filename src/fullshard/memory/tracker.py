@@ -62,6 +62,9 @@ def _buffer_bytes(units: list, params: list[torch.Tensor]) -> dict[str, int]:
                 counts["unsharded parameters"] += group.unsharded.untyped_storage().nbytes()
             chunk = getattr(group.post_forward, "chunk", None)
             counts["unsharded parameters"] += _nbytes(chunk)
+            if group.subclass is not None:  # their own bytes (NF4: half a byte a value)
+                counts["sharded parameters"] += group.subclass.sharded_bytes()
+                counts["unsharded parameters"] += group.subclass.unsharded_bytes()
         if unit.root is not None and id(unit.root) not in roots:
             roots.add(id(unit.root))
             counts["pooled communication buffers"] += unit.root.pool.idle_bytes()

@@ -11,13 +11,14 @@ import torch
 from ..core import gradients as gradients_module
 from ..core import group as group_module
 from ..core import post_forward as post_forward_module
+from ..core import subclass_params as subclass_module
 
 
 @contextlib.contextmanager
 def count_collectives():
     """Yield a Counter with keys ``all_gather``/``all_gather_async``/``reduce_scatter``/
     ``all_reduce`` (gathers within a post-forward subgroup, ``reshard_after_forward=N``,
-    count too; collectives over a group of one rank are not issued and not counted)."""
+    and those of tensor-subclass parameters count too; collectives over a group of one rank are not issued and not counted)."""
     counts: Counter = Counter()
     real_ag, real_rs = group_module.all_gather, group_module.reduce_scatter_sum
     real_ar = group_module.all_reduce_sum
@@ -40,6 +41,7 @@ def count_collectives():
     patches = [(group_module, "all_gather", all_gather),
                (group_module, "reduce_scatter_sum", reduce_scatter_sum),
                (post_forward_module, "all_gather", all_gather),
+               (subclass_module, "all_gather", all_gather),
                (group_module, "all_reduce_sum", all_reduce_sum),
                (gradients_module, "all_reduce_sum", all_reduce_sum)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
