@@ -14,18 +14,18 @@ import json
 import os
 import re
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .io import EXTRA, CheckpointError, _verify_files, read_manifest, resolve
+from . import torch_dcp
+from .io import _read_into
+from .layout import EXTRA, CheckpointError
+from .verify import Checkpoint, failure, open_checkpoint, read_extra, verify_files
 
-MODEL_PREFIX = "model."
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -33,33 +33,88 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def _model_prefix(meta: dict[str, Any]) -> str:
+    """``model.`` (fullshard's layout, and torch's recipe); a checkpoint torch's DCP wrote
+    of ``model.state_dict()`` alone has its tensors at the top level."""
+    return torch_dcp.MODEL if any(k.startswith(torch_dcp.MODEL) for k in meta) else ""
+
+
 def model_tensors(path: str) -> dict[str, TensorStorageMetadata]:
-    """Model tensor name (without the ``model.`` prefix) -> its DCP metadata."""
+    """Model tensor name (without the ``model.`` prefix) -> its DCP metadata. Read only
+    from a checkpoint that ``open_checkpoint`` returned."""
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    return {k[len(MODEL_PREFIX):]: v for k, v in meta.items()
-            if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
+    prefix = _model_prefix(meta)
+    return {k[len(prefix):]: v for k, v in meta.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+            and not (prefix == "" and k.startswith(torch_dcp.OPTIM))}
 
 
 def inspect(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """What a checkpoint holds: world size, extra, and each model tensor's shape,
-    dtype and bytes; with ``verify`` also whether every file matches its checksum."""
-    path = resolve(path)
-    manifest = read_manifest(path)
+    dtype and bytes; with ``verify`` also whether every file matches its checksum. A
+    checkpoint that fails verification is described from its manifest alone (its
+    ``extra`` is not read); one torch's DCP wrote from its metadata, world size unknown."""
+    checkpoint = open_checkpoint(path, verify=False, collective=False)
+    manifest = checkpoint.manifest
+    if manifest is None:
+        tensors = {name: {"shape": list(m.size), "dtype": _dtype_name(m.properties.dtype)}
+                   for name, m in model_tensors(checkpoint.path).items()}
+        return _described(checkpoint.path, tensors, world_size=None, has_optimizer=None,
+                          status="none (a torch DCP checkpoint without a manifest: "
+                          "unverified)", extra=None, nbytes=_directory_bytes(checkpoint.path))
     status = "not checked"
     if verify:
         try:
-            _verify_files(path, manifest["files"])
+            verify_files(checkpoint.path, manifest["files"], collective=False)
             status = "ok"
         except CheckpointError as err:
             status = str(err)
-    extra = torch.load(os.path.join(path, EXTRA), weights_only=False)
-    tensors = {name: {"shape": list(m.size), "dtype": str(m.properties.dtype).removeprefix(
-        "torch."), "bytes": m.size.numel() * m.properties.dtype.itemsize}
-        for name, m in model_tensors(path).items()}
-    return {"path": path, "world_size": manifest["world_size"],
-            "has_optimizer": manifest.get("has_optimizer", False), "checksums": status,
-            "extra": extra, "tensors": tensors,
-            "bytes": sum(f["bytes"] for f in manifest["files"].values())}
+    extra = _extra(checkpoint) if status in ("ok", "not checked") else None
+    return _described(checkpoint.path, manifest["tensors"], manifest["world_size"],
+                      manifest.get("has_optimizer", False), status, extra,
+                      sum(f["bytes"] for f in manifest["files"].values()))
+
+
+def _extra(checkpoint: Checkpoint) -> Any:
+    try:
+        return read_extra(checkpoint)
+    except Exception as err:  # noqa: BLE001 - only reached unverified (--no-verify)
+        raise CheckpointError(f"{os.path.join(checkpoint.path, EXTRA)} cannot be read "
+                              f"({failure(err)}); inspect it without --no-verify to find the "
+                              "damaged file") from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _described(path: str, tensors: dict[str, dict], world_size: int | None,
+               has_optimizer: bool | None, status: str, extra: Any, nbytes: int
+               ) -> dict[str, Any]:
+    return {"path": path, "world_size": world_size, "has_optimizer": has_optimizer,
+            "checksums": status, "failed": status not in ("ok", "not checked") and
+            world_size is not None, "extra": extra, "bytes": nbytes,
+            "tensors": {name: {"shape": list(t["shape"]), "dtype": t["dtype"],
+                               "numel": _numel(t["shape"]),
+                               "bytes": _numel(t["shape"]) * _itemsize(t["dtype"])}
+                        for name, t in tensors.items()}}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype_name: str) -> int:
+    dtype = getattr(torch, dtype_name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+
+
+def _directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+               if os.path.isfile(os.path.join(path, n)))
 
 
 @dataclass(frozen=True)
@@ -74,11 +129,10 @@ class ExportedTensor:
 
 def export_safetensors(path: str | os.PathLike, out: str | os.PathLike) -> str:
     """Write the checkpoint's model tensors, unsharded, to one ``.safetensors`` file."""
-    path = resolve(path)
-    read_manifest(path)
-    tensors = model_tensors(path)
+    checkpoint = open_checkpoint(path, collective=False)
+    tensors = model_tensors(checkpoint.path)
     out = os.fspath(out)
-    _write_file(path, out, [ExportedTensor(name, name) for name in tensors], tensors)
+    _write_file(checkpoint, out, [ExportedTensor(name, name) for name in tensors], tensors)
     return out
 
 
@@ -87,15 +141,17 @@ INDEX = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
-def export_sharded(path: str | os.PathLike, out_dir: str | os.PathLike,
+def export_sharded(path: str | os.PathLike | Checkpoint, out_dir: str | os.PathLike,
                    entries: list[ExportedTensor], max_shard_bytes: int) -> list[str]:
     """Write ``entries`` in Hugging Face's layout: ``model.safetensors`` when they fit in
     ``max_shard_bytes``, else ``model-0000k-of-0000n.safetensors`` files of at most that
     size (a larger tensor gets a file of its own) and ``model.safetensors.index.json``
     mapping each name to its file. Files of an earlier export in ``out_dir`` that this one
-    does not rewrite are removed. Returns the files written."""
-    path = resolve(path)
-    read_manifest(path)
+    does not rewrite are removed. Returns the files written. ``path`` may be a checkpoint
+    ``open_checkpoint`` returned already (not verified twice)."""
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path,
+                                                                           collective=False)
+    path = checkpoint.path
     tensors = model_tensors(path)
     missing = [e.source for e in entries if e.source not in tensors]
     if missing:
@@ -119,7 +175,7 @@ def export_sharded(path: str | os.PathLike, out_dir: str | os.PathLike,
             os.remove(os.path.join(out_dir, name))
     written = []
     for name, shard in zip(names, shards):
-        written.append(_write_file(path, os.path.join(out_dir, name), shard, tensors))
+        written.append(_write_file(checkpoint, os.path.join(out_dir, name), shard, tensors))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(_nbytes(tensors[e.source]) for e in entries)},
                  "weight_map": {e.name: name for name, shard in zip(names, shards)
@@ -135,7 +191,7 @@ def _nbytes(m: TensorStorageMetadata) -> int:
     return m.size.numel() * m.properties.dtype.itemsize
 
 
-def _write_file(path: str, out: str, entries: list[ExportedTensor],
+def _write_file(checkpoint: Checkpoint, out: str, entries: list[ExportedTensor],
                 tensors: dict[str, TensorStorageMetadata]) -> str:
     """Stream ``entries`` into the safetensors file ``out``: the header from the
     checkpoint's metadata, then one tensor at a time."""
@@ -153,12 +209,13 @@ def _write_file(path: str, out: str, entries: list[ExportedTensor],
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data on 8 bytes
+    prefix = _model_prefix(FileSystemReader(checkpoint.path).read_metadata().state_dict_metadata)
     tmp = f"{out}.partial"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for entry in entries:
-            tensor = _read_tensor(path, entry.source, tensors[entry.source])
+            tensor = _read_tensor(checkpoint, prefix, entry.source, tensors[entry.source])
             if entry.transpose:
                 tensor = tensor.t()
             f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
@@ -166,9 +223,10 @@ def _write_file(path: str, out: str, entries: list[ExportedTensor],
     return out
 
 
-def _read_tensor(path: str, name: str, m: TensorStorageMetadata) -> torch.Tensor:
-    target = {MODEL_PREFIX + name: torch.empty(m.size, dtype=m.properties.dtype)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
-    return target[MODEL_PREFIX + name]
+def _read_tensor(checkpoint: Checkpoint, prefix: str, name: str, m: TensorStorageMetadata
+                 ) -> torch.Tensor:
+    """One tensor, read on this process alone (DCP reads only its pieces)."""
+    tensor = torch.empty(m.size, dtype=m.properties.dtype)
+    _read_into(checkpoint, {prefix + name: tensor}, FileSystemReader(checkpoint.path),
+               collective=False)
+    return tensor

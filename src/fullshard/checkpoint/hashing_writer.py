@@ -23,8 +23,10 @@ from typing import Any, Iterator
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from . import checksums
+from .layout import WRITER_MARK
 
 
 class HashingStream:
@@ -139,6 +141,13 @@ class HashingWriter(FileSystemWriter):
 
     def entries(self) -> dict[str, dict]:
         return self.fs.entries()
+
+    def storage_meta(self) -> StorageMeta | None:
+        # DCP's .metadata records that fullshard wrote it (layout.WRITER_MARK), so a
+        # directory that lost its manifest is never read as torch's (verify.classify).
+        meta = super().storage_meta() or StorageMeta()
+        meta.modules = [*meta.modules, WRITER_MARK]
+        return meta
 
 
 def file_sizes(directory: str) -> dict[str, int]:

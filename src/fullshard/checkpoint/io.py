@@ -16,15 +16,14 @@ it writes it (Note [checksums while writing]). Only after all ranks have finishe
 does rank 0 gather the checksums, write the manifest, rename the directory into
 place, and finally rewrite ``latest`` (by rename, so it is never half written). A
 save killed at any moment leaves either no new directory or an unreferenced temporary one: ``latest`` still names the previous
-complete checkpoint. ``load`` refuses a directory without a manifest and checks every
-file's size and checksum before reading, naming the file that is missing or corrupt.
+complete checkpoint. ``load`` reads nothing before the directory passed verification
+(Note [one verification path]), which names the file that is missing or corrupt.
 Resharding comes from DCP: shards are addressed by global offsets, so a checkpoint
 saved at world size N loads at any M, or into a plain module on one process.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -35,22 +34,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
 from ..core.native_state_dict import native_state_dict
-from . import background, checksums
+from . import background, checksums, manifest as manifests, torch_dcp
 from .hashing_writer import HashingWriter, file_sizes, unrecorded
+from .layout import EXTRA, LATEST, MANIFEST, CheckpointError
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
-
-MANIFEST = "fullshard.json"
-EXTRA = "extra.pt"
-LATEST = "latest"
-FORMAT = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, corrupt, or does not fit the model."""
+from .verify import Checkpoint, failure, open_checkpoint, read_extra, resolve
 
 
 def _distributed() -> bool:
@@ -114,8 +107,9 @@ def _write_and_commit(path: str, state: dict[str, Any], extra: Any, meta: dict,
     _barrier(group)  # every file complete before any rank lists the directory
     files = _gather_checksums(tmp, writer.entries(), group)
     if rank == 0:
-        manifest = {"format": FORMAT, "world_size": world, "files": files, **meta}
-        _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        body = {"format": manifests.FORMAT, "world_size": world, "files": files, **meta}
+        _write_atomic(os.path.join(tmp, MANIFEST),
+                      manifests.render(body, checksums.preferred()))
         _commit(tmp, path)
         _write_atomic(os.path.join(parent, LATEST), name)
     _barrier(group)
@@ -126,51 +120,65 @@ def load(path: str | os.PathLike, model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Load a checkpoint saved by :func:`save` at any world size into ``model`` (and
     ``optimizer``); returns the ``extra`` it was saved with. ``path`` may also be the
-    parent directory, in which case its ``latest`` checkpoint is loaded."""
+    parent directory, in which case its ``latest`` checkpoint is loaded.
+
+    Every file is verified against the manifest first (Note [one verification path]). A
+    checkpoint torch's DCP wrote (no manifest) loads too, unverified: an
+    ``UnverifiedCheckpointWarning`` says so, and None is returned for ``extra``."""
     background.wait_for_pending_save()
-    path = resolve(path)
-    manifest = read_manifest(path)
-    _verify_files(path, manifest["files"])
-    _check_fits(path, manifest["tensors"], model)
-    if optimizer is not None and not manifest.get("has_optimizer"):
+    checkpoint = open_checkpoint(path)
+    path = checkpoint.path
+    reader = _Reader(path)
+    if checkpoint.manifest is not None:
+        prefix, saved = torch_dcp.MODEL, checkpoint.manifest["tensors"]
+        has_optimizer = checkpoint.manifest.get("has_optimizer", False)
+    else:
+        with native_state_dict():
+            keys = list(model.state_dict())
+        prefix = torch_dcp.model_prefix(reader.read_metadata(), keys)
+        saved = torch_dcp.tensors(reader.read_metadata(), prefix)
+        has_optimizer = torch_dcp.has_keys_under(reader.read_metadata(),
+                                                 torch_dcp.optimizer_prefix(prefix))
+    _check_fits(path, saved, model)
+    if optimizer is not None and not has_optimizer:
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load the model "
                               "alone (optimizer=None) and start the optimizer fresh.")
-    state = _states(model, optimizer)
-    reader = _Reader(path)
+    model_state = get_model_state_dict(model)
+    state = torch_dcp.nest(prefix, model_state)
     if optimizer is not None:
-        _check_optimizer_fits(path, state, reader.read_metadata())
+        optim_prefix = torch_dcp.optimizer_prefix(prefix)
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        torch_dcp.nest(optim_prefix, optim_state, into=state)
+        _check_optimizer_fits(path, state, optim_prefix, reader.read_metadata())
+    _read_into(checkpoint, state, reader)
+    set_model_state_dict(model, model_state)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state)
+    return read_extra(checkpoint)
+
+
+def _read_into(checkpoint: Checkpoint, state: dict[str, Any], reader: dcp.FileSystemReader,
+               collective: bool = True) -> None:
+    """DCP's load of ``state`` (``collective``: by every rank of the process group, if
+    one is up). Verified files are read as they are; an unverified checkpoint's failure
+    is named in one line (nothing vouched for its files)."""
     with warnings.catch_warnings():  # DCP: "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, storage_reader=reader, no_dist=not _distributed())
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
-    return torch.load(os.path.join(path, EXTRA), weights_only=False)
+        try:
+            dcp.load(state, checkpoint_id=checkpoint.path, storage_reader=reader,
+                     no_dist=not (collective and _distributed()))
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            if checkpoint.verified:
+                raise
+            raise CheckpointError(
+                f"torch DCP checkpoint {checkpoint.path} could not be read ({failure(err)}); "
+                f"it has no {MANIFEST} to tell which of its files is damaged") from None
 
 
-def resolve(path: str | os.PathLike) -> str:
-    """``path`` itself if it is a checkpoint, else the one its ``latest`` file names;
-    ``path`` may also be that ``latest`` file."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.basename(path) == LATEST and os.path.isfile(path):
-        path = os.path.dirname(path)
-    pointer = os.path.join(path, LATEST)
-    if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(path, f.read().strip())
-    return path
-
-
-def read_manifest(path: str) -> dict:
-    manifest = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path}")
-    if not os.path.isfile(manifest):
-        raise CheckpointError(f"{path} is not a complete fullshard checkpoint: {MANIFEST} is "
-                              "missing (the save that wrote it did not finish). Load the "
-                              f"previous one, which '{LATEST}' in the parent directory names.")
-    with open(manifest) as f:
-        return json.load(f)
+def read_manifest(path: str | os.PathLike) -> dict | None:
+    """The manifest of the checkpoint at ``path``, checked but without verifying the
+    files (None for a checkpoint torch's DCP wrote, which has none)."""
+    return open_checkpoint(path, verify=False, collective=False).manifest
 
 
 def _describe(model_state: dict[str, Any]) -> dict[str, dict]:
@@ -225,13 +233,17 @@ class _Reader(dcp.FileSystemReader):
         return self._metadata
 
 
-def _check_optimizer_fits(path: str, state: dict[str, Any], metadata: Any) -> None:
-    """Every optimizer value the load will ask for is in the checkpoint with its shape, so
-    that DCP cannot fail halfway: a load that raises here has changed nothing."""
+def _check_optimizer_fits(path: str, state: dict[str, Any], prefix: str, metadata: Any
+                          ) -> None:
+    """Every optimizer value the load will ask for (its keys begin with ``prefix``) is in
+    the checkpoint with its shape, so that DCP cannot fail halfway: a load that raises
+    here has changed nothing."""
     saved = metadata.state_dict_metadata
-    flat, _ = flatten_state_dict({"optim": state["optim"]})
+    flat, _ = flatten_state_dict(state)
     missing, mismatched = [], []
     for key, value in flat.items():
+        if not key.startswith(prefix):
+            continue
         entry = saved.get(key)
         if entry is None:
             missing.append(key)
@@ -274,47 +286,6 @@ def _gather_checksums(directory: str, written: dict[str, dict],
     return {**entries, **mine}
 
 
-def _verify_files(path: str, files: dict[str, dict]) -> None:
-    rank, world = _rank_world()
-    problems = _unverifiable(path, files)  # every rank, before any collective
-    if not problems:
-        for name in sorted(files)[rank::world]:
-            problem = _check_file(os.path.join(path, name), files[name])
-            if problem:
-                problems.append(problem)
-    if _distributed():
-        everyone: list[list[str]] = [[] for _ in range(world)]
-        dist.all_gather_object(everyone, problems)
-        problems = list(dict.fromkeys(p for part in everyone for p in part))
-    if problems:
-        raise CheckpointError("checkpoint failed verification: " + "; ".join(problems))
-
-
-def _unverifiable(path: str, files: dict[str, dict]) -> list[str]:
-    """Checksum kinds in the manifest that this installation cannot compute."""
-    problems = []
-    for algorithm in sorted({checksums.algorithm_of(e) for e in files.values()}):
-        try:
-            checksums.new_hasher(algorithm)
-        except checksums.UnverifiableChecksum as err:
-            problems.append(f"{path} cannot be checked here: {err}")
-    return problems
-
-
-def _check_file(full: str, expected: dict) -> str | None:
-    """What is wrong with one file, or None."""
-    if not os.path.isfile(full):
-        return f"{full} is missing"
-    size = os.path.getsize(full)
-    if size != expected["bytes"]:
-        return (f"{full} has {size} bytes, the manifest says {expected['bytes']} "
-                "(truncated or overwritten)")
-    algorithm = checksums.algorithm_of(expected)
-    if checksums.file_digest(full, algorithm) != expected[algorithm]:
-        return f"{full} is corrupt ({algorithm} differs from the manifest)"
-    return None
-
-
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.partial"
     with open(tmp, "w") as f:
@@ -335,4 +306,5 @@ def _commit(tmp: str, path: str) -> None:
         os.replace(tmp, path)
 
 
-__all__ = ["save", "load", "resolve", "read_manifest", "CheckpointError"]
+__all__ = ["save", "load", "resolve", "read_manifest", "CheckpointError", "EXTRA", "LATEST",
+           "MANIFEST"]

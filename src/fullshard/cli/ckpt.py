@@ -34,6 +34,9 @@ def add_parser(commands) -> None:
     export.add_argument("--hf", action="store_true",
                         help="write a Hugging Face folder (config.json, tokenizer, sharded "
                         "safetensors) of a fullshard train run's checkpoint")
+    export.add_argument("--adapters", action="store_true",
+                        help="a --lora.rank run: write its LoRA adapters as the folder "
+                             "peft.PeftModel.from_pretrained(base, OUT) loads")
     export.add_argument("--max-shard-size", metavar="SIZE", default=None,
                         help="with --hf: the largest weights file, e.g. 500MB or 2GiB "
                         "(default 5GB)")
@@ -46,8 +49,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
     info = inspect(resolve_checkpoint(args.dir), verify=not args.no_verify)
     print(f"checkpoint   {info['path']}")
-    print(f"saved at     world size {info['world_size']}, "
-          f"{'with' if info['has_optimizer'] else 'without'} optimizer state")
+    if info["world_size"] is not None:  # None: torch's DCP wrote it, no manifest says
+        print(f"saved at     world size {info['world_size']}, "
+              f"{'with' if info['has_optimizer'] else 'without'} optimizer state")
     print(f"files        {info['bytes'] / 2**20:.1f} MiB, checksums: {info['checksums']}")
     extra = info["extra"]
     if isinstance(extra, dict):
@@ -55,19 +59,12 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"extra        {shown}" + (" (+ more)" if len(shown) < len(extra) else ""))
     total = sum(t["bytes"] for t in info["tensors"].values())
     print(f"model        {len(info['tensors'])} tensors, "
-          f"{sum(_numel(t['shape']) for t in info['tensors'].values()):,} elements, "
+          f"{sum(t['numel'] for t in info['tensors'].values()):,} elements, "
           f"{total / 2**20:.1f} MiB")
     width = max((len(n) for n in info["tensors"]), default=4)
     for name, t in info["tensors"].items():
         print(f"  {name:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']:<9} {t['bytes']:>12,} B")
-    return 0 if info["checksums"] in ("ok", "not checked") else 1
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return 1 if info["failed"] else 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -75,6 +72,14 @@ def _export(args: argparse.Namespace) -> int:
     from ..train.checkpoints import resolve_checkpoint
     from ..train.config import ConfigError
 
+    if args.adapters:
+        if args.hf or args.max_shard_size is not None:
+            raise ConfigError("--adapters: writes the adapters alone, in one file; leave "
+                              "out --hf and --max-shard-size (they export the whole model)")
+        from ..train.adapter_export import export_adapters
+        for path in export_adapters(args.dir, args.out):
+            print(path)
+        return 0
     if not args.hf:
         if args.max_shard_size is not None:
             raise ConfigError("--max-shard-size: applies to --hf exports only; add --hf, "
