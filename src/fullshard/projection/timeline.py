@@ -1,0 +1,98 @@
+"""One training step as fullshard schedules it: compute on one stream, collectives on
+another, in the order the runtime issues them (core/schedule.py), with the same prefetch.
+
+Forward: unit i's all-gather may start once unit i - 2 has finished computing (one
+gather in flight ahead of the unit computing, as the runtime's forward prefetch keeps it);
+unit i computes once its gather landed and unit i - 1 finished. Backward, units in
+reverse: the runtime's backward prefetch issues the next unit's all-gather when a unit's
+backward starts, and a unit's reduce-scatter when its backward ends; HYBRID_SHARD follows
+each reduce-scatter with an all-reduce over the replicas. Collectives run one after
+another in issue order (they share the links). A device that cannot overlap (a CPU whose
+cores all compute) runs everything back to back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Seconds one unit costs in one micro-batch."""
+
+    forward: float
+    backward: float            # recomputation included
+    gather: float              # its forward all-gather (0: nothing to gather)
+    regather: float            # its backward all-gather (0: kept gathered since forward)
+    reduce: float              # reduce-scatter (or NO_SHARD's all-reduce)
+    replica_reduce: float = 0.0  # HYBRID_SHARD's all-reduce across replicas
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute: float             # sum of compute, optimizer step included
+    communication: float       # sum of collective time
+    exposed: float             # step time not covered by compute
+
+    @property
+    def hidden(self) -> float:
+        return self.communication - self.exposed
+
+
+class _Comm:
+    """The collective stream: one at a time, in issue order."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy = 0.0
+
+    def run(self, issued_at: float, seconds: float) -> float:
+        start = max(self.free_at, issued_at)
+        self.free_at = start + seconds
+        self.busy += seconds
+        return self.free_at
+
+
+def micro_batch(units: list[UnitCost], start: float, comm: _Comm) -> float:
+    """Forward and backward of one micro-batch from ``start``; returns when the last
+    reduction lands."""
+    n = len(units)
+    gathered = [0.0] * n
+    done = [0.0] * n
+    for i, u in enumerate(units):
+        issue = start if i < 2 else done[i - 2]
+        gathered[i] = comm.run(issue, u.gather) if u.gather else issue
+        done[i] = max(done[i - 1] if i else start, gathered[i]) + u.forward
+    clock = done[-1]
+    regathered = [0.0] * n
+    last = n - 1
+    regathered[last] = comm.run(clock, units[last].regather) if units[last].regather else clock
+    reduced = clock
+    for i in range(last, -1, -1):
+        u = units[i]
+        begin = max(clock, regathered[i])
+        if i:  # prefetch the next unit in backward order as this one starts
+            nxt = units[i - 1]
+            regathered[i - 1] = comm.run(begin, nxt.regather) if nxt.regather else begin
+        clock = begin + u.backward
+        if u.reduce:
+            reduced = comm.run(clock, u.reduce)
+        if u.replica_reduce:
+            reduced = comm.run(reduced, u.replica_reduce)
+    return max(clock, reduced, comm.free_at)
+
+
+def step_time(units: list[UnitCost], micro_batches: int, optimizer: float,
+              overlaps: bool) -> StepTime:
+    compute = micro_batches * sum(u.forward + u.backward for u in units) + optimizer
+    collectives = micro_batches * sum(u.gather + u.regather + u.reduce + u.replica_reduce
+                                      for u in units)
+    if not overlaps:
+        total = compute + collectives
+        return StepTime(total, compute, collectives, collectives)
+    comm, clock = _Comm(), 0.0
+    for _ in range(micro_batches):
+        clock = micro_batch(units, clock, comm)
+    total = clock + optimizer
+    return StepTime(total, compute, comm.busy, total - compute)
