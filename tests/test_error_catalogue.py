@@ -8,6 +8,7 @@ the catalogue cannot drift from what users see.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from functools import partial
@@ -262,9 +263,10 @@ def _checksum_cases(tmp: str) -> dict[str, str]:
 
     def load_with(kind: str) -> str:
         for entry in manifest["files"].values():
-            entry.pop("sha256", None)
-            entry.pop("xxh3_128", None)
+            for key in [k for k in entry if k != "bytes"]:  # one checksum an entry
+                del entry[key]
             entry[kind] = "0" * 32
+        manifest["self_checksum"] = {kind: "0" * 32}  # sealed with it too
         with open(manifest_path, "w") as f:
             json.dump(manifest, f)
         return _message(lambda: ckpt.load(path, model))
@@ -281,6 +283,57 @@ def _checksum_cases(tmp: str) -> dict[str, str]:
     return out
 
 
+def _verification_cases(tmp: str) -> dict[str, str]:
+    """What a reader says of each kind of directory and damage (one process)."""
+    import warnings
+
+    from fullshard import checkpoint as ckpt
+    from checkpoint_dirs import (fullshard_checkpoint, shard_file, small_model,
+                                 torch_checkpoint, truncate)
+
+    root = os.path.join(tmp, "verification")
+    load = partial(_message_of_load, ckpt)
+    unfinished = os.path.join(root, ".step_2.tmp")
+    os.makedirs(unfinished)
+    plain = os.path.join(root, "plain")
+    os.makedirs(plain)
+    out = {"E85": load(unfinished), "E87": load(plain)}
+    torch_step = torch_checkpoint(os.path.join(root, "torch_step"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.UnverifiedCheckpointWarning)
+        out["E86"] = load(torch_step)
+    truncate(shard_file(torch_step), 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.UnverifiedCheckpointWarning)
+        out["E93"] = load(torch_step)
+    with open(os.path.join(torch_step, ".metadata"), "wb") as f:
+        f.write(b"not a pickle")
+    out["E92"] = load(torch_step)
+
+    def damaged(name: str, damage) -> str:
+        path = fullshard_checkpoint(os.path.join(root, name))
+        damage(path)
+        return _message(lambda: ckpt.load(path, small_model()))
+
+    def cut_manifest(path):
+        text = open(os.path.join(path, "fullshard.json")).read()
+        with open(os.path.join(path, "fullshard.json"), "w") as f:
+            f.write(text.replace(",", "", 1))
+    out["E88"] = damaged("manifest", cut_manifest)
+    out["E89"] = damaged("missing", lambda p: os.remove(os.path.join(p, ".metadata")))
+    out["E90"] = damaged("truncated", lambda p: truncate(shard_file(p)))
+    fullshard_checkpoint(os.path.join(root, "dangling"))
+    with open(os.path.join(root, "dangling", "latest"), "w") as f:
+        f.write("step_9")
+    out["E91"] = load(os.path.join(root, "dangling"))
+    return out
+
+
+def _message_of_load(ckpt, path: str) -> str:
+    from checkpoint_dirs import small_model
+    return _message(lambda: ckpt.load(path, small_model()))
+
+
 def _trainer_cases(tmp: str) -> dict[str, str]:
     from fullshard.cli.train import _check_launch, build_parser, resolve_config
 
@@ -290,6 +343,9 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         _check_launch(args, resolve_config(args)[1])
 
     return {
+        "E73": _message(lambda: resolve("--optim.lr", "nan")),
+        "E74": _message(lambda: resolve("--steps", "ten")),
+        "E75": _message(lambda: resolve("--optim.lrr", "1")),
         "E31": _message(lambda: resolve("--batch.val_fraction", "1.5")),
         "E32": _message(lambda: resolve("--parallel.strategy", "zero3")),
         "E33": _message(lambda: resolve("--resume", "--out", os.path.join(tmp, "empty"))),
@@ -301,7 +357,9 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
 
     from fullshard import checkpoint
     from fullshard.cli.train import build_parser, resolve_config
-    from fullshard.train.config import get_preset, to_toml
+    from fullshard.train.config import apply_overrides, get_preset, to_toml
+    from fullshard.cli.ckpt import _export as export_command
+    from fullshard.train.adapter_export import export_adapters
     from fullshard.train.hf_export import export_hf, parse_size
 
     def resolve(*argv):
@@ -324,12 +382,56 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
     checkpoint.save(os.path.join(run, "checkpoints", "step_000001"), nn.Linear(2, 2))
     with open(os.path.join(run, "config.toml"), "w") as f:
         f.write(to_toml(get_preset("debug")))
+    lora_run = os.path.join(tmp, "lora-run")
+    checkpoint.save(os.path.join(lora_run, "checkpoints", "step_000001"), nn.Linear(2, 2))
+    with open(os.path.join(lora_run, "config.toml"), "w") as f:
+        f.write(to_toml(apply_overrides(get_preset("debug"), {
+            "model": "hf:base", "lora.rank": 4}, "test")))
     return {
         "E50": _message(without_tensorboard),
         "E51": _message(lambda: resolve("--metrics.wandb", "team/project")),
         "E52": _message(lambda: export_hf(alone, os.path.join(tmp, "hf"), 10**9)),
         "E53": _message(lambda: parse_size("big")),
         "E54": _message(lambda: export_hf(run, os.path.join(tmp, "hf"), 10**9)),
+        "E112": _message(lambda: resolve("--lora.rank", "4")),
+        "E115": _message(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),
+        "E113": _message(lambda: export_adapters(run, os.path.join(tmp, "adapters"))),
+        "E114": _message(lambda: export_command(argparse.Namespace(
+            dir=run, out=os.path.join(tmp, "adapters"), hf=True, adapters=True,
+            max_shard_size=None))),
+    }
+
+
+def _command_line_cases(tmp: str) -> dict[str, str]:
+    """Numbers and files of every command, through the real entry point."""
+    import contextlib
+    import io
+
+    from fullshard.cli import main
+    from fullshard.cli.memory import _resolve, estimate_parser
+    from fullshard.train.paths import check_hf_model, check_output_dir, check_text_file
+
+    def stderr_of(*argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+            main(list(argv))
+        return err.getvalue().strip()
+
+    binary = os.path.join(tmp, "binary.txt")
+    with open(binary, "wb") as f:
+        f.write(b"text, then \x80")
+    a_file = os.path.join(tmp, "a_file")
+    open(a_file, "w").close()
+    parser = estimate_parser()
+    return {
+        "E76": stderr_of("estimate", "--world-size", "0"),
+        "E77": _message(lambda: check_text_file("data", binary)),
+        "E78": _message(lambda: check_output_dir("--out", a_file)),
+        "E79": _message(lambda: check_hf_model("--hf-config", os.path.join(tmp, "gone"))),
+        "E80": _message(lambda: _resolve(parser.parse_args(
+            ["--world-size", "6", "--reshard-after-forward", "4"]))),
+        "E81": _message(lambda: _resolve(parser.parse_args(
+            ["--preset", "gpt2-124m", "--world-size", "8", "--seq", "4096"]))),
     }
 
 
@@ -339,7 +441,9 @@ def produced(tmp_path_factory) -> dict[str, str]:
     messages = _no_process_group_case()
     messages.update(_trainer_cases(tmp))
     messages.update(_metrics_and_export_cases(tmp))
+    messages.update(_command_line_cases(tmp))
     messages.update(_checksum_cases(tmp))
+    messages.update(_verification_cases(tmp))
     ranks = run_distributed(_library_cases, 2, tmp)
     messages.update(ranks[0])
     messages["E35"] = ranks[1]["E35"]  # the rank outside the mesh
@@ -377,6 +481,8 @@ def test_each_message_is_the_documented_text(produced):
 _TESTED_ELSEWHERE = {
     "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
+    "E82": "tests/test_cli_errors.py::"
+           "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
     "E34": "tests/test_train_reliability.py::"
            "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
     # world size 4, a (dp, tp) mesh
@@ -386,6 +492,9 @@ _TESTED_ELSEWHERE = {
            "test_misuse_names_the_parameter_and_what_to_do",
     "E47": "tests/conformance/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
+    **{code: "tests/test_quantized_allgather.py::"
+              "test_misuse_is_one_line_naming_the_parameter_on_every_rank"
+       for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},
     # launching: in-process with a patched environment or torchrun, or several launchers
     "E60": "tests/test_launch_flags.py::test_more_ranks_than_gpus_is_refused_before_nccl_sees_them",
     "E61": "tests/test_multinode.py::test_a_node_with_another_config_is_named_on_every_node",
@@ -398,4 +507,7 @@ _TESTED_ELSEWHERE = {
     "E67": "tests/test_launch_flags.py::test_srun_with_several_tasks_per_node_is_refused",
     "E68": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
     "E69": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
+    **{code: "tests/test_projection.py::test_bad_input_is_one_line_naming_it"
+       for code in ("E125", "E126", "E128", "E129")},
+    "E127": "tests/test_projection.py::test_library_sizes_must_be_positive",
 }

@@ -17,7 +17,7 @@ LAYERS = [
     {"controls", "api"},                                   # the FSDP2 front
     {"optim", "grad_norm", "wrap", "activation_checkpointing", "checkpoint", "torch_names"},
     {"fsdp1"},                                             # the FSDP1 front, on the above
-    {"memory"},                                            # estimate, plan, tracker
+    {"memory", "projection"},                              # estimate, plan, tracker; scale projection
     {"train"},                                             # the trainer
     {"testing", "cli", "run", "__main__", "__init__"},     # entry points and test helpers
 ]

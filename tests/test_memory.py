@@ -27,6 +27,9 @@ def test_zero_paper_table_1(params, world, expected):
 
 
 def test_estimate_allocates_nothing_and_its_lines_add_up():
+    # a first estimate loads what torch imports lazily on first use (with triton installed,
+    # as with every CUDA build of torch, that alone is over 100 MiB)
+    estimate(GPTConfig(), world_size=2, batch_size=1, seq_len=8)
     cfg = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
     before = current_rss_bytes()
     est = estimate(cfg, world_size=8, batch_size=8, seq_len=1024, mp_policy=torch.bfloat16)

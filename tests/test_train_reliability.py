@@ -16,7 +16,7 @@ from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
 from fullshard.train.model import build_model
-from faults.sitecustomize import KILL_AT_STEP, KILL_IN_SAVE, environment
+from faults.sitecustomize import KILL_AT_STEP, KILL_IN_SAVE, POISON_AT_STEP, environment
 from test_error_catalogue import matches_documented
 from test_train_cli import ENV, TIMEOUT_S, _metrics
 
@@ -103,11 +103,13 @@ def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, un
 
 
 def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
-    """lr 1e6 makes the gradients non-finite within a few steps: the run stops at that
-    step, before its optimizer step could write non-finite weights or a checkpoint."""
+    """A weight turned NaN on one rank at step 4 makes that step's gradients non-finite on
+    every rank: the run stops at that step, before its optimizer step could write
+    non-finite weights or a checkpoint. (A learning rate large enough to diverge this
+    quickly is refused by the flag's bounds.)"""
     out = str(tmp_path / "run")
-    run = _fullshard_train(out, "--optim.lr", "1e6", "--checkpoint.every", "1",
-                           "--max-restarts", "1")
+    run = _fullshard_train(out, "--checkpoint.every", "1", "--max-restarts", "1",
+                           env=environment(POISON_AT_STEP, 4))
     assert run.returncode == 3, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "stopped without saving" in line]
     # Rank 0 of the first attempt, then the restart, which repeats it instead of training.
@@ -120,6 +122,6 @@ def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path
     step, latest = int(found[1]), found[5]
     assert "resuming" not in run.stderr
     good = step - 1  # checkpoints every step: the last finite step is the latest one
-    assert good >= 1 and latest == f"step_{good:06d}"
+    assert step == 4 and latest == f"step_{good:06d}"
     assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(1, good + 1)][-2:])
     assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step

@@ -54,7 +54,7 @@ def test_toml_round_trip_and_overrides():
                                        "shard_grad_op, hybrid_shard, no_shard; got 'zero3'"),
     (["--parallel.precision", "fp8"], "parallel.precision: accepted values are fp32, bf16, fp16"),
     (["--steps", "ten"], "steps: expected an int, got 'ten'"),
-    (["--batch.batch-size", "0"], "batch.batch_size: must be >= 1, got 0"),
+    (["--batch.batch-size", "0"], "batch.batch_size: must be in [1, 1048576], got 0"),
     (["--gpt.n-heads", "3"], "gpt: d_model=256 is not divisible by n_heads=3"),
     (["--model", "llama"], "model: accepted values are gpt or hf:PATH"),
     (["--batch.seq-len", "4096"], "batch.seq_len: 4096 exceeds gpt.seq_len"),
@@ -196,8 +196,9 @@ def test_progress_rewrites_one_line_on_a_terminal():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--preset", "nope"], "argument --preset: invalid choice: 'nope' (choose from 'debug',"),
-    (["--nproc", "x"], "argument --nproc: invalid int value: 'x'"),
+    (["--preset", "nope"], "fullshard train: --preset: invalid choice: 'nope' (choose from "
+                           "'debug',"),
+    (["--nproc", "x"], "fullshard train: --nproc: expected an int in [1, 4096], got 'x'"),
 ])
 def test_flag_errors_are_one_line_too(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:

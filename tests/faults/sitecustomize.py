@@ -6,6 +6,8 @@ a run, or counts the collectives it issues.
     FULLSHARD_TEST_KILL_IN_SAVE=K   rank 0 dies inside the save of step K's checkpoint,
                                     after every rank has written its shards and before
                                     the save commits (see fullshard.checkpoint.save)
+    FULLSHARD_TEST_POISON_AT_STEP=K rank 1 fills its shard of the largest parameter with
+                                    NaN as step K starts (the run diverges there)
     FULLSHARD_TEST_COUNT_COLLECTIVES=DIR
                                     each worker writes DIR/rank<R>.json at exit: its node
                                     (GROUP_RANK) and how many times it called each
@@ -27,6 +29,7 @@ import signal
 KILL_AT_STEP = "FULLSHARD_TEST_KILL_AT_STEP"
 KILL_IN_SAVE = "FULLSHARD_TEST_KILL_IN_SAVE"
 KILL_RANK = "FULLSHARD_TEST_KILL_RANK"
+POISON_AT_STEP = "FULLSHARD_TEST_POISON_AT_STEP"
 COUNT_COLLECTIVES = "FULLSHARD_TEST_COUNT_COLLECTIVES"
 # The collectives fullshard and the trainer call as torch.distributed.NAME.
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
@@ -76,6 +79,25 @@ def _kill_at_step_start() -> None:
         begin_step(self, step)
 
     StepMemory.begin_step = wrapped
+
+
+def _poison_at_step() -> None:
+    """Rank 1 writes NaN into its shard of the largest parameter as step K starts: that
+    step's gradients, and so its global gradient norm, are not finite on every rank."""
+    import torch
+    import torch.distributed as dist
+    from fullshard.train.loop import Trainer
+
+    train_step = Trainer._train_step
+
+    def wrapped(self):
+        if dist.get_rank() == 1 and _armed(POISON_AT_STEP, self.step):
+            largest = max(self.model.parameters(), key=lambda p: p.numel())
+            with torch.no_grad():
+                largest.to_local().fill_(float("nan"))
+        return train_step(self)
+
+    Trainer._train_step = wrapped
 
 
 def _kill_in_save() -> None:
@@ -131,6 +153,8 @@ def install() -> None:
         _kill_at_step_start()
     if KILL_IN_SAVE in os.environ:
         _kill_in_save()
+    if POISON_AT_STEP in os.environ:
+        _poison_at_step()
     if COUNT_COLLECTIVES in os.environ:
         _count_collectives(os.environ[COUNT_COLLECTIVES])
 

@@ -12,11 +12,20 @@ from __future__ import annotations
 import argparse
 from typing import Mapping
 
+from ..train.bounds import Bounds, flag_type
 from ..train.cluster import slurm_launch_settings
 from ..train.launch import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, LaunchOptions
 from .parsing import OneLineParser
 
 PROG = "fullshard train"
+# The bounds of the numeric launch flags (train/bounds.py); LaunchOptions.check then
+# checks what Slurm supplied and the rules between flags (--node-rank below --nnodes).
+NPROC = flag_type(int, Bounds(1, 2 ** 12))
+NNODES = flag_type(int, Bounds(1, 2 ** 16))
+NODE_RANK = flag_type(int, Bounds(0, 2 ** 16 - 1))
+PORT = flag_type(int, Bounds(1, 65535))
+JOIN_TIMEOUT_S = flag_type(int, Bounds(1, 7 * 24 * 3600))
+MAX_RESTARTS = flag_type(int, Bounds(0, 10 ** 6))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,20 +34,20 @@ def parser() -> argparse.ArgumentParser:
     # Defaults are None so that Slurm's settings show through where no flag is given.
     where = flags.add_argument_group(
         "launch (ignored in a worker: under torchrun, or where RANK and WORLD_SIZE are set)")
-    where.add_argument("--nproc", type=int, help="ranks on this node (default: one per GPU, "
+    where.add_argument("--nproc", type=NPROC, help="ranks on this node (default: one per GPU, "
                        "2 on CPU)")
-    where.add_argument("--nnodes", type=int, help="nodes in the job (default 1; under "
+    where.add_argument("--nnodes", type=NNODES, help="nodes in the job (default 1; under "
                        "srun: the step's nodes)")
-    where.add_argument("--node-rank", type=int, help="this node's index: node 0 hosts the "
+    where.add_argument("--node-rank", type=NODE_RANK, help="this node's index: node 0 hosts the "
                        "rendezvous (default 0; under srun: SLURM_NODEID)")
     where.add_argument("--master-addr", help="address of node 0 (multi-node; under srun: "
                        "the step's first node)")
-    where.add_argument("--master-port", type=int,
+    where.add_argument("--master-port", type=PORT,
                        help=f"port of the rendezvous on node 0 (default {DEFAULT_MASTER_PORT})")
-    where.add_argument("--join-timeout", type=int, metavar="SECONDS",
+    where.add_argument("--join-timeout", type=JOIN_TIMEOUT_S, metavar="SECONDS",
                        help="how long nodes wait for each other at the start and after a "
                        f"restart before giving up (default {DEFAULT_JOIN_TIMEOUT_S})")
-    where.add_argument("--max-restarts", type=int, metavar="N",
+    where.add_argument("--max-restarts", type=MAX_RESTARTS, metavar="N",
                        help="when a worker fails, restart all of them (on every node) from "
                        "the latest checkpoint, up to N times (default 0)")
     return flags

@@ -17,26 +17,40 @@ import torch
 from ..memory.estimate import OPTIMIZER_STATES, STRATEGIES, estimate
 from ..memory.plan import plan
 from ..memory.zero_table import format_zero_table
+from ..train.bounds import Bounds, flag_type
+from ..train.config import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
+from ..train.paths import check_hf_model
+from .parsing import OneLineParser
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The bounds of every number these commands read (checked by train/bounds.py).
+WORLD_SIZE = flag_type(int, Bounds(1, 2 ** 16))  # beyond the largest jobs run
+BATCH = flag_type(int, Bounds(1, 2 ** 20))
+SEQ = flag_type(int, Bounds(1, 2 ** 24))
+RESHARD_AFTER_FORWARD = flag_type(int, Bounds(1, 2 ** 20))
+PARAMS = flag_type(float, Bounds(1, 1e15))
+BASELINE_MIB = flag_type(float, Bounds(0, 2 ** 30))  # up to a PiB
+BUDGET_GIB = flag_type(float, Bounds(0.001, 2 ** 20))  # about 1 MiB to 1 PiB
+MARGIN = flag_type(float, Bounds(0, 10))
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--preset", help="a `fullshard train` preset (its batch, sequence "
-                       "length, precision and checkpointing are the defaults)")
+    model.add_argument("--preset", choices=list(PRESETS), help="a `fullshard train` preset "
+                       "(its batch, sequence length, precision and checkpointing are the "
+                       f"defaults; default {DEFAULT_PRESET})")
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or "
                        "model directory); needs transformers")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks training together")
+    parser.add_argument("--world-size", type=WORLD_SIZE, required=True, help="ranks training together")
     parser.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (bf16/fp16: "
                         "fp32 shards, optimizer states and gradient reduction)")
-    parser.add_argument("--batch", type=int, help="sequences per rank per micro-batch")
-    parser.add_argument("--seq", type=int, help="sequence length")
+    parser.add_argument("--batch", type=BATCH, help="sequences per rank per micro-batch")
+    parser.add_argument("--seq", type=SEQ, help="sequence length")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda: figures compare with max_memory_allocated; cpu: with "
                         "peak RSS (gloo buffers, this process's RSS as the baseline)")
-    parser.add_argument("--baseline-mib", type=float, help="process baseline to add "
+    parser.add_argument("--baseline-mib", type=BASELINE_MIB, help="process baseline to add "
                         "(default: 0 on cuda, this process's RSS on cpu)")
 
 
@@ -45,10 +59,9 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     defaults: dict[str, Any] = {"batch": 1, "seq": None, "dtype": "fp32", "ac": False,
                                 "strategy": "full_shard"}
     if args.hf_config:
+        check_hf_model("--hf-config", args.hf_config)
         source = args.hf_config
     else:
-        from ..train.config import DEFAULT_PRESET, get_preset
-
         cfg = get_preset(args.preset or DEFAULT_PRESET)
         source = cfg.gpt
         defaults.update(batch=cfg.batch.batch_size, seq=cfg.batch.seq_len,
@@ -56,6 +69,13 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                         ac=cfg.parallel.activation_checkpointing)
     pick = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
             for k, v in defaults.items()}
+    if not args.hf_config and pick["seq"] > cfg.gpt.seq_len:
+        raise ConfigError(f"--seq: {pick['seq']} exceeds the {cfg.gpt.seq_len} positions of "
+                          f"the {args.preset or DEFAULT_PRESET} preset's model")
+    raf = getattr(args, "reshard_after_forward", None)
+    if raf is not None and args.world_size % raf:
+        raise ConfigError(f"--reshard-after-forward: {raf} does not divide --world-size "
+                          f"{args.world_size}; give a divisor of it")
     kwargs = {"batch_size": pick["batch"], "seq_len": pick["seq"],
               "mp_policy": DTYPES[pick["dtype"]], "optimizer": args.optimizer,
               "device": args.device, "activation_checkpointing": pick["ac"],
@@ -64,12 +84,12 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return source, kwargs, pick
 
 
-def estimate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fullshard estimate",
-                                     description="Per-rank peak memory of fullshard training.")
+def estimate_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="fullshard estimate",
+                           description="Per-rank peak memory of fullshard training.")
     _model_arguments(parser)
     parser.add_argument("--strategy", choices=[s for s in STRATEGIES])
-    parser.add_argument("--reshard-after-forward", type=int, metavar="N",
+    parser.add_argument("--reshard-after-forward", type=RESHARD_AFTER_FORWARD, metavar="N",
                         help="hpZ: keep parameters sharded N ways between forward and backward")
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                         help="activation checkpointing of every block")
@@ -79,7 +99,12 @@ def estimate_main(argv: list[str]) -> int:
                         help="peak for world sizes 1, 2, 4, ... up to --world-size, each strategy")
     parser.add_argument("--zero-table", action="store_true", help="model states only, in the "
                         "ZeRO paper's accounting (2+2+12 bytes/param); needs --params")
-    parser.add_argument("--params", type=float, help="parameter count for --zero-table")
+    parser.add_argument("--params", type=PARAMS, help="parameter count for --zero-table")
+    return parser
+
+
+def estimate_main(argv: list[str]) -> int:
+    parser = estimate_parser()
     args = parser.parse_args(argv)
     if args.zero_table:
         if args.params is None:
@@ -110,17 +135,25 @@ def _sweep(source: Any, max_world: int, kwargs: dict[str, Any]) -> str:
     return "peak per rank (MiB)\n" + "\n".join(rows)
 
 
-def plan_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+def plan_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
         prog="fullshard plan", description="The fastest configuration that fits a per-device "
         "memory budget, and the `fullshard train` flags that run it.")
     _model_arguments(parser)
-    parser.add_argument("--budget-gib", type=float, required=True,
+    parser.add_argument("--budget-gib", type=BUDGET_GIB, required=True,
                         help="memory per device, GiB")
-    parser.add_argument("--margin", type=float, default=0.10,
+    parser.add_argument("--margin", type=MARGIN, default=0.10,
                         help="headroom over the estimate (default 0.10)")
     parser.add_argument("--allow-offload", action="store_true",
                         help="consider CPU offload (the trainer has no flag for it)")
+    return parser
+
+
+def plan_main(argv: list[str]) -> int:
+    if any(a == "--gpus" or a.startswith("--gpus=") for a in argv):  # ranked by projection
+        from .project import plan_main as projected_plan
+        return projected_plan(argv)
+    parser = plan_parser()
     args = parser.parse_args(argv)
     source, kwargs, pick = _resolve(args)
     del kwargs["activation_checkpointing"]

@@ -7,5 +7,6 @@ import argparse
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
-        """One line (no usage block): the message names the flag."""
-        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+        """One line (no usage block) that starts with the flag, as config errors do:
+        ``fullshard estimate: --world-size: must be in [1, 65536], got 0 (see --help)``."""
+        self.exit(2, f"{self.prog}: {message.removeprefix('argument ')} (see --help)\n")

@@ -16,15 +16,17 @@ Configuration: a preset, then ``--config FILE.toml``, then ``--section.field VAL
 flags, each applied over the one before (on ``--resume``, OUT/config.toml replaces the
 preset).
 
-Exit codes: 0 done (or stopped on request, saved), 2 a configuration error, 3 the
-loss or gradient norm stopped being finite (nothing saved after the last good
-checkpoint); the launcher
-passes those on, and returns 1 when a worker failed otherwise, 130 when stopped by a signal.
+Exit codes: 0 done (or stopped on request, saved), 1 an error no check foresaw (one
+line naming it; FULLSHARD_TRACEBACK=1 adds the traceback), 2 a configuration error, 3
+the loss or gradient norm stopped being finite (nothing saved after the last good
+checkpoint); the launcher passes those on, and returns 1 when a worker failed otherwise,
+130 when stopped by a signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -34,21 +36,35 @@ from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_che
                                  resumes_after_restart)
 from ..train.cluster import check_worker_environment, local_place
 from ..train.config import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
-                            apply_overrides, field_docs, get_preset, load_toml, metavar,
-                            scalar_fields, sections, type_hints, validate)
+                            get_preset, load_toml, validate)
+from ..train.data import BUILTIN
+from ..train.flags import help_text, parse_flags
 from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, agree_on_attempt,
                             is_worker, launch, start_worker, stop_worker)
 from ..train.packages import check_packages
+from ..train.paths import check_hf_model, check_output_dir, check_text_file
 from . import launch_flags
 from .parsing import OneLineParser
 
-FIELD_DEST = "field:"  # argparse dest prefix of config fields
+
+class _RunParser(OneLineParser):
+    """The run flags; every other flag is a config field's, kept in ``args.fields`` for
+    tyro (train/flags.py), which also writes their part of ``--help``."""
+
+    def parse_args(self, args=None, namespace=None):
+        known, fields = self.parse_known_args(args, namespace)
+        known.fields = fields
+        return known
+
+    def format_help(self) -> str:
+        return (super().format_help() + "\nconfiguration fields (defaults: the "
+                f"{DEFAULT_PRESET} preset):\n" + help_text())
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The run's flags; the launch flags are listed too (for --help) but read first, on
     their own (launch_flags.split)."""
-    parser = OneLineParser(
+    parser = _RunParser(
         prog=launch_flags.PROG, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n\n")[1:]), allow_abbrev=False,
@@ -61,38 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
                      "checkpoints go (default runs/PRESET)")
     run.add_argument("--resume", action="store_true",
                      help="continue from the latest checkpoint in --out")
-    template = TrainConfig()
-    for prefix, obj in sections(template):
-        summary = (type(obj).__doc__ or "").splitlines()[0].rstrip(".")
-        group = parser.add_argument_group(f"[{prefix[:-1]}] {summary}" if prefix else
-                                          "what to train")
-        docs = field_docs(type(obj))
-        for f in scalar_fields(obj):
-            names = {f"--{prefix}{f.name}", f"--{prefix}{f.name.replace('_', '-')}"}
-            hint = type_hints(type(obj))[f.name]
-            choices = f.metadata.get("choices")
-            group.add_argument(*sorted(names), dest=FIELD_DEST + prefix + f.name,
-                               default=argparse.SUPPRESS,
-                               metavar="|".join(choices) if choices else metavar(hint),
-                               help=docs.get(f.name, "").replace("%", "%%"))
     return parser
 
 
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
     """The run's config and output directory from parsed flags (see the module doc)."""
     out = args.out or os.path.join("runs", args.preset)
+    check_output_dir("--out", out)
     cfg = get_preset(args.preset)
     saved = os.path.join(out, "config.toml")
     if args.resume and os.path.isfile(saved):
         cfg = load_toml(cfg, saved)
     if args.config:
         cfg = load_toml(cfg, args.config)
-    overrides = {k[len(FIELD_DEST):]: v for k, v in vars(args).items()
-                 if k.startswith(FIELD_DEST)}
-    cfg = apply_overrides(cfg, overrides, "command line")
+    cfg = parse_flags(cfg, args.fields)
     if cfg.optim.decay_steps == 0:  # fixed now, and saved in config.toml for --resume
-        cfg = apply_overrides(cfg, {"optim.decay_steps": cfg.steps}, "command line")
-    return check_packages(validate(cfg)), out
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                 decay_steps=cfg.steps))
+    validate(cfg)
+    if cfg.is_hf:
+        check_hf_model("model", cfg.hf_path)
+    elif cfg.data not in BUILTIN:
+        check_text_file("data", cfg.data)
+    return check_packages(cfg), out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,11 +43,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
+from ..checkpoint.verify import verified_extra
 from .agreement import counted
-from .config import ConfigError
+from .config import ConfigError, TrainConfig, load_toml
 from .launch import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+DELETING = ".deleting"  # a pruned checkpoint on its way out
 RUN_CONFIG = "config.toml"  # the resolved configuration, written by the loop at start
 # How long a rank looks for rank 0's probe file before it calls --out unshared: a network
 # filesystem may show another node's new file a moment late.
@@ -128,8 +130,16 @@ def _appears(path: str, content: str) -> bool:
 
 
 def _prune(directory: str, keep: int) -> None:
-    steps = sorted(name for name in os.listdir(directory) if STEP_DIR.match(name))
+    """Delete all but the ``keep`` newest checkpoints. Each is renamed out of the way
+    first: a process killed while deleting leaves a hidden ``.step_N.deleting`` (removed
+    by the next prune), never a step_N with some of its files gone."""
+    names = os.listdir(directory)
+    steps = sorted(name for name in names if STEP_DIR.match(name))
+    doomed = [name for name in names if name.endswith(DELETING)]
     for name in steps[:-keep]:
+        os.replace(os.path.join(directory, name), os.path.join(directory, f".{name}{DELETING}"))
+        doomed.append(f".{name}{DELETING}")
+    for name in doomed:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
@@ -147,9 +157,8 @@ def latest_name(out: str) -> str | None:
 
 def saved_job(out: str) -> str | None:
     """The torchrun job id the latest checkpoint in ``out`` was saved by (None: unknown)."""
-    latest = checkpoint.io.resolve(checkpoint_dir(out))
-    extra = torch.load(os.path.join(latest, checkpoint.io.EXTRA), weights_only=False)
-    return extra.get("job")
+    extra = verified_extra(checkpoint_dir(out))  # Note [one verification path]
+    return extra.get("job") if isinstance(extra, dict) else None
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -170,6 +179,19 @@ def run_of(checkpoint_path: str) -> str | None:
             os.path.join(run, RUN_CONFIG)):
         return run
     return None
+
+
+def run_checkpoint(path: str, flag: str, hint: str = "") -> tuple[str, str, TrainConfig]:
+    """The checkpoint a person names for ``flag`` (an export that needs to know the
+    model), the run it lies in and that run's config; a ConfigError naming ``flag`` when
+    it lies in no run (``hint``: what to do instead)."""
+    found = resolve_checkpoint(path)
+    run = run_of(found)
+    if run is None:
+        raise ConfigError(f"{flag}: {found} does not lie in a fullshard train run "
+                          f"(OUT/checkpoints/step_N beside OUT/{RUN_CONFIG}, which says what "
+                          f"model it holds){hint}")
+    return found, run, load_toml(TrainConfig(), os.path.join(run, RUN_CONFIG))
 
 
 def load(out: str, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -4,9 +4,10 @@ presets; reading and writing it as TOML and ``--section.field`` strings.
 A run is described by one :class:`TrainConfig`: a preset (:data:`PRESETS`), then a TOML
 file (``--config``), then command-line overrides (``--optim.lr 1e-3``) are applied in
 that order. The docstring under each field is what ``fullshard train --help`` prints.
-Fields that take one of a few values name them in ``choices`` metadata; fields with a
-lower bound name it in ``min``: :func:`validate` checks both and the cross-field rules,
-raising :class:`ConfigError` with a one-line message that names the field.
+Fields that take one of a few values have a ``Literal`` type; numeric fields declare
+their bounds in metadata (``bounds.within``): :func:`validate` checks both and the
+cross-field rules, raising :class:`ConfigError` with a one-line message that names the
+field. Flags and TOML values are parsed by tyro (train/flags.py says why tyro).
 
 Named training configurations (and the model each one builds: ``model.build_model``).
 ``PRESETS[name]`` is a complete :class:`TrainConfig`; ``--config`` files and command-line
@@ -36,59 +37,78 @@ without training it::
 The GPU presets read Tiny Shakespeare unless ``--data`` names other text; their
 tokenizer is the character one (see ``data.py``), so point them at real data.
 
-Reading and writing :class:`TrainConfig`: TOML files, ``--section.field`` strings, help.
-TOML mirrors the dataclasses: top-level fields first, then one table per section::
+A run's TOML (OUT/config.toml, and ``--config`` files) mirrors the dataclasses: top-level
+fields first, then one table per section; a value None is written "auto"::
 
     steps = 600
     [optim]
     lr = 0.002
-
-A field whose value is None (``parallel.reshard_after_forward = auto``) is written as a
-comment, since TOML has no null.
+    [parallel]
+    reshard_after_forward = "auto"
 """
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
-import functools
-import inspect
-import json
-import math
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import tomli_w
+import tyro
 
 from ..gpt import PRESET_SHAPES, GPTConfig
+from .bounds import Bounds, within
+from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
     import tomli as tomllib
 
-STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
-PRECISIONS = ("fp32", "bf16", "fp16")
+Strategy = Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
+Precision = Literal["fp32", "bf16", "fp16"]
+STRATEGIES = typing.get_args(Strategy)
+PRECISIONS = typing.get_args(Precision)
 WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
+BIG = 10 ** 12  # steps and intervals: no run gets near it
+# GPTConfig (fullshard.gpt, plain data) carries no metadata: its fields' bounds are here.
+GPT_BOUNDS = {"vocab_size": Bounds(1, 2 ** 24), "seq_len": Bounds(1, 2 ** 24),
+              "d_model": Bounds(1, 2 ** 20), "n_layers": Bounds(1, 2 ** 14),
+              "n_heads": Bounds(1, 2 ** 14), "mlp_ratio": Bounds(1, 1024)}
+
+_TRUE, _FALSE, _AUTO = ("true", "yes", "on"), ("false", "no", "off"), ("auto", "none")
 
 
-class ConfigError(ValueError):
-    """A configuration value that is not accepted; the message is one line."""
+def _reshard_from_text(args: list[str]) -> bool | int | None:
+    word = args[0].strip().lower()
+    if word in _AUTO:
+        return None
+    if word in _TRUE + _FALSE:
+        return word in _TRUE
+    return int(args[0])  # a ValueError becomes tyro's parse error for the field
+
+
+# true, false, an int, or auto (None: the strategy's); TOML writes auto as "auto".
+ReshardAfterForward = Annotated[bool | int | None, tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="true|false|N|auto", instance_from_str=_reshard_from_text,
+    is_instance=lambda v: v is None or isinstance(v, (bool, int)),
+    str_from_instance=lambda v: ["auto" if v is None else str(v).lower()])]
 
 
 @dataclass
 class BatchConfig:
     """What one optimizer step reads."""
 
-    seq_len: int = field(default=256, metadata={"min": 1})
+    seq_len: int = field(default=256, metadata=within(1, 2 ** 24))
     """Tokens per training sequence (for GPT models at most gpt.seq_len)."""
-    batch_size: int = field(default=16, metadata={"min": 1})
+    batch_size: int = field(default=16, metadata=within(1, 2 ** 20))
     """Sequences per rank in one micro-batch."""
-    grad_accum: int = field(default=1, metadata={"min": 1})
+    grad_accum: int = field(default=1, metadata=within(1, 2 ** 20))
     """Micro-batches per optimizer step; gradients are reduced once, after the last."""
-    val_fraction: float = field(default=0.1, metadata={"min": 0.0})
+    val_fraction: float = field(default=0.1, metadata=within(0, 1, high_open=True))
     """Share of the text, taken from its end, held out for validation."""
 
 
@@ -96,22 +116,22 @@ class BatchConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine decay."""
 
-    lr: float = field(default=1e-3, metadata={"min": 0.0})
+    lr: float = field(default=1e-3, metadata=within(0, 10))
     """Peak learning rate, reached at the end of warmup."""
-    min_lr: float = field(default=1e-4, metadata={"min": 0.0})
+    min_lr: float = field(default=1e-4, metadata=within(0, 10))
     """Learning rate at the end of the cosine decay, and after it."""
-    warmup_steps: int = field(default=100, metadata={"min": 0})
+    warmup_steps: int = field(default=100, metadata=within(0, BIG))
     """Steps of linear warmup from 0 to lr."""
-    decay_steps: int = field(default=0, metadata={"min": 0})
+    decay_steps: int = field(default=0, metadata=within(0, BIG))
     """Step at which the cosine decay reaches min_lr (0: the run's steps). Fixed when a run
     starts and kept on --resume, so extending a run does not rewrite its past schedule."""
-    weight_decay: float = field(default=0.1, metadata={"min": 0.0})
+    weight_decay: float = field(default=0.1, metadata=within(0, 100))
     """Decoupled weight decay, applied to matrices only (not to biases, norms)."""
-    beta1: float = field(default=0.9, metadata={"min": 0.0})
+    beta1: float = field(default=0.9, metadata=within(0, 1, high_open=True))
     """AdamW beta1."""
-    beta2: float = field(default=0.95, metadata={"min": 0.0})
+    beta2: float = field(default=0.95, metadata=within(0, 1, high_open=True))
     """AdamW beta2."""
-    grad_clip: float = field(default=1.0, metadata={"min": 0.0})
+    grad_clip: float = field(default=1.0, metadata=within(0))
     """Clip the global gradient norm to this value (0: no clipping)."""
 
 
@@ -119,17 +139,17 @@ class OptimConfig:
 class ParallelConfig:
     """How the model is sharded and computed."""
 
-    strategy: str = field(default="full_shard", metadata={"choices": STRATEGIES})
+    strategy: Strategy = "full_shard"
     """full_shard (ZeRO-3), shard_grad_op (ZeRO-2: parameters stay gathered from forward
     to backward), hybrid_shard (shard within a replica group, replicate across groups),
     no_shard (every rank holds everything, gradients all-reduced: DDP)."""
-    reshard_after_forward: bool | int | None = None
+    reshard_after_forward: ReshardAfterForward = None
     """Override the strategy's reshard_after_forward: true, false, or an int N dividing
     the shard group size (keep parameters sharded N ways for backward); auto: the
     strategy's."""
-    replicas: int = field(default=0, metadata={"min": 0})
+    replicas: int = field(default=0, metadata=within(0, 2 ** 20))
     """hybrid_shard: number of replica groups (0: one per node)."""
-    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
+    precision: Precision = "fp32"
     """Compute dtype. bf16 and fp16 gather and compute in that dtype and reduce gradients
     in fp32; parameters and optimizer states stay fp32. fp16 scales the loss."""
     activation_checkpointing: bool = False
@@ -146,15 +166,15 @@ class ParallelConfig:
 class EvalConfig:
     """Validation and the text sample printed at the end."""
 
-    every: int = field(default=50, metadata={"min": 0})
+    every: int = field(default=50, metadata=within(0, BIG))
     """Evaluate every this many steps, at step 0 and at the last step (0: only those)."""
-    batches: int = field(default=8, metadata={"min": 1})
+    batches: int = field(default=8, metadata=within(1, 2 ** 20))
     """Validation micro-batches per rank per evaluation (the same ones every time)."""
-    sample_tokens: int = field(default=300, metadata={"min": 0})
+    sample_tokens: int = field(default=300, metadata=within(0, 2 ** 20))
     """Tokens generated for the sample printed at the end (0: no sample)."""
     sample_prompt: str = "\n"
     """Text the sample starts from."""
-    temperature: float = field(default=0.8, metadata={"min": 0.0})
+    temperature: float = field(default=0.8, metadata=within(0, 100))
     """Sampling temperature (0: always the most likely token)."""
 
 
@@ -162,10 +182,10 @@ class EvalConfig:
 class CheckpointConfig:
     """Checkpoints: written under OUT/checkpoints, OUT/checkpoints/latest names the newest."""
 
-    every: int = field(default=100, metadata={"min": 0})
+    every: int = field(default=100, metadata=within(0, BIG))
     """Save every this many steps (0: only at the end); one is always saved at the end
     and on Ctrl-C."""
-    keep: int = field(default=2, metadata={"min": 1})
+    keep: int = field(default=2, metadata=within(1, 10 ** 6))
     """Number of most recent checkpoints kept; older ones are deleted."""
 
 
@@ -181,6 +201,23 @@ class MetricsConfig:
     OUT/wandb without an account); needs pip install 'fullshard[wandb]'."""
 
 
+LoraBase = Literal["nf4", "fp32"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a Hugging Face model (--model hf:PATH): only they train."""
+
+    rank: int = field(default=0, metadata=within(0, 2 ** 16))
+    """Rank of the adapters peft adds beside every linear layer but the output layer (0:
+    off, every weight trains); needs pip install 'fullshard[quant]'."""
+    alpha: float = field(default=16.0, metadata=within(0, 2 ** 16))
+    """LoRA's alpha: the adapters' output is scaled by alpha / rank."""
+    base: LoraBase = "nf4"
+    """The frozen base weights under the adapters: nf4 (4-bit NormalFloat, torchao:
+    QLoRA, gathered in NF4) or fp32."""
+
+
 @dataclass
 class TrainConfig:
     """One training run."""
@@ -190,9 +227,9 @@ class TrainConfig:
     data: str = "tinyshakespeare"
     """tinyshakespeare (shipped with fullshard), or a path to plain text or to JSONL whose
     lines hold a "text" field."""
-    steps: int = field(default=1000, metadata={"min": 1})
+    steps: int = field(default=1000, metadata=within(1, BIG))
     """Optimizer steps in the run (on --resume: the total, counting the steps done)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=within(-2 ** 63, 2 ** 63 - 1))  # torch.manual_seed
     """Seeds the initial weights, the data order and the sample."""
     gpt: GPTConfig = field(default_factory=GPTConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -201,6 +238,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def is_hf(self) -> bool:
@@ -211,25 +249,31 @@ class TrainConfig:
         return self.model[len("hf:"):]
 
 
-SECTIONS = ("gpt", "batch", "optim", "parallel", "eval", "checkpoint", "metrics")
+SECTIONS = ("gpt", "batch", "optim", "parallel", "eval", "checkpoint", "metrics", "lora")
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Check every field's choices and bounds and the rules between fields; return cfg."""
-    for prefix, obj in [("", cfg)] + [(f"{s}.", getattr(cfg, s)) for s in SECTIONS]:
-        for f in dataclasses.fields(obj):
-            _check_field(prefix + f.name, getattr(obj, f.name), f.metadata)
-    for f in dataclasses.fields(GPTConfig):  # model.py carries no metadata: all positive
-        value = getattr(cfg.gpt, f.name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ConfigError(f"gpt.{f.name}: must be >= 1, got {value}")
+    """Check every field's type, choices and bounds and the rules between fields; return
+    cfg. Configs built in Python are checked as strictly as those read from flags."""
+    for prefix, obj in sections(cfg):
+        hints = typing.get_type_hints(type(obj))
+        for f in scalar_fields(obj):
+            value = getattr(obj, f.name)
+            choices = typing.get_args(hints[f.name])
+            if typing.get_origin(hints[f.name]) is Literal and value not in choices:
+                raise ConfigError(f"{prefix}{f.name}: accepted values are "
+                                  f"{', '.join(choices)}; got {value!r}")
+            bounds = GPT_BOUNDS.get(f.name) if prefix == "gpt." else f.metadata.get("bounds")
+            if bounds is not None:
+                bounds.check(prefix + f.name, value)
     if cfg.model != "gpt" and not cfg.is_hf:
         raise ConfigError(f"model: accepted values are gpt or hf:PATH, got {cfg.model!r}")
+    if cfg.lora.rank and not cfg.is_hf:
+        raise ConfigError("lora.rank: LoRA adapters are added to Hugging Face models "
+                          "(--model hf:PATH); the built-in GPT trains every weight")
     if not cfg.is_hf and cfg.batch.seq_len > cfg.gpt.seq_len:
         raise ConfigError(f"batch.seq_len: {cfg.batch.seq_len} exceeds gpt.seq_len "
                           f"{cfg.gpt.seq_len}, the positions the model has")
-    if not 0.0 <= cfg.batch.val_fraction < 1.0:
-        raise ConfigError(f"batch.val_fraction: must be in [0, 1), got {cfg.batch.val_fraction}")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr: {cfg.optim.min_lr} is above optim.lr {cfg.optim.lr}")
     if set(WANDB_FORBIDDEN) & set(cfg.metrics.wandb) or len(cfg.metrics.wandb) > 128:
@@ -237,19 +281,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"without any of {' '.join(WANDB_FORBIDDEN)}; got "
                           f"{cfg.metrics.wandb!r}")
     raf = cfg.parallel.reshard_after_forward
-    if isinstance(raf, int) and not isinstance(raf, bool) and raf < 1:
+    if isinstance(raf, int) and not isinstance(raf, bool) and not 1 <= raf <= 2 ** 20:
         raise ConfigError(f"parallel.reshard_after_forward: accepted values are true, false, "
-                          f"auto or an int >= 1, got {raf}")
+                          f"auto or an int in [1, {2 ** 20}], got {raf}")
     return cfg
 
 
-def _check_field(name: str, value, metadata) -> None:
-    choices = metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{name}: accepted values are {', '.join(choices)}; got {value!r}")
-    low = metadata.get("min")
-    if low is not None and value < low:
-        raise ConfigError(f"{name}: must be >= {low}, got {value}")
+def sections(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    """(prefix, dataclass) pairs: the top level ("") then each section ("optim." ...)."""
+    return [("", cfg)] + [(f"{name}.", getattr(cfg, name)) for name in SECTIONS]
+
+
+def scalar_fields(obj: Any) -> list[dataclasses.Field]:
+    """The fields of ``obj`` that hold values (not nested sections)."""
+    return [f for f in dataclasses.fields(obj) if f.name not in SECTIONS]
 
 
 # -- presets ---------------------------------------------------------------------------
@@ -303,137 +348,45 @@ def get_preset(name: str) -> TrainConfig:
     return copy.deepcopy(PRESETS[name])
 
 
-# -- TOML files and command-line strings -----------------------------------------------
-
-_TRUE = {"true", "yes", "on"}
-_FALSE = {"false", "no", "off"}
-_NONE = {"auto", "none"}
-
-
-def sections(cfg: TrainConfig) -> list[tuple[str, Any]]:
-    """(prefix, dataclass) pairs: the top level ("") then each section ("optim." ...)."""
-    return [("", cfg)] + [(f"{name}.", getattr(cfg, name)) for name in SECTIONS]
-
-
-def scalar_fields(obj: Any) -> list[dataclasses.Field]:
-    """The fields of ``obj`` that hold values (not nested sections)."""
-    return [f for f in dataclasses.fields(obj) if f.name not in SECTIONS]
-
-
-@functools.lru_cache(maxsize=None)
-def type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-@functools.lru_cache(maxsize=None)
-def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring: the string literal written on the line after it."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for statement, following in zip(body, body[1:]):
-        if (isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[statement.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def describe_type(hint: Any) -> str:
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
-    words = {bool: "true/false", int: "an int", float: "a number", str: "text",
-             type(None): "auto"}
-    return " or ".join(words[o] for o in options)
-
-
-def metavar(hint: Any) -> str:
-    """How ``--help`` shows a field's value: INT, NUMBER, TEXT, BOOL, BOOL|INT|auto."""
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
-    words = {bool: "BOOL", int: "INT", float: "NUMBER", str: "TEXT", type(None): "auto"}
-    return "|".join(words[o] for o in options)
-
-
-def _is_union(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType)
-
-
-def parse_value(name: str, text: str, hint: Any) -> Any:
-    """Turn the command-line string for field ``name`` into a value of type ``hint``."""
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
-    word = text.strip().lower()
-    if type(None) in options and word in _NONE:
-        return None
-    if bool in options and word in _TRUE | _FALSE:
-        return word in _TRUE
-    if int in options:
-        try:
-            return int(text)
-        except ValueError:
-            pass
-    if float in options:
-        try:
-            value = float(text)
-            if math.isfinite(value):
-                return value
-        except ValueError:
-            pass
-    if str in options:
-        return text
-    raise ConfigError(f"{name}: expected {describe_type(hint)}, got {text!r}")
-
-
-def check_value(name: str, value: Any, hint: Any) -> Any:
-    """Accept a TOML value for field ``name`` if its type fits ``hint`` (ints as floats)."""
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
-    if isinstance(value, bool):
-        if bool in options:
-            return value
-    elif isinstance(value, int) and int in options:
-        return value
-    elif isinstance(value, (int, float)) and float in options:
-        return float(value)
-    elif isinstance(value, str) and str in options:
-        return value
-    raise ConfigError(f"{name}: expected {describe_type(hint)}, got {value!r}")
-
+# -- command-line strings and TOML files: through tyro (train/flags.py) -----------------
 
 def apply_overrides(cfg: TrainConfig, values: dict[str, Any], source: str) -> TrainConfig:
-    """A copy of ``cfg`` with ``{"optim.lr": value, ...}`` applied; values are strings from
-    the command line or already-typed values from TOML."""
-    updates: dict[str, dict[str, Any]] = {}
-    for dotted, value in values.items():
-        section, _, name = dotted.rpartition(".")
-        if section and section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown field {dotted} (sections: "
-                              f"{', '.join(SECTIONS)})")
-        obj = getattr(cfg, section) if section else cfg
-        if name not in _names(obj):
-            raise ConfigError(f"{source}: unknown field {dotted} (fields there: "
-                              f"{', '.join(sorted(_names(obj)))})")
-        hint = type_hints(type(obj))[name]
-        # Strings go through the parser: command-line text, and TOML's "auto" or "true".
-        typed = (parse_value(dotted, value, hint) if isinstance(value, str)
-                 else check_value(dotted, value, hint))
-        updates.setdefault(section, {})[name] = typed
-    top = updates.pop("", {})
-    try:
-        replaced = {s: dataclasses.replace(getattr(cfg, s), **u) for s, u in updates.items()}
-    except ValueError as err:  # GPTConfig's own checks (d_model divisible by n_heads)
-        raise ConfigError("gpt: " + str(err).splitlines()[0].removeprefix("GPTConfig: ")) from None
-    return dataclasses.replace(cfg, **top, **replaced)
+    """A copy of ``cfg`` with ``{"optim.lr": value, ...}`` applied; values are strings as
+    typed on a command line, or typed values (from TOML, or Python). ``source`` (the
+    file, or "command line") prefixes the error an unknown field or bad value raises."""
+    from .flags import parse_flags  # flags.py builds on this module's dataclasses
+
+    return parse_flags(cfg, [f"--{name}={_as_text(name, value, source)}"
+                             for name, value in values.items()], source)
 
 
-def _names(obj: Any) -> set[str]:
-    return {f.name for f in scalar_fields(obj)}
+def _as_text(name: str, value: Any, source: str) -> str:
+    """A typed value as the text the flag parser reads back to it."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A TOML array, table or date: no field holds one (a string of it would pass as text).
+    raise ConfigError(f"{source}: {name}: expected a number, true/false or text, got "
+                      f"{value!r}")
 
 
 def load_toml(cfg: TrainConfig, path: str) -> TrainConfig:
-    """``cfg`` with the values of the TOML file at ``path`` applied."""
+    """``cfg`` with the values of the TOML file at ``path`` applied. TOML mirrors the
+    dataclasses: top-level fields, then one table per section."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config: {path} is a directory; give a TOML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config: {path} is not UTF-8 text; give a TOML file") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
     flat: dict[str, Any] = {}
@@ -449,23 +402,9 @@ def load_toml(cfg: TrainConfig, path: str) -> TrainConfig:
 
 
 def to_toml(cfg: TrainConfig) -> str:
-    """``cfg`` as TOML that :func:`load_toml` reads back to an equal config."""
-    lines = ["# fullshard train: the resolved configuration of this run"]
-    for prefix, obj in sections(cfg):
-        if prefix:
-            lines += ["", f"[{prefix[:-1]}]"]
-        for f in scalar_fields(obj):
-            value = getattr(obj, f.name)
-            if value is None:
-                lines.append(f"# {f.name} = \"auto\"")
-            else:
-                lines.append(f"{f.name} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(value)  # a JSON string is a valid TOML basic string
+    """``cfg`` as TOML that :func:`load_toml` reads back to an equal config (None, which
+    TOML lacks, is written as "auto", which every field that may be None reads back)."""
+    data = dataclasses.asdict(cfg)
+    for table in [data] + [data[name] for name in SECTIONS]:
+        table.update({k: "auto" for k, v in table.items() if v is None})
+    return "# fullshard train: the resolved configuration of this run\n" + tomli_w.dumps(data)

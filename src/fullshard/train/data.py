@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from .config import ConfigError
+from .paths import not_text
 
 
 # -- the shipped text ------------------------------------------------------------------
@@ -91,20 +92,24 @@ def read_documents(source: str) -> list[str]:
     if not os.path.isfile(source):
         raise ConfigError(f"data: no such file {source!r} (or use one of: "
                           f"{', '.join(BUILTIN)})")
-    with open(source, encoding="utf-8") as f:
-        if not source.endswith((".jsonl", ".json")):
-            return [f.read()]
-        documents = []
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"data: {source}:{number} is not JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ConfigError(f"data: {source}:{number} has no string field \"text\"")
-            documents.append(record["text"])
+    try:
+        with open(source, encoding="utf-8") as f:
+            if not source.endswith((".jsonl", ".json")):
+                return [f.read()]
+            documents = []
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"data: {source}:{number} is not JSON "
+                                      f"({err.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise ConfigError(f"data: {source}:{number} has no string field \"text\"")
+                documents.append(record["text"])
+    except UnicodeDecodeError as err:  # a binary file, or another encoding
+        raise not_text("data", source, err) from None
     if not documents:
         raise ConfigError(f"data: {source} holds no documents")
     return documents

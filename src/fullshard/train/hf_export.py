@@ -30,10 +30,11 @@ import re
 import torch
 
 from ..checkpoint.export import ExportedTensor, export_sharded, model_tensors
-from ..checkpoint.io import CheckpointError
+from ..checkpoint.layout import CheckpointError
+from ..checkpoint.verify import open_checkpoint
 from ..gpt import GPTConfig
-from .checkpoints import RUN_CONFIG, resolve_checkpoint, run_of
-from .config import ConfigError, TrainConfig, load_toml
+from .checkpoints import RUN_CONFIG, run_checkpoint
+from .config import ConfigError, TrainConfig
 from .model import EXPORT_DIR, TOKENIZER_FILES
 from .packages import import_optional
 
@@ -57,16 +58,15 @@ def parse_size(text: str) -> int:
 def export_hf(path: str, out_dir: str, max_shard_bytes: int) -> list[str]:
     """Write the Hugging Face folder ``out_dir`` for the checkpoint ``path`` (see the
     module doc); returns the files written."""
-    checkpoint = resolve_checkpoint(path)
-    run = run_of(checkpoint)
-    if run is None:
-        raise ConfigError(f"--hf: {checkpoint} does not lie in a fullshard train run "
-                          f"(OUT/checkpoints/step_N beside OUT/{RUN_CONFIG}, which says what "
-                          "model it holds); export it without --hf")
+    checkpoint, run, cfg = run_checkpoint(path, "--hf", "; export it without --hf")
     if os.path.isfile(out_dir):
         raise ConfigError(f"--hf: {out_dir} is a file; give a folder to write the model to")
-    cfg = load_toml(TrainConfig(), os.path.join(run, RUN_CONFIG))
+    if cfg.lora.rank:
+        raise ConfigError(f"--hf: the run {run} trained LoRA adapters over a frozen base "
+                          "(lora.rank > 0); export the adapters with --adapters and load "
+                          "them over the base with peft.PeftModel.from_pretrained")
     transformers = import_optional("--hf")
+    opened = open_checkpoint(checkpoint, collective=False)  # before any file is read
     if cfg.is_hf:
         source = _hf_source(run, cfg)
         config = transformers.AutoConfig.from_pretrained(source)
@@ -82,7 +82,7 @@ def export_hf(path: str, out_dir: str, max_shard_bytes: int) -> list[str]:
     written = [os.path.join(out_dir, "config.json")]
     if source is not None:
         written += _copy_generation_config_and_tokenizer(transformers, source, out_dir)
-    return written + export_sharded(checkpoint, out_dir, entries, max_shard_bytes)
+    return written + export_sharded(opened, out_dir, entries, max_shard_bytes)
 
 
 # -- Hugging Face models (--model hf:DIR) ----------------------------------------------

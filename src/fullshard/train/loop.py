@@ -66,10 +66,11 @@ class Trainer:
         if worker.device.type == "cpu":  # this process is the trainer's: a lower CPU peak,
             tune_cpu_allocator()         # as its memory estimate assumes (memory/allocator.py)
         self.memory = StepMemory(worker.device)  # collective, and before the model exists
-        self.workload: Workload = build_workload(cfg, worker.rank)
+        self.workload: Workload = build_workload(cfg, worker.rank, worker.world)
         mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
         self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
-        receive_initial_weights(self.model, self.workload.initial_state, worker.device)
+        if self.workload.initial_state is not None:
+            receive_initial_weights(self.model, self.workload.initial_state, worker.device)
         self.workload.initial_state = {}
         self.memory.watch(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)

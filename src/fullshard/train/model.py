@@ -53,6 +53,7 @@ from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
 from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
+from .lora import add_lora
 from .packages import import_optional
 
 
@@ -68,17 +69,25 @@ class Workload:
     val_tokens: torch.Tensor
     context: int
     """Longest input the model is given (the sample's sliding window)."""
-    initial_state: dict
+    initial_state: dict | None
     """Rank 0's initial weights (a full state dict; empty on other ranks, whose model is
-    on the meta device), to broadcast into the sharded model (receive_initial_weights)."""
+    on the meta device), to broadcast into the sharded model (receive_initial_weights);
+    None when every rank built the whole model (LoRA)."""
 
 
-def build_workload(cfg: TrainConfig, rank: int) -> Workload:
+def build_workload(cfg: TrainConfig, rank: int, world: int = 1) -> Workload:
     """Load the data and the model: rank 0 loads the Hugging Face model or builds the GPT
     (on the CPU, from ``cfg.seed``); the other ranks build it on the meta device and receive
-    rank 0's weights after sharding (receive_initial_weights)."""
+    rank 0's weights after sharding (receive_initial_weights). With LoRA adapters every
+    rank builds the whole model itself (train/lora.py) and nothing is received."""
     documents = read_documents(cfg.data)
-    if cfg.is_hf:
+    if cfg.is_hf and cfg.lora.rank:
+        model = load_hf_model(cfg.hf_path)
+        torch.manual_seed(cfg.seed)  # the same adapters on every rank
+        model = add_lora(model, cfg.lora, world)
+        tokenizer = load_hf_tokenizer(cfg.hf_path, hf_vocab_size(model))
+        logits = functools.partial(hf_logits, model)
+    elif cfg.is_hf:
         model = load_hf_model(cfg.hf_path, on_meta=rank != 0)
         tokenizer = load_hf_tokenizer(cfg.hf_path, hf_vocab_size(model))
         logits = functools.partial(hf_logits, model)
@@ -91,7 +100,7 @@ def build_workload(cfg: TrainConfig, rank: int) -> Workload:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.gpt, "cpu" if rank == 0 else "meta")
         logits = model
-    initial_state = model.state_dict() if rank == 0 else {}
+    initial_state = None if cfg.lora.rank else model.state_dict() if rank == 0 else {}
     train_tokens, val_tokens = split(tokenize(documents, tokenizer), cfg.batch.val_fraction)
     return Workload(model, logits, tokenizer, train_tokens, val_tokens, cfg.batch.seq_len,
                     initial_state)

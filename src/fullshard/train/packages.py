@@ -23,6 +23,9 @@ OPTIONAL_PACKAGES = {
     "metrics.tensorboard": ("tensorboard", "tensorboard"),
     "metrics.wandb": ("wandb", "wandb"),
     "--hf": ("transformers", "hf"),  # fullshard ckpt export --hf
+    "lora.rank": ("peft", "quant"),
+    "lora.base": ("torchao", "quant"),
+    "--adapters": ("peft", "quant"),  # fullshard ckpt export --adapters
 }
 
 
@@ -39,7 +42,8 @@ def is_installed(module: str) -> bool:
 def check_packages(cfg: TrainConfig) -> TrainConfig:
     """Raise naming the field whose package is missing; return ``cfg``."""
     asked = {"model": cfg.is_hf, "metrics.tensorboard": cfg.metrics.tensorboard,
-             "metrics.wandb": bool(cfg.metrics.wandb)}
+             "metrics.wandb": bool(cfg.metrics.wandb), "lora.rank": cfg.lora.rank > 0,
+             "lora.base": cfg.lora.rank > 0 and cfg.lora.base == "nf4"}
     for field, wanted in asked.items():
         if wanted and not is_installed(OPTIONAL_PACKAGES[field][0]):
             raise missing_package(field)

@@ -1,0 +1,149 @@
+"""QLoRA in the trainer: LoRA adapters (peft) on a tiny Llama whose base weights are
+NF4 (torchao), sharded at world size 2; the base stays as loaded, the adapters train."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import run_distributed
+from fullshard.train.config import apply_overrides, get_preset
+from fullshard.train.launch import Worker
+from fullshard.train.loop import Trainer
+from fullshard.cli import main as fullshard_main
+from test_train_hf import _jsonl, _save_llama
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torchao")
+
+
+def _checkpoint_adapters(run: str) -> dict[str, torch.Tensor]:
+    """The adapters in the run's latest checkpoint, read with torch's DCP alone, under
+    peft's names (without the adapter's name)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fullshard.checkpoint.export import model_tensors
+    from fullshard.train.checkpoints import resolve_checkpoint
+
+    path = resolve_checkpoint(run)
+    state = {f"model.{name}": torch.empty(m.size, dtype=m.properties.dtype)
+             for name, m in model_tensors(path).items() if ".lora_" in name}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {name.removeprefix("model.").replace(".default.", "."): t
+            for name, t in state.items()}
+
+
+def _frozen_shards(model) -> dict:
+    """Each frozen parameter's local shard (an NF4 one as its inner tensors), copied."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        local = p._local_tensor
+        inner = local.__tensor_flatten__()[0] if type(local) is not torch.Tensor else [None]
+        for attr in inner:
+            out[(name, attr)] = (getattr(local, attr) if attr else local).detach().clone()
+    return out
+
+
+def _qlora(model_dir: str, data: str, out: str, base: str) -> dict:
+    cfg = apply_overrides(get_preset("debug"), {
+        "model": f"hf:{model_dir}", "data": data, "steps": 4, "batch.seq_len": 16,
+        "batch.batch_size": 2, "optim.lr": 1e-2, "optim.warmup_steps": 1, "eval.every": 0,
+        "eval.sample_tokens": 4, "checkpoint.every": 0, "lora.rank": 4,
+        "lora.base": base}, "test")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu")))
+    model = trainer.model
+    frozen = _frozen_shards(model)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()
+              if p.requires_grad}
+    trainer.run(resume=False)
+    after = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    return {
+        "adapters": sorted(before),
+        "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
+        "frozen_kept": all(torch.equal(a, b) for a, b in zip(frozen.values(),
+                                                             _frozen_shards(model).values())),
+        "nf4": sorted(n for n, p in model.named_parameters()
+                      if type(p._local_tensor).__name__ == "NF4Tensor"),
+        "only_adapters_optimized": optimized == {id(p) for p in model.parameters()
+                                                 if p.requires_grad},
+        "losses": [r["loss"] for r in trainer.log.records if "loss" in r]
+        if trainer.log is not None else None,
+    }
+
+
+@pytest.mark.parametrize("base", ["nf4", "fp32"])
+def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
+    _save_llama(str(tmp_path / "llama"))
+    _jsonl(tmp_path / "data.jsonl")
+    out = run_distributed(_qlora, 2, str(tmp_path / "llama"), str(tmp_path / "data.jsonl"),
+                          str(tmp_path / "run"), base, timeout=240)[0]
+    assert out["adapters"] and all(".lora_" in n for n in out["adapters"])
+    lora_b = [n for n in out["adapters"] if ".lora_B." in n]
+    assert set(lora_b) <= set(out["changed"])  # B starts at zero and must have moved
+    assert out["frozen_kept"] and out["only_adapters_optimized"]
+    linear = 7 * 2  # q, k, v, o, gate, up, down in each of the 2 blocks
+    assert len(out["nf4"]) == (linear if base == "nf4" else 0)
+    assert len(out["losses"]) == 4 and all(map(torch.isfinite, map(torch.tensor, out["losses"])))
+    # the adapters as peft saves them: PeftModel.from_pretrained loads the trained values
+    exported = tmp_path / "adapters"
+    assert fullshard_main(["ckpt", "export", str(tmp_path / "run"), str(exported),
+                           "--adapters"]) == 0
+    saved = _checkpoint_adapters(str(tmp_path / "run"))
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"))
+    loaded = {n.replace(".default.", "."): t for n, t in
+              peft.PeftModel.from_pretrained(base_model, str(exported)).state_dict().items()}
+    assert saved and set(saved) == {n for n in loaded if ".lora_" in n}
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert any(not torch.equal(t, torch.zeros_like(t)) for n, t in saved.items()
+               if ".lora_B." in n)
+
+
+def _run_losses(model_dir: str, data: str, base: str, batch_size: int) -> list | None:
+    from test_train_loop import _losses
+    return _losses({"model": f"hf:{model_dir}", "data": data, "batch.seq_len": 16,
+                    "batch.batch_size": batch_size, "optim.lr": 1e-2,
+                    "optim.warmup_steps": 1, "lora.rank": 4, "lora.base": base})
+
+
+@pytest.mark.parametrize("base", ["nf4", "fp32"])
+def test_qlora_at_two_ranks_trains_as_one_process_on_the_same_batches(tmp_path, base):
+    _save_llama(str(tmp_path / "llama"))
+    _jsonl(tmp_path / "data.jsonl")
+    args = (str(tmp_path / "llama"), str(tmp_path / "data.jsonl"), base)
+    sharded = run_distributed(_run_losses, 2, *args, 2, timeout=240)[0]
+    single = run_distributed(_run_losses, 1, *args, 4, timeout=240)[0]
+    assert len(single) == 4
+    assert sharded == pytest.approx(single, rel=1e-5, abs=1e-6)
+
+
+def _run(model_dir: str, data: str, out: str, steps: int, resume: bool) -> list | None:
+    cfg = apply_overrides(get_preset("debug"), {
+        "model": f"hf:{model_dir}", "data": data, "steps": steps, "batch.seq_len": 16,
+        "batch.batch_size": 2, "optim.lr": 1e-2, "optim.warmup_steps": 1, "eval.every": 0,
+        "eval.sample_tokens": 0, "checkpoint.every": 2, "lora.rank": 4}, "test")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu")))
+    trainer.run(resume=resume)
+    if trainer.log is None:
+        return None
+    return [(r["step"], r["loss"]) for r in trainer.log.records if "loss" in r]
+
+
+def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(tmp_path):
+    _save_llama(str(tmp_path / "llama"))
+    _jsonl(tmp_path / "data.jsonl")
+    args = (str(tmp_path / "llama"), str(tmp_path / "data.jsonl"))
+    straight = run_distributed(_run, 2, *args, str(tmp_path / "straight"), 4, False,
+                               timeout=240)[0]
+    run_distributed(_run, 2, *args, str(tmp_path / "resumed"), 2, False, timeout=240)
+    resumed = run_distributed(_run, 2, *args, str(tmp_path / "resumed"), 4, True,
+                              timeout=240)[0]
+    assert [s for s, _ in straight] == [1, 2, 3, 4]
+    # the log holds the first run's steps 1-2 and the resumed 3-4: bit for bit the
+    # straight run's (adapters, optimizer, NF4 base and data position restored)
+    assert resumed == straight
