@@ -52,6 +52,7 @@ SLOW = {
     "tests/conformance/test_real_callers.py::test_lightning_model_parallel_strategy_trains_as_single_process",
     "tests/conformance/test_real_callers.py::test_run_module_installs_before_the_program_imports_torchs_names",
     "tests/conformance/test_real_callers.py::test_transformers_fsdp2_path_runs_on_fullshard_unchanged",
+    "tests/conformance/test_real_callers.py::test_accelerate_fsdp2_prepare_model_runs_on_fullshard_unchanged",
     "tests/conformance/test_tensor_parallel.py::test_dp_mesh_dims_on_the_whole_mesh_matches_single_process",
     "tests/conformance/test_tensor_parallel.py::test_fsdp_with_tensor_parallel_matches_single_process",
     "tests/conformance/test_tensor_parallel.py::test_misuse_names_the_parameter_and_what_to_do",

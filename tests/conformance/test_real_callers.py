@@ -8,6 +8,11 @@ transformers' own FSDP2 path (``from_pretrained(..., distributed_config=...)``, 
 imports ``fully_shard`` from ``torch.distributed._composable.fsdp``, shards a list of
 modules, checks ``isinstance(m, FSDPModule)``) trains with fullshard after
 ``fullshard.install()`` to the same losses as with torch's FSDP2.
+
+accelerate's ``fsdp2_prepare_model`` (its auto-wrap policy per decoder layer, the
+embedding alone, the ``[norm, embedding, lm_head]`` tail of a tied model as one unit, the
+root with torch's default) shards with fullshard after ``fullshard.install()`` into the
+units torch's FSDP2 gets, and trains to the same losses.
 """
 
 from __future__ import annotations
@@ -71,6 +76,62 @@ def test_transformers_fsdp2_path_runs_on_fullshard_unchanged(tmp_path):
     assert units == theirs[0]  # the same units: embedding, decoder layers, [norm, lm_head], root
     assert "FSDPLlamaDecoderLayer" in units
     assert losses == pytest.approx(theirs[2], rel=1e-5)
+
+
+def _train_with_accelerate(tied: bool, use_fullshard: bool):
+    """accelerate's own FSDP2 preparation, unchanged. ``Accelerator`` itself takes its FSDP
+    path only on GPUs, so the function is handed what it reads of one: the FSDP plugin
+    (built by accelerate), the mixed precision and the device."""
+    import types
+
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fullshard
+
+    if use_fullshard:
+        fullshard.install()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=32, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True)
+        accelerator = types.SimpleNamespace(
+            state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+            is_main_process=dist.get_rank() == 0, device=torch.device("cpu"))
+        model = fsdp2_prepare_model(accelerator, model)
+        units = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = torch.randint(0, 64, (2, 16),
+                              generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return units, isinstance(model, fullshard.FSDPModule), losses
+    finally:
+        fullshard.uninstall()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_accelerate_fsdp2_prepare_model_runs_on_fullshard_unchanged(tied):
+    ours = run_distributed(_train_with_accelerate, 2, tied, True, timeout=300)
+    theirs = run_distributed(_train_with_accelerate, 2, tied, False, timeout=300)
+    assert ours[0][1] and not theirs[0][1]
+    assert ours[0][0] == theirs[0][0]  # the same modules sharded, the tail's among them
+    for mine, torchs in zip(ours, theirs):  # each rank's losses
+        assert mine[2] == pytest.approx(torchs[2], rel=1e-5)
 
 
 def test_install_and_uninstall_swap_torchs_names():
