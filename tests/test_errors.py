@@ -145,3 +145,33 @@ def _run_check(name):
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_clear_error(name):
     assert all(run_distributed(_run_check, 2, name))
+
+
+class _FailingWork:
+    def __init__(self, error):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+
+def _collective_failures():
+    from fullshard.core.collectives import CollectiveError, Pending
+
+    messages = []
+    for error in (RuntimeError("Inplace update to inference tensor outside InferenceMode"),
+                  RuntimeError("[gloo] Timed out waiting 8000ms for recv operation"),
+                  dist.DistBackendError("NCCL communicator was aborted")):
+        with pytest.raises(CollectiveError) as failed:
+            Pending(torch.empty(1), _FailingWork(error)).wait("all-gather of layers.0")
+        messages.append(str(failed.value))
+    return messages
+
+
+def test_a_failed_collective_blames_diverged_ranks_only_when_ranks_are_the_cause():
+    local, timed_out, aborted = run_distributed(_collective_failures, 1)[0]
+    assert local == ("fullshard: all-gather of layers.0 failed on rank 0: Inplace update to "
+                     "inference tensor outside InferenceMode")
+    for message in (timed_out, aborted):
+        assert message.startswith("fullshard: all-gather of layers.0 failed on rank 0: ")
+        assert "ranks probably took different paths" in message

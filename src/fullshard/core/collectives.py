@@ -17,6 +17,7 @@ received copies of our chunk locally; other backends use their native reduce-sca
 
 from __future__ import annotations
 
+import re
 from typing import Callable, NamedTuple
 
 import torch
@@ -32,6 +33,23 @@ class CollectiveError(RuntimeError):
     """A fullshard collective failed or timed out; the message names the unit."""
 
 
+# What a collective's failure says when the ranks, not this one, are the cause: a timeout,
+# a peer gone, buffers of different sizes. Anything else (an error raised on this rank
+# alone) is reported as it is, without guessing at diverged ranks.
+_BETWEEN_RANKS = re.compile(r"timed? ?out|connection|peer|closed|reset|abort|broken pipe|"
+                            r"mismatch|size", re.IGNORECASE)
+
+
+def _failure(what: str, err: RuntimeError) -> CollectiveError:
+    text = f"fullshard: {what} failed on rank {dist.get_rank()}: {err}"
+    if isinstance(err, dist.DistError) or _BETWEEN_RANKS.search(str(err)):
+        text += (". If it timed out or a peer went away, ranks probably took different paths "
+                 "(a forward or backward on some ranks only, a layer skipped on one rank, a "
+                 "rank that stopped early); run with FULLSHARD_DEBUG=1 to find where they "
+                 "diverged.")
+    return CollectiveError(text)
+
+
 class Pending(NamedTuple):
     """A collective in flight; ``wait()`` returns its output once it has arrived."""
 
@@ -45,12 +63,7 @@ class Pending(NamedTuple):
             try:
                 self.work.wait()
             except RuntimeError as err:
-                raise CollectiveError(
-                    f"fullshard: {what} failed on rank {dist.get_rank()}: {err}. If it timed out "
-                    "or a peer went away, ranks probably took different paths (a forward or "
-                    "backward on some ranks only, a layer skipped on one rank, a rank that "
-                    "stopped early); run with FULLSHARD_DEBUG=1 to find where they diverged."
-                ) from err
+                raise _failure(what, err) from err
         if self.finish is not None:
             self.finish()
         return self.output

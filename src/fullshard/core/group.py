@@ -51,11 +51,21 @@ run. Each unshard copies the shard to the compute device (the copy-in that also
 casts under mixed precision) before the all-gather; each reduce lands in a
 compute-device buffer that is then copied into the CPU gradients. On a CPU-only
 machine both devices are the CPU and the same copies run, so the path is tested.
+
+Note [inference mode]
+A forward under ``torch.inference_mode()`` may be the first to gather a unit. Tensors
+created there are inference tensors, which no code outside inference mode may update in
+place: a persistent buffer (the unsharded buffer, a pooled one, a post-forward chunk)
+made then would break the next training forward's gather. So the group's transitions
+run with inference mode off (and autograd off, which turning it off would enable):
+their buffers stay ordinary tensors, the unsharded parameters views of them, and only
+what the module computes under inference mode is an inference tensor.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -83,6 +93,17 @@ class GroupState(enum.Enum):
     UNSHARDED = "unsharded"    # unsharded params registered and valid
     POST_FORWARD = "post-forward"  # sharded, plus a 1/N chunk kept for backward (hpZ)
     MERGED = "merged"          # retired: its parameters now belong to a bucket's group
+
+
+def outside_inference_mode(transition: Callable) -> Callable:
+    """Run a group transition with inference mode off (Note [inference mode])."""
+    @functools.wraps(transition)
+    def run(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return transition(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return transition(*args, **kwargs)
+    return run
 
 
 class ParamGroup:
@@ -265,6 +286,7 @@ class ParamGroup:
         return self.param_dtype or self.flat_shard.dtype
 
     # -- unshard / reshard --------------------------------------------------------------
+    @outside_inference_mode
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
         self._check_live("unshard")
@@ -325,6 +347,7 @@ class ParamGroup:
         if not async_op:
             self.wait_unshard()
 
+    @outside_inference_mode
     def wait_unshard(self) -> None:
         """Finish a pending gather: copy out and register the unsharded params."""
         if self.state is not GroupState.GATHERING:
@@ -360,6 +383,7 @@ class ParamGroup:
                                self._copy_out_targets):
             p.layout.copy_gathered(self.world_size, src, dst)
 
+    @outside_inference_mode
     def reshard_after_forward(self) -> None:
         """Free the parameters after forward; with a post-forward group (hpZ, Note
         [resharding after forward to a smaller group]) keep this rank's chunk first."""
@@ -370,6 +394,7 @@ class ParamGroup:
         else:
             self.reshard()
 
+    @outside_inference_mode
     def reshard(self) -> None:
         """Register the sharded params again and free the unsharded storage."""
         if self.state is GroupState.SHARDED:

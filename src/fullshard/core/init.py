@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
                         as_offload_policy)
 from .buckets import merge_small_units
-from .group import GroupState, ParamGroup
+from .group import GroupState, ParamGroup, outside_inference_mode
 from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
 from .param import ParamRef, ShardedParam
 from .registry import SHARDED_ORIGINALS, is_sharded_param
@@ -285,6 +285,7 @@ def _class_name(module: nn.Module) -> str:
     return unit.label if unit is not None else type(module).__name__
 
 
+@outside_inference_mode  # merged groups' new flat shards are what the optimizer updates
 def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
     """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
     merge small adjacent units into shared groups (core/buckets.py)."""
