@@ -123,3 +123,76 @@ def test_without_debug_a_timed_out_collective_names_the_unit():
     # the root and its small layers share one group (merged units are named first..last)
     assert "all-gather of GPT..layers.2 failed on rank 0" in raised and "imed out" in raised, raised
     assert matches_documented("E30", raised), raised
+
+
+# -- collective functions some ranks never call (Note [every rank arrives]) ---------------
+def _trained_model():
+    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "3"
+    model = _model(debug=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    return model, opt, x, y
+
+
+def _save_on_rank0_only(path):
+    from fullshard import checkpoint
+
+    model, opt, x, y = _trained_model()
+    if dist.get_rank() == 0:
+        checkpoint.save(path, model, opt)
+    else:  # goes on training: its next all-gather waits for a rank that is saving
+        lm_loss(model(x), y).backward()
+
+
+def _full_state_dict_on_rank0_only(_path):
+    from fullshard.checkpoint import StateDictOptions, get_model_state_dict
+
+    model, _opt, x, y = _trained_model()
+    if dist.get_rank() == 0:
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        lm_loss(model(x), y).backward()
+
+
+def _save_here_load_there(path):
+    from fullshard import checkpoint
+
+    model, opt, _x, _y = _trained_model()
+    if dist.get_rank() == 0:
+        checkpoint.save(path, model, opt)
+    else:
+        checkpoint.load(path, model, opt)
+
+
+@pytest.mark.parametrize("scenario,call", [
+    (_save_on_rank0_only, "fullshard.checkpoint.save"),
+    (_full_state_dict_on_rank0_only, "get_model_state_dict (full_state_dict=True"),
+], ids=["save", "full_state_dict"])
+def test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds(
+        scenario, call, tmp_path):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(scenario, 2, str(tmp_path / "ckpt"), timeout=120)
+    text = str(failure.value)
+    assert time.monotonic() - started < 60, text[-3000:]  # not the group's 30 minutes
+    assert "2 of 2 ranks failed" in text, text[-3000:]
+    raised = _raised(text[text.index(f"CollectiveError: fullshard: {call}"):],
+                     "CollectiveError")  # rank 0's
+
+    assert "Ranks 1 failed to pass monitoredBarrier in 3000 ms" in raised, raised
+    assert matches_documented("E130", raised), raised
+    # rank 1, in a training all-gather, fails as soon as rank 0 has gone
+    assert "CollectiveError: fullshard: all-gather of GPT failed on rank 1" in text, text[-3000:]
+
+
+def test_ranks_at_different_collective_functions_both_name_them(tmp_path):
+    text = str(pytest.raises(AssertionError, run_distributed, _save_here_load_there, 2,
+                             str(tmp_path / "ckpt"), timeout=120).value)
+    assert "2 of 2 ranks failed" in text, text[-3000:]
+    assert text.count("rank 0: fullshard.checkpoint.save (check-in 1), rank 1: "
+                      "fullshard.checkpoint.load (check-in 1)") == 2, text[-3000:]
+    assert matches_documented("E131", _raised(text, "CollectiveError")), text[-3000:]

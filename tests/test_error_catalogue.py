@@ -481,6 +481,9 @@ def test_each_message_is_the_documented_text(produced):
 _TESTED_ELSEWHERE = {
     "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
+    "E130": "tests/test_divergence.py::"
+            "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
+    "E131": "tests/test_divergence.py::test_ranks_at_different_collective_functions_both_name_them",
     "E82": "tests/test_cli_errors.py::"
            "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
     "E34": "tests/test_train_reliability.py::"

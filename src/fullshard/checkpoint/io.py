@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
+from ..core.arrival import every_rank_arrives
 from ..core.native_state_dict import native_state_dict
 from . import background, checksums, manifest as manifests, torch_dcp
 from .hashing_writer import HashingWriter, file_sizes, unrecorded
@@ -75,8 +76,12 @@ def save(path: str | os.PathLike, model: nn.Module,
 
     Every rank writes its own shards; the directory appears only once complete (see
     Note [atomic commit]) and ``latest`` in its parent then names it. Returns ``path``,
-    or with ``async_save=True`` a future of it (Note [async save]).
+    or with ``async_save=True`` a future of it (Note [async save]). Collective: a save
+    some ranks never call fails within FULLSHARD_ARRIVAL_TIMEOUT seconds (Note [every
+    rank arrives]).
     """
+    if _distributed():
+        every_rank_arrives("fullshard.checkpoint.save")
     background.wait_for_pending_save()
     path = os.path.abspath(os.fspath(path))
     state = _states(model, optimizer)
@@ -124,7 +129,10 @@ def load(path: str | os.PathLike, model: nn.Module,
 
     Every file is verified against the manifest first (Note [one verification path]). A
     checkpoint torch's DCP wrote (no manifest) loads too, unverified: an
-    ``UnverifiedCheckpointWarning`` says so, and None is returned for ``extra``."""
+    ``UnverifiedCheckpointWarning`` says so, and None is returned for ``extra``.
+    Collective, like :func:`save`."""
+    if _distributed():
+        every_rank_arrives("fullshard.checkpoint.load")
     background.wait_for_pending_save()
     checkpoint = open_checkpoint(path)
     path = checkpoint.path

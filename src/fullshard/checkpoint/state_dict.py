@@ -17,9 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
+from torch.distributed.tensor import DTensor
 
+from ..core.arrival import every_rank_arrives
 from ..core.native_state_dict import native_state_dict
 
 
@@ -60,11 +63,26 @@ def _opts(options) -> _dsd.StateDictOptions:
     return options.to_torch()
 
 
+def _check_in(call: str, model: nn.Module, options) -> None:
+    """Full and broadcast state dicts gather or broadcast over every rank of the model's
+    mesh: check that all of them called (Note [every rank arrives]). Checked where the
+    mesh spans the job; a mesh over some ranks has no group here that holds exactly them."""
+    opts = _opts(options)
+    if not (opts.full_state_dict or opts.broadcast_from_rank0) or not dist.is_initialized():
+        return
+    sharded = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None and sharded.device_mesh.size() == dist.get_world_size():
+        every_rank_arrives(f"{call} (full_state_dict="
+                           f"{opts.full_state_dict}, broadcast_from_rank0="
+                           f"{opts.broadcast_from_rank0})")
+
+
 # The functions below have torch.distributed.checkpoint.state_dict's signatures, keyword
 # names included (model_state_dict=, optim_state_dict=, optimizers=, submodules=).
 def get_model_state_dict(model: nn.Module, *, submodules=None, options=None
                          ) -> dict[str, Any]:
     """The model's parameters and buffers by FQN (DTensors unless ``full_state_dict``)."""
+    _check_in("get_model_state_dict", model, options)
     with native_state_dict():
         return _dsd.get_model_state_dict(model, submodules=submodules, options=_opts(options))
 
@@ -72,6 +90,7 @@ def get_model_state_dict(model: nn.Module, *, submodules=None, options=None
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, options=None):
     """Load ``model_state_dict`` (full or sharded) into the sharded ``model``; returns the
     missing and unexpected keys like ``nn.Module.load_state_dict``."""
+    _check_in("set_model_state_dict", model, options)
     with native_state_dict():
         return _dsd.set_model_state_dict(model, model_state_dict, options=_opts(options))
 
@@ -80,6 +99,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None, o
                              ) -> dict[str, Any]:
     """The state of ``optimizers`` (one or several) keyed by parameter FQN (states as
     DTensors unless full)."""
+    _check_in("get_optimizer_state_dict", model, options)
     with native_state_dict():
         return _dsd.get_optimizer_state_dict(model, optimizers, submodules=submodules,
                                              options=_opts(options))
@@ -88,6 +108,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None, o
 def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dict[str, Any], *,
                              options=None) -> None:
     """Load an FQN-keyed optimizer state dict (full or sharded) into ``optimizers``."""
+    _check_in("set_optimizer_state_dict", model, options)
     with native_state_dict():
         _dsd.set_optimizer_state_dict(model, optimizers, optim_state_dict,
                                       options=_opts(options))
@@ -96,6 +117,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
 def get_state_dict(model: nn.Module, optimizers, *, submodules=None, options=None
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``."""
+    _check_in("get_state_dict", model, options)
     with native_state_dict():
         return _dsd.get_state_dict(model, optimizers, submodules=submodules,
                                    options=_opts(options))
@@ -104,6 +126,7 @@ def get_state_dict(model: nn.Module, optimizers, *, submodules=None, options=Non
 def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict[str, Any],
                    optim_state_dict: dict[str, Any], options=None):
     """Load both state dicts; returns the model's missing and unexpected keys."""
+    _check_in("set_state_dict", model, options)
     with native_state_dict():
         return _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
                                    optim_state_dict=optim_state_dict, options=_opts(options))
