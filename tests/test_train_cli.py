@@ -70,6 +70,10 @@ def test_resume_continues_exactly_like_one_straight_run(tmp_path):
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    """Also: a second job started on the same --out while this one trains is refused at
+    once, names the job that holds it and writes nothing; the lock goes with the job."""
+    import fcntl
+
     out = str(tmp_path / "run")
     log = open(tmp_path / "stderr.txt", "w")
     launcher = subprocess.Popen(
@@ -82,6 +86,10 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
             if os.path.exists(os.path.join(out, "metrics.jsonl")) and len(_metrics(out)) > 5:
                 break
             time.sleep(0.5)
+        metrics_before = (tmp_path / "run" / "metrics.jsonl").read_text()
+        second = _fullshard_train("--preset", "debug", "--steps", "3", "--out", out)
+        with open(os.path.join(out, ".lock")) as f:
+            holder = json.load(f)
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
         code = launcher.wait(timeout=120)
     finally:
@@ -90,6 +98,19 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         log.close()
     stderr = (tmp_path / "stderr.txt").read_text()
     assert code == 130, stderr[-3000:]
+    assert second.returncode == 2, second.stderr[-3000:]
+    refusal = next(line for line in second.stderr.splitlines() if "another fullshard" in line)
+    assert refusal.startswith(f"fullshard train: --out {out}: another fullshard train is "
+                              f"writing this run (pid {holder['pid']} on {holder['host']}, "
+                              f"job {holder['job']}, since "), refusal
+    from test_error_catalogue import matches_documented
+    assert matches_documented("E132", "ConfigError: " + refusal.removeprefix(
+        "fullshard train: ")), refusal
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert metrics.startswith(metrics_before)  # the second job wrote nothing there
+    assert [r["step"] for r in _metrics(out)] == list(range(len(_metrics(out))))
+    with open(os.path.join(out, ".lock")) as f:  # released with the job's processes
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     stopped = _metrics(out)[-1]["step"]
     assert 5 <= stopped < 100000
     assert f"stopped at step {stopped} on request" in stderr

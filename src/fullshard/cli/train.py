@@ -32,7 +32,7 @@ import sys
 
 from ..core.collectives import CollectiveError
 from ..train.agreement import check_same_run
-from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint,
+from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint, hold_run,
                                  resumes_after_restart)
 from ..train.cluster import check_worker_environment, local_place
 from ..train.config import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
@@ -154,6 +154,7 @@ def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
     try:
         agree_on_attempt()  # Note [restarts across nodes]
         check_same_run(cfg, resume)
+        hold_run(out)  # one job writes a run directory at a time
         diverged_before = divergence_of_this_job(out)
         if diverged_before is not None:  # a restart would only diverge again: Note [restarts]
             raise Diverged(diverged_before)

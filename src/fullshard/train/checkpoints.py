@@ -11,6 +11,15 @@ Every save first checks that every rank sees the files rank 0 writes in
 leave its shards where the commit never looks, so a run whose ``--out`` is not shared by
 every node stops at its first save, on every rank, before anything is committed.
 
+One job writes a run directory at a time: rank 0 holds an exclusive lock on
+``OUT/.lock`` (``hold_run``) from before the first write to the end of its process, and
+a second ``fullshard train`` on the same ``--out`` stops at once, on every rank, naming
+the process and job that hold it. The lock is the operating system's (``flock``): it
+goes with the process that held it, so a killed run never leaves a stale one behind,
+and a restarted attempt takes it again. On a network filesystem it holds where the
+filesystem supports ``flock`` (NFSv4, Lustre and GPFS do; an NFSv3 mount without lockd
+does not).
+
 Restarts under ``--max-restarts``: which attempt a worker is, and where it continues.
 
 Note [restarts]
@@ -30,9 +39,12 @@ of that job repeat the error and exit instead of training.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -88,6 +100,46 @@ def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     if dist.get_rank() == 0:
         _prune(checkpoint_dir(out), keep)
     return path
+
+
+LOCK_FILE = ".lock"
+# The lock file this process holds on its run directory, open until the process exits
+# (Note above: the operating system releases it then). Process-wide: one run per process.
+_held_lock = None
+
+
+def hold_run(out: str) -> None:
+    """Collective: rank 0 takes the run directory's lock, or every rank raises a
+    ConfigError naming who holds it (one job writes a run directory at a time)."""
+    global _held_lock
+    holder = None
+    if dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, LOCK_FILE), "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "{}"
+            lock.close()
+        else:
+            lock.truncate(0)
+            lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                   "job": job_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+            lock.flush()
+            _held_lock = lock
+    found = [holder]
+    dist.broadcast_object_list(found)
+    if found[0] is not None:
+        try:
+            who = json.loads(found[0])
+        except ValueError:
+            who = {}
+        raise ConfigError(
+            f"--out {out}: another fullshard train is writing this run (pid "
+            f"{who.get('pid', '?')} on {who.get('host', '?')}, job {who.get('job', '?')}, "
+            f"since {who.get('since', '?')}); wait for it to end or stop it, or give "
+            "another --out")
 
 
 def check_shared(out: str) -> None:
