@@ -70,6 +70,7 @@ SLOW = {
     "tests/test_checkpoint_interop.py::test_a_torch_fsdp2_checkpoint_resumes_in_fullshard_as_in_torch",
     "tests/test_checkpoint_interop.py::test_torch_dcp_alone_loads_a_fullshard_checkpoint_into_a_plain_module",
     "tests/test_train_loop.py::test_compiled_blocks_train_the_eager_model",
+    "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "tests/test_checkpoint.py::test_cli_inspect_and_streamed_safetensors_export",
     "tests/test_checkpoint.py::test_corrupt_missing_and_incompatible_checkpoints_are_named",
     "tests/test_checkpoint.py::test_exact_resume_in_fresh_processes",

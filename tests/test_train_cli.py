@@ -116,3 +116,23 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert f"stopped at step {stopped} on request" in stderr
     assert _checkpoint_step(out) == stopped
     assert "Traceback" not in stderr
+
+
+def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):
+    """--resume continues the run's own config.toml: a --preset naming another model, or
+    --steps below the checkpoint's step, is refused instead of ignored."""
+    from test_error_catalogue import matches_documented
+
+    out = str(tmp_path / "run")
+    quick = ["--eval.every", "0", "--eval.sample-tokens", "0", "--out", out]
+    first = _fullshard_train("--preset", "debug", "--steps", "4", *quick)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = _fullshard_train("--preset", "shakespeare", "--resume", *quick)
+    assert other.returncode == 2, other.stderr[-3000:]
+    line = other.stderr.strip().splitlines()[-1]
+    assert matches_documented("E133", "ConfigError: " + line.removeprefix("fullshard train: ")), line
+    fewer = _fullshard_train("--preset", "debug", "--steps", "2", "--resume", *quick)
+    assert fewer.returncode == 2, fewer.stderr[-3000:]
+    line = next(text for text in fewer.stderr.splitlines() if "steps: 2 is below" in text)
+    assert matches_documented("E134", "ConfigError: " + line.removeprefix("fullshard train: ")), line
+    assert _checkpoint_step(out) == 4 and [r["step"] for r in _metrics(out)] == list(range(5))

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n".join(__doc__.split("\n\n")[1:]), allow_abbrev=False,
         parents=[launch_flags.parser()])
     run = parser.add_argument_group("run")
-    run.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
+    run.add_argument("--preset", default=None, choices=list(PRESETS),
                      help=f"named configuration to start from (default {DEFAULT_PRESET})")
     run.add_argument("--config", metavar="FILE.toml", help="TOML applied over the preset")
     run.add_argument("--out", metavar="DIR", help="where metrics, plot, config and "
@@ -82,12 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
     """The run's config and output directory from parsed flags (see the module doc)."""
-    out = args.out or os.path.join("runs", args.preset)
+    preset = args.preset or DEFAULT_PRESET
+    out = args.out or os.path.join("runs", preset)
     check_output_dir("--out", out)
-    cfg = get_preset(args.preset)
+    cfg = get_preset(preset)
     saved = os.path.join(out, "config.toml")
     if args.resume and os.path.isfile(saved):
         cfg = load_toml(cfg, saved)
+        named = get_preset(args.preset) if args.preset is not None else None
+        if named is not None and (named.model, named.gpt) != (cfg.model, cfg.gpt):
+            # the run's own config replaces the preset: a --preset naming another model
+            # would be silently ignored
+            raise ConfigError(f"--preset {args.preset}: --resume continues the model of "
+                              f"{saved}, not that preset's; leave out --preset to resume "
+                              "it, or give another --out to train the preset")
     if args.config:
         cfg = load_toml(cfg, args.config)
     cfg = parse_flags(cfg, args.fields)

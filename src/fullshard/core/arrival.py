@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import CollectiveError
+from .collectives import CollectiveError, all_gather
 
 TIMEOUT_VARIABLE = "FULLSHARD_ARRIVAL_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -88,7 +88,7 @@ def every_rank_arrives(call: str) -> None:
             "late.") from None
     mine = torch.tensor([zlib.crc32(call.encode()), _arrivals], dtype=torch.int64)
     everyone = torch.empty(world * 2, dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather(everyone, mine, group, what=f"the check-in of {call}")
     rows = everyone.view(world, 2).tolist()
     if any(row != rows[0] for row in rows):  # every rank sees it, so all go on to name it
         calls: list = [None] * world

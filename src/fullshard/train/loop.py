@@ -97,6 +97,11 @@ class Trainer:
         if resume:
             point = checkpoints.load(self.out, self.model, self.optimizer, self.worker.device)
             self.step = point.step
+            if self.step > self.cfg.steps:  # never silently train nothing, or go back
+                raise ConfigError(
+                    f"steps: {self.cfg.steps} is below step {self.step}, where the latest "
+                    f"checkpoint in {self.out} is (on --resume, steps counts the steps "
+                    f"done too); give more than {self.step} to train on")
             self.sampler.load_state_dict(point.data_position)
             if self.scaler is not None and point.scaler is not None:
                 self.scaler.load_state_dict(point.scaler)
