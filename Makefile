@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-multinode test-gpu test-torchtitan bench bench-projection setup clean
+.PHONY: run test test-fast test-multinode soak test-torch test-gpu test-torchtitan bench bench-projection setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ run: $(STAMP)
 # Two pytest workers (pytest-xdist): most of a multi-rank test is spent starting processes
 # and waiting in collectives, so two at a time finish the suite ~17% sooner on 2 cores.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode" -n 2; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode and not soak" -n 2; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # Several "nodes" on 127.0.0.1 (two launchers, c10d rendezvous; ~3 minutes): CI runs it
@@ -36,13 +36,29 @@ test-multinode: $(STAMP)
 # The tests a developer runs often (under 2 minutes on 2 cores): everything but the tests
 # tests/conftest.py marks slow.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak"
+
+# 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
+# without faults (~25 minutes on 2 cores): tests/test_soak_restarts.py.
+soak: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_soak_restarts.py -m soak
 
 # The CUDA lane (tests/gpu): NCCL ranks, one per visible GPU, against references on the
 # same GPUs. Needs a CUDA build of torch; skipped, with one line saying why, without a GPU.
 # Every other target is the CPU lane, which hides CUDA (tests/lanes.py).
 test-gpu: $(STAMP)
 	FULLSHARD_TEST_LANE=cuda OMP_NUM_THREADS=1 $(PY) -m pytest tests/gpu
+
+# The suite on another torch, in a venv of its own: `make test-torch TORCH=2.15.0` (or
+# 2.11.0). Those are CUDA builds (several GB, with NVIDIA's libraries; they run on a CPU);
+# PIP_CONFIG_FILE=/dev/null lifts a machine-wide pip cap on torch's version, if any.
+TORCH ?= 2.15.0
+TORCH_VENV := .venv-torch-$(TORCH)
+test-torch:
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH)
+	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -e '.[dev]'
+	OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest tests -m "not multinode and not soak" -n 2
 
 # torchtitan's own FSDP code on fullshard. Not a dependency: torchtitan's imports pull
 # triton (~1 GB), so its runtime dependencies are installed here without theirs.

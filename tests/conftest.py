@@ -31,6 +31,7 @@ if not lanes.is_cuda_lane(os.environ):
 SLOW = {
     "tests/test_quantized_allgather.py::test_int8_subclass_trains_like_one_process_with_its_hooks_on_every_gather",
     "tests/test_quantized_allgather.py::test_nf4_qlora_trains_like_one_process",
+    "tests/test_quantized_allgather.py::test_quantized_weights_with_cpu_offload_train_like_one_process",
     "tests/test_quantized_allgather.py::test_float8_weights_gather_in_float8_and_train_like_one_process",
     "tests/test_quantized_allgather.py::test_losses_and_bytes_match_torch_fsdp2_on_the_same_script",
     "tests/test_quantized_allgather.py::test_a_checkpoint_with_quantized_shards_resumes_where_it_left_off",
@@ -39,6 +40,7 @@ SLOW = {
     "tests/test_quantized_allgather.py::test_to_loads_and_explicit_unshard_keep_the_quantized_model",
     "tests/test_train_qlora.py::test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base",
     "tests/test_train_qlora.py::test_qlora_at_two_ranks_trains_as_one_process_on_the_same_batches",
+    "tests/test_train_qlora.py::test_qlora_composes_with_cpu_offload_checkpointing_and_bf16",
     "tests/test_train_qlora.py::test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run",
     "tests/test_projection.py::test_calibrated_projection_of_this_machine",
     "tests/test_projection.py::test_projection_compares_with_fullshard_runs_on_this_cpu",
@@ -157,4 +159,5 @@ def pytest_configure(config):
             "tests/conftest.py: CUDA was initialized before the CPU lane could hide it (a "
             "plugin or conftest used torch.cuda first); run with CUDA_VISIBLE_DEVICES= set.")
     config.addinivalue_line("markers", "slow: left out of `make test-fast` (see conftest.py)")
+    config.addinivalue_line("markers", "soak: long runs, left out of `make test`; `make soak`")
     config.addinivalue_line("markers", "multinode: the multi-node lane, `make test-multinode`")

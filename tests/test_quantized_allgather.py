@@ -196,10 +196,10 @@ def gathered_bytes(counts: Counter):
         collectives._all_gather_flat, dist.all_gather_single = ours, theirs
 
 
-def shard(model: nn.Module, fully_shard) -> nn.Module:
+def shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -256,16 +256,17 @@ def _plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity_worker(kind: str, precompute_scales: bool = False) -> dict:
-    from fullshard import fully_shard
+def _parity_worker(kind: str, precompute_scales: bool = False, offload: bool = False) -> dict:
+    from fullshard import CPUOffloadPolicy, fully_shard
     rank, world = dist.get_rank(), dist.get_world_size()
+    options = {"offload_policy": CPUOffloadPolicy()} if offload else {}
     after_step = None
     if precompute_scales:  # torchao computes every weight's float8 scale in one go
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         after_step = precompute_float8_dynamic_scale_for_fsdp
     HOOK_CALLS.clear()
     with gathered_bytes(Counter()) as counts, count_collectives() as issued:
-        model = shard(build(kind), fully_shard)
+        model = shard(build(kind), fully_shard, **options)
         if after_step is not None:
             after_step(model)
         losses = train(model, rank, world, after_step=after_step)
@@ -329,6 +330,16 @@ def test_int8_subclass_trains_like_one_process_with_its_hooks_on_every_gather(wo
         # each block gather is two collectives (its adapters' flat buffer, then its two
         # int8 weights together) and two pre-hook calls (one per weight)
         assert out["gathers"] == gathers
+
+
+@pytest.mark.parametrize("kind", ["nf4", "float8"])
+def test_quantized_weights_with_cpu_offload_train_like_one_process(kind):
+    # On a CPU-only machine the host and the compute device are one, so this runs the
+    # offload path's copies and host gradients, not a transfer between devices
+    out = run_distributed(_parity_worker, 2, kind, False, True)[0]
+    ratio = out["bytes"] / out["plain_bytes"]
+    assert ratio == pytest.approx(expected_ratio(kind, 2), rel=1e-9) if kind == "nf4" \
+        else ratio < 0.5
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -470,7 +481,7 @@ def _first_step(model: nn.Module, params=None) -> None:
 
 
 def _misuse_worker() -> dict:
-    from fullshard import CPUOffloadPolicy, fully_shard
+    from fullshard import fully_shard
     from fullshard.core import subclass_params
     torch.manual_seed(0)
     out = {}
@@ -479,8 +490,9 @@ def _misuse_worker() -> dict:
     tagged.weight = nn.Parameter(torch.randn(4, 4).as_subclass(Tagged))
     out["E105"] = _message(lambda: fully_shard(tagged))
 
-    out["E106"] = _message(lambda: fully_shard(QLoRALinear("int8", D, HIDDEN),
-                                               offload_policy=CPUOffloadPolicy()))
+    from torch.distributed.device_mesh import init_device_mesh
+    hybrid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    out["E106"] = _message(lambda: fully_shard(QLoRALinear("int8", D, HIDDEN), mesh=hybrid))
 
     from torchao.quantization import to_nf4
     odd = nn.Linear(32, 3, bias=False)

@@ -103,11 +103,37 @@ def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
                if ".lora_B." in n)
 
 
-def _run_losses(model_dir: str, data: str, base: str, batch_size: int) -> list | None:
+def _run_losses(model_dir: str, data: str, base: str, batch_size: int,
+                extra: dict | None = None) -> list | None:
     from test_train_loop import _losses
     return _losses({"model": f"hf:{model_dir}", "data": data, "batch.seq_len": 16,
                     "batch.batch_size": batch_size, "optim.lr": 1e-2,
-                    "optim.warmup_steps": 1, "lora.rank": 4, "lora.base": base})
+                    "optim.warmup_steps": 1, "lora.rank": 4, "lora.base": base,
+                    **(extra or {})})
+
+
+def _composed(model_dir: str, data: str) -> dict | None:
+    """The same QLoRA run plain, with CPU offload and activation checkpointing, and in
+    bf16 (in one set of ranks: their losses, rank 0's)."""
+    variants = {"plain": {}, "offload_ac": {"parallel.offload": True,
+                                            "parallel.activation_checkpointing": True},
+                "bf16": {"parallel.precision": "bf16"}}
+    return {name: _run_losses(model_dir, data, "nf4", 2, extra)
+            for name, extra in variants.items()}
+
+
+def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
+    # On a CPU-only machine host and device are one: offload runs its copies, not a
+    # transfer between devices
+    _save_llama(str(tmp_path / "llama"))
+    _jsonl(tmp_path / "data.jsonl")
+    out = run_distributed(_composed, 2, str(tmp_path / "llama"), str(tmp_path / "data.jsonl"),
+                          timeout=300)[0]
+    assert len(out["plain"]) == 4
+    assert out["offload_ac"] == pytest.approx(out["plain"], rel=1e-5, abs=1e-6)
+    # bf16 computes the adapters and the dequantized base in bf16: close, not equal
+    assert out["bf16"] == pytest.approx(out["plain"], rel=2e-2)
+    assert out["bf16"] != out["plain"]
 
 
 @pytest.mark.parametrize("base", ["nf4", "fp32"])

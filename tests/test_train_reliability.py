@@ -26,11 +26,17 @@ FLAGS = {"steps": STEPS, "checkpoint.every": EVERY, "eval.every": 0, "eval.sampl
 
 def _fullshard_train(out: str, *flags: str, env: dict | None = None
                      ) -> subprocess.CompletedProcess:
-    options = [f"--{k}={v}" for k, v in FLAGS.items()]
+    return _fullshard_train_preset(out, "debug", FLAGS, *flags, env=env)
+
+
+def _fullshard_train_preset(out: str, preset: str, fields: dict, *flags: str,
+                            env: dict | None = None, timeout: float = TIMEOUT_S
+                            ) -> subprocess.CompletedProcess:
+    options = [f"--{k}={v}" for k, v in fields.items()]
     return subprocess.run(
-        [sys.executable, "-m", "fullshard", "train", "--preset", "debug", *options,
+        [sys.executable, "-m", "fullshard", "train", "--preset", preset, *options,
          "--out", out, *flags], env={**ENV, **(env or {})}, capture_output=True, text=True,
-        timeout=TIMEOUT_S)
+        timeout=timeout)
 
 
 def _checkpoints(out: str) -> tuple[str, list[str]]:
@@ -47,8 +53,13 @@ def _final_weights(out: str) -> dict[str, torch.Tensor]:
 
 
 def _train_uninterrupted(out: str) -> None:
+    _train_in_process(out, "debug", FLAGS)
+
+
+def _train_in_process(out: str, preset: str, fields: dict) -> None:
+    """The trainer's run in this rank's process (under run_distributed)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = apply_overrides(get_preset("debug"), FLAGS, "test")
+    cfg = apply_overrides(get_preset(preset), fields, "test")
     Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu"))).run(resume=False)
 
 

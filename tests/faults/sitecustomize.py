@@ -2,7 +2,9 @@
 a run, or counts the collectives it issues.
 
     FULLSHARD_TEST_KILL_AT_STEP=K   rank 1 sends itself SIGKILL as step K starts
-                                    (FULLSHARD_TEST_KILL_RANK=R: rank R instead)
+                                    (FULLSHARD_TEST_KILL_RANK=R: rank R instead);
+                                    K1,K2,... with R1,R2,...: the i-th kill on the
+                                    job's i-th attempt (a soak's kills, one per restart)
     FULLSHARD_TEST_KILL_IN_SAVE=K   rank 0 dies inside the save of step K's checkpoint,
                                     after every rank has written its shards and before
                                     the save commits (see fullshard.checkpoint.save)
@@ -47,10 +49,24 @@ def environment(variable: str, value) -> dict[str, str]:
 
 
 def _armed(variable: str, step: int) -> bool:
+    """Whether the fault fires at ``step``: on the job's first attempt, or with a list of
+    steps, the i-th on attempt i."""
+    return _attempts_step(variable) == step
+
+
+def _attempts_step(variable: str) -> int | None:
     from fullshard.train.launch import restart_count
 
-    value = os.environ.get(variable)
-    return value is not None and int(value) == step and restart_count() == 0
+    steps = [int(s) for s in os.environ.get(variable, "").split(",") if s]
+    attempt = restart_count()
+    return steps[attempt] if attempt < len(steps) else None
+
+
+def _kill_rank() -> int:
+    from fullshard.train.launch import restart_count
+
+    ranks = [int(r) for r in os.environ.get(KILL_RANK, "1").split(",")]
+    return ranks[min(restart_count(), len(ranks) - 1)]
 
 
 def _die() -> None:
@@ -74,7 +90,7 @@ def _kill_at_step_start() -> None:
     begin_step = StepMemory.begin_step
 
     def wrapped(self, step: int) -> None:
-        if dist.get_rank() == int(os.environ.get(KILL_RANK, "1")) and _armed(KILL_AT_STEP, step):
+        if dist.get_rank() == _kill_rank() and _armed(KILL_AT_STEP, step):
             _die()
         begin_step(self, step)
 

@@ -191,7 +191,8 @@ class ParamGroup:
         for p, view in zip(self.flat_params, self._shard_views(self.flat_shard)):
             p.shard_from(full[p], view, requires_grad=requires_grad[p])
         for p in self.subclass.params if self.subclass is not None else ():
-            p.shard_subclass(full[p], self.unit_name, requires_grad=requires_grad[p])
+            p.shard_subclass(full[p], self.unit_name, requires_grad=requires_grad[p],
+                             device=self.shard_device(device))
 
     def shard_device(self, device: torch.device) -> torch.device:
         """Where the flat shard lives when parameters are computed on ``device``."""
@@ -305,7 +306,7 @@ class ParamGroup:
             self._build_unsharded()
         if self.subclass is not None:  # Note [tensor-subclass parameters]
             self._announce("all-gather (tensor-subclass parameters)")
-            self.subclass.start(self.mp_policy, self.pool, async_op)
+            self.subclass.start(self.mp_policy, self.pool, async_op, self.compute_device)
             if not self.flat_params:
                 self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
                 self.state = GroupState.GATHERING

@@ -67,9 +67,8 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
     if refs_by_param:
         for p, refs in refs_by_param.items():
             if has_all_gather_hooks(p.to_local() if isinstance(p, DTensor) else p):
-                check_subclass_unit(label, refs[0].fqn, offload=isinstance(
-                    offload_policy, CPUOffloadPolicy), post_forward=post_forward_size is not None,
-                    tensor_parallel=isinstance(p, DTensor), mesh_ndim=mesh.ndim)
+                check_subclass_unit(label, refs[0].fqn, post_forward=post_forward_size is not None,
+                                    tensor_parallel=isinstance(p, DTensor), mesh_ndim=mesh.ndim)
         sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd,
                                    shard_dims.get(p, 0))
                    for p, refs in refs_by_param.items()}

@@ -233,10 +233,14 @@ class ShardedParam:
         registry.track(self)
         self.register(self.sharded_param)
 
-    def shard_subclass(self, full: torch.Tensor, label: str, requires_grad: bool) -> None:
+    def shard_subclass(self, full: torch.Tensor, label: str, requires_grad: bool,
+                       device: torch.device) -> None:
         """Register the DTensor whose local tensor is this rank's shard of the subclass
-        parameter ``full``, made by the subclass (Note [tensor-subclass parameters])."""
+        parameter ``full``, made by the subclass, on ``device`` (the host under CPU
+        offload; Note [tensor-subclass parameters])."""
         local = self.extension.shard(label, full, self.rank, self.world_size)
+        if local.device != device and not local.is_meta:
+            local = local.to(device)
         self._adopt(nn.Parameter(DTensor(local, self.spec, requires_grad=False),
                                  requires_grad=requires_grad))
 

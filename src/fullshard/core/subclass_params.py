@@ -30,8 +30,12 @@ These parameters stay out of the unit's flat buffers (core/group.py): the plain 
 are gathered as before, beside them, and trainable subclass parameters (float8
 weights) reduce their plain gradients with the plain ones, since gradients have the
 parameter's padded dim-0 layout. A unit holding them keeps its own group (never merged
-into a bucket) and is refused with CPU offload, ``reshard_after_forward=N``, a 2-D
-mesh and tensor parallelism, which this path does not implement. A custom all-gather
+into a bucket) and is refused with ``reshard_after_forward=N``, a 2-D mesh and tensor
+parallelism, which this path does not implement. Under CPU offload a subclass shard
+lives on the host beside the flat shard (not pinned: a subclass need not support
+pinning, so its copy to the device is synchronous); its all-gather inputs are copied to
+the compute device before the gather, and its gradients (float8 weights) land on the
+host with the plain ones. A custom all-gather
 (``set_custom_all_gather``) moves the unit's plain parameters only; the subclass inputs
 take the built-in all-gather. Its send and receive buffers come from the root's pool
 (Note [which buffers are pooled]) and go back once copied out.
@@ -71,10 +75,10 @@ def check_subclass_param(label: str, fqn: str, p: torch.Tensor) -> None:
             "or pass the parameter in ignored_params.")
 
 
-def check_subclass_unit(label: str, fqn: str, *, offload: bool, post_forward: bool,
+def check_subclass_unit(label: str, fqn: str, *, post_forward: bool,
                         tensor_parallel: bool, mesh_ndim: int) -> None:
     """The features the subclass path does not implement (Note [tensor-subclass parameters])."""
-    what = ("CPU offload" if offload else "reshard_after_forward=N" if post_forward
+    what = ("reshard_after_forward=N" if post_forward
             else "tensor parallelism" if tensor_parallel
             else "a 2-D (hybrid sharding) mesh" if mesh_ndim != 1 else None)
     if what is not None:
@@ -214,10 +218,13 @@ class SubclassGather:
         self._pool: BufferPool | None = None
         self._send: torch.Tensor | None = None
 
-    def start(self, mp_policy, pool: BufferPool, async_op: bool) -> None:
-        """Collect every parameter's inputs and issue the all-gather."""
-        self._inputs = [p.extension.gather_inputs(p.sharded_param._local_tensor, self.mesh,
-                                                  mp_policy) for p in self.params]
+    def start(self, mp_policy, pool: BufferPool, async_op: bool, device: torch.device) -> None:
+        """Collect every parameter's inputs, on ``device`` (the compute device: a shard
+        offloaded to the host sends from there), and issue the all-gather."""
+        self._inputs = [[t if t.device == device else t.to(device, non_blocking=True)
+                         for t in p.extension.gather_inputs(p.sharded_param._local_tensor,
+                                                            self.mesh, mp_policy)]
+                        for p in self.params]
         for p, inputs in zip(self.params, self._inputs):
             _check_float8_runs(p.fqn, inputs)
         flat = [t for ts in self._inputs for t in ts]
