@@ -12,6 +12,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "fullshard"
 
 # Bottom first. A module may import from its own layer and the layers below it.
 LAYERS = [
+    {"torch_version"},                                     # the installed torch, read once
     {"policies", "gpt"},                                   # plain data and a plain model
     {"core"},                                              # the runtime
     {"controls", "api"},                                   # the FSDP2 front

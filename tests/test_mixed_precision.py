@@ -148,13 +148,15 @@ def test_fp16_loss_scaling_agrees_across_ranks():
 
 def _no_sync_in_reduce_dtype(kind):
     """bf16 compute with fp32 reduction, gradients accumulated without sync over 3
-    micro-batches: the accumulator is fp32 (as FSDP2's), and losses and weights stay
-    within bf16 tolerance of FSDP2 doing the same."""
+    micro-batches: the accumulator is fp32 (as FSDP2's), and every accumulated gradient
+    is FSDP2's to bf16 rounding (torch 2.15 sums a tied weight's two gradients in another
+    order, and the difference carries into later steps: within 2% of each gradient's largest
+    value); losses stay within bf16 tolerance."""
     torch.manual_seed(0)
     base = GPT(CFG)
     ours = _shard(copy.deepcopy(base), "fullshard", kind)
     theirs = _shard(copy.deepcopy(base), "fsdp2", kind)
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (ours, theirs)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
     dtypes = set()
     for step in range(3):
         for micro in range(3):
@@ -170,11 +172,14 @@ def _no_sync_in_reduce_dtype(kind):
             if micro < 2:
                 dtypes |= {p.accumulated_grad.dtype for p in ours.layers[0]._unit.group.params
                            if p.accumulated_grad is not None}
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            mine, torchs = p.grad.full_tensor(), q.grad.full_tensor()
+            assert mine.dtype == torchs.dtype == torch.float32, name
+            torch.testing.assert_close(mine, torchs, rtol=0, atol=2e-2 * torchs.abs().max(),
+                                       msg=lambda m, n=name: f"step {step} {n}: {m}")
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    for p, q in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0.05, atol=2e-3)
     return sorted(map(str, dtypes))
 
 
@@ -213,3 +218,31 @@ def _versus_cast_reference():
 
 def test_matches_a_reference_with_the_same_casts():
     assert all(run_distributed(_versus_cast_reference, 2))
+
+
+def test_reduce_dtype_none_follows_the_installed_torch():
+    """Note [torch versions]: from torch 2.15 FSDP2 reduces in the parameters' dtype when
+    reduce_dtype is None, before it in param_dtype; the FSDP1 front always in param_dtype."""
+    from fullshard.fsdp1.construct import _unit_mp_policy
+    from fullshard.fsdp1.options import MixedPrecision
+    from fullshard.torch_version import VERSION
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    expected = torch.float32 if VERSION >= (2, 15) else torch.bfloat16
+    assert policy.reduce_dtype_for(torch.float32) == expected
+    assert MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16) \
+        .reduce_dtype_for(torch.float32) == torch.float16
+    fsdp1 = _unit_mp_policy(MixedPrecision(param_dtype=torch.bfloat16), False, False)
+    assert fsdp1.reduce_dtype_for(torch.float32) == torch.bfloat16
+
+
+def test_a_torch_older_than_supported_is_refused_at_import():
+    import subprocess
+    import sys
+
+    program = ("import torch; torch.__version__ = '2.10.1'\n"
+               "try:\n    import fullshard\nexcept ImportError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == ("fullshard needs torch 2.11 or newer; torch 2.10.1 is "
+                                  "installed. Upgrade it: pip install 'torch>=2.11'"), out

@@ -13,9 +13,10 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
     model = FSDP(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.FULL_SHARD)
 """
 
+from . import torch_version  # noqa: F401 - first: refuses a torch older than supported
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from . import optim  # noqa: F401 - installs the local-shard optimizer step (optim.py)
-from .controls import share_comm_ctx
+from .controls import GradientReductionHandle, share_comm_ctx
 from .grad_norm import clip_grad_norm_
 from .torch_names import install, uninstall
 from .activation_checkpointing import apply_activation_checkpointing
@@ -36,6 +37,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "FSDPModule",
     "UnshardHandle",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

@@ -1,4 +1,5 @@
-"""torch 2.13's ``FSDPModule`` setters that go beyond fullshard's core surface.
+"""torch's ``FSDPModule`` setters that go beyond fullshard's core surface (2.13's, and
+those 2.15 added, on every torch: Note [torch versions]).
 
 ``FSDPModule`` inherits these. Each has torch's signature and semantics; the ones that
 tune NCCL internals fullshard does not have (separate communicators,
@@ -88,6 +89,57 @@ class TorchControls:
             raise TypeError(f"set_post_optim_event: expected a torch.Event, got "
                             f"{type(event).__name__}")
         self._unit.post_optim_event = event
+
+    # -- torch 2.15's backward finalization and storage --------------------------------------
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root, before backward: with ``True`` the caller ends each logical
+        backward with :meth:`finalize_backward` (after one or several backward passes),
+        which supersedes :meth:`set_is_last_backward`. Every pass still reduces and
+        reshards as its settings say; ``finalize_backward`` waits for the last reduction."""
+        _expect_bool("set_manual_backward_finalization", enabled)
+        unit = self._unit
+        if unit.root is not None and unit.root.unit is not unit:
+            raise RuntimeError(f"set_manual_backward_finalization must be called on the root "
+                               f"module, not {unit.name}")
+        if (unit.root is not None and unit.root.in_backward
+                and enabled != unit.manual_backward_finalization):
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during "
+                               "backward")
+        unit.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
+        """Finish the logical backward on the root: wait for the gradient reduction still in
+        flight (and host copies), so every ``.grad`` is final. With ``async_op=True`` the
+        wait is left to the returned handle's ``wait()``. A no-op before the first forward."""
+        _expect_bool("finalize_backward(async_op=)", async_op)
+        unit = self._unit
+        root = unit.root
+        if root is not None and root.unit is not unit:
+            raise RuntimeError(f"finalize_backward must be called on the root module, not "
+                               f"{unit.name}")
+        if root is not None and root.in_backward:
+            raise RuntimeError("finalize_backward: a backward is still running; call it "
+                               "after loss.backward() returns")
+        if root is not None and root.reduction_handle is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before "
+                               "finalizing backward again")
+        handle = GradientReductionHandle(root)
+        if not async_op:
+            handle.wait()
+            return None
+        if root is not None:
+            root.reduction_handle = handle
+        return handle
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep (``True``) the gathered parameters' storage allocated when resharding, so
+        the unsharded parameters keep their addresses across iterations (CUDA graph
+        capture), at the memory of holding them; ``False`` (the default) frees it. Applies
+        to the unit's group: units merged into one collective share it."""
+        _expect_bool("set_keep_unsharded_storage", keep)
+        for unit in self._units(recurse):
+            if unit.group is not None:
+                unit.group.keep_unsharded_storage = keep
 
     # -- gradient reduction -----------------------------------------------------------------
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True
@@ -186,6 +238,29 @@ class TorchControls:
                              f"{backend!r}")
 
 
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` before reading the
+    gradients or starting the next forward (torch 2.15's name)."""
+
+    def __init__(self, root):
+        self._root = root
+        self._invalidated = False
+
+    def invalidate(self) -> None:
+        """``reset_iter_state`` dropped the reduction this handle waits for."""
+        self._root, self._invalidated = None, True
+
+    def wait(self) -> None:
+        """Wait for the gradient reduction and release what it holds (once)."""
+        if self._invalidated:
+            raise RuntimeError("This gradient reduction handle was invalidated by "
+                               "reset_iter_state; its gradients were discarded")
+        root, self._root = self._root, None
+        if root is not None:
+            root.reduction_handle = None
+            root.settle_gradients()
+
+
 def _expect_bool(method: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{method}: expected a bool, got {type(value).__name__}")
@@ -207,4 +282,4 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
             unit.root.use_copies(shared)
 
 
-__all__ = ["TorchControls", "share_comm_ctx"]
+__all__ = ["GradientReductionHandle", "TorchControls", "share_comm_ctx"]

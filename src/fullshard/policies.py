@@ -7,9 +7,12 @@ values that fullshard does not implement yet raise ``NotImplementedError`` at
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import torch
+
+from .torch_version import REDUCE_IN_GRAD_DTYPE
 
 
 @dataclass(frozen=True)
@@ -19,18 +22,33 @@ class MixedPrecisionPolicy:
     Attributes:
         param_dtype: dtype the parameters are all-gathered and computed in
             (``None``: the sharded parameter's dtype).
-        reduce_dtype: dtype gradients are reduce-scattered in (``None``:
-            ``param_dtype``).
+        reduce_dtype: dtype gradients are reduce-scattered in, and accumulated in
+            without gradient sync. ``None``: with torch 2.15 and later the parameters'
+            own dtype, before it ``param_dtype`` (as the installed torch's FSDP2 does:
+            Note [torch versions]).
         output_dtype: dtype the module's floating-point outputs are cast to
             (``None``: no cast).
         cast_forward_inputs: cast floating-point forward inputs to
             ``param_dtype``.
+        param_dtype_override_fn: called once per parameter at ``fully_shard``; returning
+            the parameter's own dtype keeps that parameter in it (gathered and computed
+            unconverted), ``None`` or ``param_dtype`` uses ``param_dtype`` (torch 2.15's
+            field, on every torch).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[torch.nn.Parameter], torch.dtype | None] | None = \
+        field(default=None, kw_only=True)
+
+    def reduce_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype parameters of ``param_dtype`` reduce their gradients in (None: the
+        gradients' own dtype, ``param_dtype`` or the compute dtype)."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return param_dtype if REDUCE_IN_GRAD_DTYPE else self.param_dtype
 
     @property
     def is_noop(self) -> bool:
@@ -64,9 +82,10 @@ def as_mp_policy(value, label: str) -> MixedPrecisionPolicy:
     """``value`` as fullshard's MixedPrecisionPolicy: ours, or torch's with the same fields."""
     if isinstance(value, MixedPrecisionPolicy):
         return value
-    if isinstance(value, _torch_policies()[0]):
+    if isinstance(value, _torch_policies()[0]):  # fields a torch lacks keep their default
         return MixedPrecisionPolicy(**{f.name: getattr(value, f.name)
-                                       for f in fields(MixedPrecisionPolicy)})
+                                       for f in fields(MixedPrecisionPolicy)
+                                       if hasattr(value, f.name)})
     raise TypeError(f"fully_shard({label}): mp_policy must be a MixedPrecisionPolicy (fullshard's "
                     f"or torch.distributed.fsdp's), got {type(value).__name__}.")
 

@@ -22,7 +22,7 @@ TORCH_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard"
                  "torch.distributed._composable.fsdp",
                  "torch.distributed._composable.fsdp.fully_shard")
 NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-         "share_comm_ctx")
+         "share_comm_ctx", "GradientReductionHandle")
 
 # (module, name) -> torch's object, while installed: restoring needs them, and only an
 # install can fill it, so it is process-wide like the patched modules themselves.
@@ -35,7 +35,8 @@ def _ours() -> dict[str, object]:
     return {"fully_shard": api.fully_shard, "FSDPModule": api.FSDPModule,
             "UnshardHandle": api.UnshardHandle,
             "register_fsdp_forward_method": api.register_fsdp_forward_method,
-            "share_comm_ctx": controls.share_comm_ctx}
+            "share_comm_ctx": controls.share_comm_ctx,
+            "GradientReductionHandle": controls.GradientReductionHandle}
 
 
 def install() -> None:
@@ -46,7 +47,7 @@ def install() -> None:
         module = importlib.import_module(module_name)
         for name in NAMES:
             if not hasattr(module, name):
-                continue  # an older torch without it (share_comm_ctx)
+                continue  # an older torch without it (GradientReductionHandle before 2.15)
             _SAVED.setdefault((module_name, name), getattr(module, name))
             setattr(module, name, ours[name])
 

@@ -5,6 +5,7 @@ Read from the installed torch, so a torch upgrade that adds a name fails here fi
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch.distributed.checkpoint.state_dict as torch_dsd
@@ -15,7 +16,10 @@ from fullshard import checkpoint as ckpt
 
 FSDP2_NAMES = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
                "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "share_comm_ctx",
-               "DataParallelMeshDims"]
+               "DataParallelMeshDims", "GradientReductionHandle"]
+# What torch 2.15 added: fullshard has it on every supported torch (Note [torch versions]).
+ADDED_IN_2_15 = ["set_keep_unsharded_storage", "set_manual_backward_finalization",
+                 "finalize_backward"]
 
 
 def _parameters(fn) -> list[str]:
@@ -46,8 +50,23 @@ def test_fully_shard_takes_torchs_parameters_with_torchs_defaults():
     assert [n for n in ours if n in theirs] == list(theirs)
     assert set(ours) - set(theirs) == {"debug"}
     for name, p in theirs.items():
-        if p.default is not inspect.Parameter.empty:
-            assert repr(ours[name].default) == repr(p.default), name  # policies: same fields
+        if p.default is not inspect.Parameter.empty and dataclasses.is_dataclass(p.default):
+            # a policy: torch's fields with torch's defaults (fullshard's may have the
+            # fields a newer torch added)
+            for f in dataclasses.fields(p.default):
+                assert getattr(ours[name].default, f.name) == getattr(p.default, f.name), \
+                    (name, f.name)
+        elif p.default is not inspect.Parameter.empty:
+            assert repr(ours[name].default) == repr(p.default), name
+
+
+def test_torch_2_15_names_exist_on_every_supported_torch():
+    for method in ADDED_IN_2_15:
+        assert callable(getattr(fullshard.FSDPModule, method)), method
+    assert hasattr(fullshard, "GradientReductionHandle")
+    fields = {f.name for f in dataclasses.fields(fullshard.MixedPrecisionPolicy)}
+    theirs = {f.name for f in dataclasses.fields(torch_fsdp.MixedPrecisionPolicy)}
+    assert theirs <= fields and "param_dtype_override_fn" in fields
 
 
 def test_state_dict_functions_take_torchs_parameter_names():

@@ -73,6 +73,7 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
         merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype,
                             first.replicate_pg, first.post_forward_size,
                             offload=first.offload, compute_device=first.compute_device)
+        merged.keep_unsharded_storage = any(u.group.keep_unsharded_storage for u in run)
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group.retire(merged_into=merged)

@@ -123,6 +123,9 @@ class ParamGroup:
         subclass = [p for p in params if p.extension is not None]
         self.subclass = SubclassGather(subclass, pg, mesh, unit_name) if subclass else None
         self.mp_policy = mp_policy
+        # set_keep_unsharded_storage(True): reshard keeps the gathered storage allocated,
+        # so the unsharded parameters keep their addresses (CUDA graphs), at its memory
+        self.keep_unsharded_storage = False
         self.offload = offload  # Note [CPU offload]
         self._compute_device = compute_device
         self.post_forward_size = post_forward_size
@@ -416,7 +419,7 @@ class ParamGroup:
             for p in self.params:
                 p.register(p.sharded_param)
         self._free_unsharded_storage()
-        if self.subclass is not None:
+        if self.subclass is not None and not self.keep_unsharded_storage:
             self.subclass.free()
         self.state = GroupState.SHARDED
 
@@ -440,6 +443,8 @@ class ParamGroup:
     def _free_unsharded_storage(self) -> None:
         if self.unsharded is self.flat_shard:
             return  # Note [shard groups of one rank]: the shard is the parameter
+        if self.keep_unsharded_storage:  # set_keep_unsharded_storage: addresses stay fixed
+            return
         storage = self.unsharded.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)

@@ -326,7 +326,7 @@ def _final_callback(root: RootState) -> None:
     for u in root.units:
         if u.ran_forward_with_grad and u.group is not None and u.group not in root.reduced:
             _post_backward(root, u.group)
-    if root.unit.is_last_backward:
+    if root.unit.is_last_backward and not root.unit.manual_backward_finalization:
         root.settle_gradients()
     # else: the last reduce-scatter overlaps whatever comes next; the next backward,
     # forward or optimizer step completes it first (set_is_last_backward(False))

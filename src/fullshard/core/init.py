@@ -65,18 +65,29 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
     group = None
     sharded: dict[nn.Parameter, ShardedParam] = {}
     if refs_by_param:
+        kept = _kept_in_own_dtype(label, mp_policy, refs_by_param)
         for p, refs in refs_by_param.items():
-            if has_all_gather_hooks(p.to_local() if isinstance(p, DTensor) else p):
+            if p in kept:
+                check_subclass_unit(label, refs[0].fqn, post_forward=post_forward_size is not None,
+                                    tensor_parallel=isinstance(p, DTensor), mesh_ndim=mesh.ndim,
+                                    how="is kept in its own dtype by param_dtype_override_fn")
+            elif has_all_gather_hooks(p.to_local() if isinstance(p, DTensor) else p):
                 check_subclass_unit(label, refs[0].fqn, post_forward=post_forward_size is not None,
                                     tensor_parallel=isinstance(p, DTensor), mesh_ndim=mesh.ndim)
         sharded = {p: ShardedParam(refs, p, mesh, pg.rank(), pg.size(), label, spmd,
-                                   shard_dims.get(p, 0))
+                                   shard_dims.get(p, 0), keep_dtype=p in kept)
                    for p, refs in refs_by_param.items()}
         _check_tensor_parallel(label, sharded.values(), post_forward_size)
         offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+        flat_dtype = next((p.dtype for p, sp in sharded.items() if sp.extension is None),
+                          next(iter(refs_by_param)).dtype)
+        reduce_dtype = mp_policy.reduce_dtype_for(flat_dtype)
+        if kept and mp_policy.reduce_dtype is None:  # gradients of both dtypes: the wider
+            reduce_dtype = torch.promote_types(mp_policy.param_dtype,
+                                               next(iter(kept)).dtype)
         group = ParamGroup(list(sharded.values()), pg, label, mp_policy.param_dtype,
-                           mp_policy.reduce_dtype, replicate_pg, post_forward_size,
-                           offload=offload, mesh=mesh, mp_policy=mp_policy)
+                           reduce_dtype, replicate_pg,
+                           post_forward_size, offload=offload, mesh=mesh, mp_policy=mp_policy)
         group.shard(list(refs_by_param), device)
         for original in refs_by_param:
             SHARDED_ORIGINALS.add(original, label)
@@ -188,6 +199,30 @@ def _check_compute_dtype(label: str, dtype: torch.dtype | None, device: torch.de
         raise ValueError(f"fully_shard({label}): mp_policy.param_dtype={dtype} cannot be "
                          f"computed in on {device} (a matmul in it fails there); use "
                          "torch.float16 or torch.float32 on this device.")
+
+
+def _kept_in_own_dtype(label: str, mp_policy: MixedPrecisionPolicy,
+                       refs_by_param: dict[nn.Parameter, list[ParamRef]]) -> set[nn.Parameter]:
+    """The parameters ``mp_policy.param_dtype_override_fn`` keeps in their own dtype
+    (torch 2.15's rule: it may return None, param_dtype or the parameter's dtype)."""
+    override = mp_policy.param_dtype_override_fn
+    if override is None or mp_policy.param_dtype is None:
+        return set()
+    kept = set()
+    for p, refs in refs_by_param.items():
+        dtype = override(p)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"fully_shard({label}): param_dtype_override_fn returned "
+                             f"{type(dtype).__name__} for parameter '{refs[0].fqn}'; it must "
+                             "return a torch.dtype or None.")
+        if dtype not in (None, mp_policy.param_dtype, p.dtype):
+            raise ValueError(
+                f"fully_shard({label}): param_dtype_override_fn returned {dtype} for "
+                f"parameter '{refs[0].fqn}' ({p.dtype}); it must return None, param_dtype "
+                f"({mp_policy.param_dtype}) or the parameter's own dtype.")
+        if dtype == p.dtype and dtype != mp_policy.param_dtype:
+            kept.add(p)
+    return kept
 
 
 def _check_arguments(label, mp_policy, offload_policy

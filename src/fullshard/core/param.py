@@ -79,7 +79,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import registry
-from .subclass_params import SubclassShard, has_all_gather_hooks
+from .subclass_params import KeptDtypeShard, SubclassShard, has_all_gather_hooks
 from .tensor_parallel import SpmdDims, local_grad, sharded_layout
 
 
@@ -155,7 +155,7 @@ class ShardedParam:
 
     def __init__(self, refs: list[ParamRef], param: nn.Parameter, mesh: DeviceMesh,
                  rank: int, world_size: int, unit_label: str = "",
-                 spmd: SpmdDims | None = None, dim: int = 0):
+                 spmd: SpmdDims | None = None, dim: int = 0, keep_dtype: bool = False):
         # rank / world_size are this rank's place in the *shard* dimension; on a 2-D
         # (replicate, shard) mesh the parameter is replicated across the other one.
         self.refs = refs
@@ -195,10 +195,12 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
         self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
-        # Note [tensor-subclass parameters]: gathered through the subclass's own hooks
+        # Note [tensor-subclass parameters]: gathered through the subclass's own hooks, or
+        # in its own dtype beside a unit computing in another (param_dtype_override_fn)
         self.extension: SubclassShard | None = (
             SubclassShard(self.fqn, refs[0].module, param)
-            if self.tp_spec is None and has_all_gather_hooks(param) else None)
+            if self.tp_spec is None and has_all_gather_hooks(param) else
+            KeptDtypeShard(self.fqn, refs[0].module, param) if keep_dtype else None)
 
     def local_value(self, tensor: torch.Tensor) -> torch.Tensor:
         """The plain tensor fullshard shards: a TP DTensor's local piece, else itself."""

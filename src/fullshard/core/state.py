@@ -62,6 +62,9 @@ class UnitState:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
         self.reshard_after_backward = True  # False: stay gathered for the next forward
         self.is_last_backward = True  # root only: False leaves the last reduce in flight
+        # root only: the caller finishes backward with finalize_backward (torch 2.15's
+        # set_manual_backward_finalization); supersedes is_last_backward
+        self.manual_backward_finalization = False
         # Explicit prefetch (set_modules_to_*_prefetch); None means implicit: next group
         self.forward_prefetch: list[UnitState] | None = None
         self.backward_prefetch: list[UnitState] | None = None
@@ -139,6 +142,7 @@ class RootState:
         self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
         self.in_backward = False
         self.pending_reduce: PendingReduce | None = None
+        self.reduction_handle = None  # finalize_backward(async_op=True)'s, until waited
 
     # -- orders -------------------------------------------------------------------------
     def record_pre_forward(self, unit: UnitState) -> None:
@@ -179,6 +183,9 @@ class RootState:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is not None:
             pending.discard()
+        if self.reduction_handle is not None:  # finalize_backward(async_op=True)'s
+            self.reduction_handle.invalidate()
+            self.reduction_handle = None
         self.copies.settle()
         for group in self.members:
             group.reshard()

@@ -76,16 +76,18 @@ def check_subclass_param(label: str, fqn: str, p: torch.Tensor) -> None:
 
 
 def check_subclass_unit(label: str, fqn: str, *, post_forward: bool,
-                        tensor_parallel: bool, mesh_ndim: int) -> None:
-    """The features the subclass path does not implement (Note [tensor-subclass parameters])."""
+                        tensor_parallel: bool, mesh_ndim: int,
+                        how: str = "gathers through its tensor subclass (fsdp_pre_all_gather)"
+                        ) -> None:
+    """The features the side gather does not implement (Note [tensor-subclass
+    parameters]); ``how`` says why the parameter takes it."""
     what = ("reshard_after_forward=N" if post_forward
             else "tensor parallelism" if tensor_parallel
             else "a 2-D (hybrid sharding) mesh" if mesh_ndim != 1 else None)
     if what is not None:
         raise NotImplementedError(
-            f"fully_shard({label}): parameter '{fqn}' gathers through its tensor subclass "
-            f"(fsdp_pre_all_gather), which fullshard does not combine with {what}; shard "
-            "this unit without it.")
+            f"fully_shard({label}): parameter '{fqn}' {how}, which fullshard does not "
+            f"combine with {what}; shard this unit without it.")
 
 
 class SubclassShard:
@@ -196,6 +198,36 @@ class SubclassShard:
     def gathered_bytes(self) -> int:
         """Bytes the gathered outputs hold now (zero while sharded)."""
         return sum(t.untyped_storage().nbytes() for t in self.outputs)
+
+
+class KeptDtypeShard(SubclassShard):
+    """A plain parameter that ``param_dtype_override_fn`` keeps in its own dtype while
+    the rest of its unit computes in ``param_dtype``: it gathers beside the unit's flat
+    buffer, in that dtype, through this side path (no hooks of its own: its padded
+    shard goes out as it is and the unsharded parameter views the gathered rows)."""
+
+    def __init__(self, fqn: str, module: nn.Module, full: torch.Tensor):
+        super().__init__(fqn, module, full)
+        self._padded: torch.Tensor | None = None
+
+    def gather_inputs(self, local: torch.Tensor, mesh, mp_policy) -> list[torch.Tensor]:
+        if local.size(0) == self.padded_size[0]:
+            padded = local
+        else:  # a short shard goes out padded, as every rank's must have one size
+            if self._padded is None or self._padded.device != local.device:
+                self._padded = local.new_zeros(self.padded_size)
+            self._padded.narrow(0, 0, local.size(0)).copy_(local)
+            padded = self._padded
+        self.input_sizes = [padded.size()]
+        return [padded.contiguous().view(-1)]
+
+    def rebuild(self, local: torch.Tensor, param_dtype: torch.dtype | None,
+                requires_grad: bool) -> nn.Parameter:
+        if self.unsharded is None:
+            rows = self.outputs[0].view(-1, *self.input_sizes[0][1:])
+            value = rows.narrow(0, 0, self.outer_size[0]).view(self.outer_size)
+            self.unsharded = nn.Parameter(value, requires_grad=requires_grad)
+        return self.unsharded
 
 
 def subclass_bytes(t: torch.Tensor) -> int:

@@ -167,7 +167,10 @@ def _unit_mp_policy(mixed: MixedPrecision | None, is_root: bool,
         return MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=mixed.param_dtype,
                                     cast_forward_inputs=True)
     cast = mixed.cast_forward_inputs or (is_root and mixed.cast_root_forward_inputs)
-    return MixedPrecisionPolicy(param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype,
+    # FSDP1 reduces in param_dtype when reduce_dtype is None, on every torch (FSDP2's
+    # default moved in 2.15: Note [torch versions]), so it is passed explicitly
+    return MixedPrecisionPolicy(param_dtype=mixed.param_dtype,
+                                reduce_dtype=mixed.reduce_dtype or mixed.param_dtype,
                                 cast_forward_inputs=cast)
 
 

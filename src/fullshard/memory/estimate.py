@@ -108,7 +108,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
     units = find_units(model)
     param_dtype = next(model.parameters()).dtype
     compute_dtype = policy.param_dtype or param_dtype
-    reduce_dtype = policy.reduce_dtype or compute_dtype
+    reduce_dtype = policy.reduce_dtype_for(param_dtype) or compute_dtype  # Note [torch versions]
     model.to(compute_dtype)  # the trace computes in the dtype fullshard gathers in
     if policy.output_dtype is not None:
         model.register_forward_hook(lambda _m, _a, out: out.to(policy.output_dtype)
@@ -169,6 +169,6 @@ def _strategy_name(strategy: str, reshard_after_forward: bool | int | None) -> s
 def _dtype_name(policy: MixedPrecisionPolicy, param_dtype: torch.dtype) -> str:
     if policy.param_dtype is None:
         return str(param_dtype).removeprefix("torch.")
-    reduce = policy.reduce_dtype or policy.param_dtype
+    reduce = policy.reduce_dtype_for(param_dtype) or policy.param_dtype
     return (f"{str(policy.param_dtype).removeprefix('torch.')} compute, "
             f"{str(reduce).removeprefix('torch.')} reduce")
