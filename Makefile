@@ -39,7 +39,7 @@ test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak"
 
 # 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
-# without faults (~25 minutes on 2 cores): tests/test_soak_restarts.py.
+# without faults (48 minutes on 2 cores): tests/test_soak_restarts.py.
 soak: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_soak_restarts.py -m soak
 

@@ -1,5 +1,5 @@
 """A long run that loses a worker every ~300 steps still ends exactly where an
-uninterrupted run ends (``make soak``; ~25 minutes on 2 cores, so not in ``make test``).
+uninterrupted run ends (``make soak``; 48 minutes on 2 cores, so not in ``make test``).
 
 2,000 steps of the default preset, a checkpoint every 50, and a worker chosen at random
 killed (SIGKILL) at a random step every 250-350 steps under ``--max-restarts``: torchrun
