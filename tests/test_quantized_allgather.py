@@ -179,8 +179,11 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 # -- counting the bytes the all-gathers move ------------------------------------------
 @contextlib.contextmanager
 def gathered_bytes(counts: Counter):
-    """Sum the bytes every all-gather delivers to this rank, fullshard's and torch's."""
-    ours, theirs = collectives._all_gather_flat, dist.all_gather_single
+    """Sum the bytes every all-gather delivers to this rank, fullshard's and torch's
+    (torch's FSDP2 calls all_gather_single from 2.13, all_gather_into_tensor before)."""
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") \
+        else "all_gather_into_tensor"
+    ours, theirs = collectives._all_gather_flat, getattr(dist, name)
 
     def counting(real, key):
         def gather(output, input, *args, **kwargs):
@@ -189,11 +192,12 @@ def gathered_bytes(counts: Counter):
         return gather
 
     collectives._all_gather_flat = counting(ours, "fullshard")
-    dist.all_gather_single = counting(theirs, "torch")
+    setattr(dist, name, counting(theirs, "torch"))
     try:
         yield counts
     finally:
-        collectives._all_gather_flat, dist.all_gather_single = ours, theirs
+        collectives._all_gather_flat = ours
+        setattr(dist, name, theirs)
 
 
 def shard(model: nn.Module, fully_shard, **kwargs) -> nn.Module:

@@ -25,8 +25,10 @@ def token_batch(step: int, n: int, vocab_size: int, seq_len: int
 
 
 def mse_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The loss in the targets' dtype (as torch promotes it; torch 2.11's backward of
+    ``mse_loss`` fails when the output's dtype differs from the targets')."""
     x, y = batch
-    return F.mse_loss(model(x), y)
+    return F.mse_loss(model(x).to(y.dtype), y)
 
 
 class OddMLP(nn.Module):
