@@ -38,13 +38,21 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
         apply_activation_checkpointing(model, lambda m: m in set(model.layers))
     model.to_empty(device="cpu")
     model.init_weights()
+    return tracked_steps(model, tracker, cfg.vocab_size, batch, SEQ,
+                         lambda tokens: lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1)))
+
+
+def tracked_steps(model, tracker: MemoryTracker, vocab_size: int, batch: int, seq: int,
+                  loss_of) -> dict:
+    """Two AdamW steps over what trains, each phase under ``tracker``: the second
+    step's report."""
     tracker.watch(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):
-        tokens = torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=gen)
+        tokens = torch.randint(0, vocab_size, (batch, seq), generator=gen)
         with tracker.phase("forward"):
-            loss = lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1))
+            loss = loss_of(tokens)
         with tracker.phase("backward"):
             loss.backward()
         with tracker.phase("optimizer"):

@@ -10,12 +10,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
 
-from ..memory.estimate import OPTIMIZER_STATES, STRATEGIES, estimate
+from ..memory.estimate import (OPTIMIZER_STATES, STRATEGIES, estimate, estimate_traced,
+                               trace_workload)
 from ..memory.plan import plan
+from ..memory.weights import QUANTIZE
 from ..memory.zero_table import format_zero_table
 from ..train.bounds import Bounds, flag_type
 from ..train.config import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
@@ -32,6 +35,7 @@ PARAMS = flag_type(float, Bounds(1, 1e15))
 BASELINE_MIB = flag_type(float, Bounds(0, 2 ** 30))  # up to a PiB
 BUDGET_GIB = flag_type(float, Bounds(0.001, 2 ** 20))  # about 1 MiB to 1 PiB
 MARGIN = flag_type(float, Bounds(0, 10))
+LORA_RANK = flag_type(int, Bounds(0, 2 ** 16))
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +54,12 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda: figures compare with max_memory_allocated; cpu: with "
                         "peak RSS (gloo buffers, this process's RSS as the baseline)")
+    parser.add_argument("--quantize", choices=list(QUANTIZE), help="the blocks' linear "
+                        "weights in nf4 (frozen, torchao NF4; needs --lora-rank: QLoRA) or "
+                        "float8 (trained, gathered in float8: torchao Float8Linear)")
+    parser.add_argument("--lora-rank", type=LORA_RANK, default=0, help="LoRA adapters of "
+                        "this rank on the blocks' linear layers, every other weight frozen "
+                        "(fullshard train --lora.rank)")
     parser.add_argument("--baseline-mib", type=BASELINE_MIB, help="process baseline to add "
                         "(default: 0 on cuda, this process's RSS on cpu)")
 
@@ -80,7 +90,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
               "mp_policy": DTYPES[pick["dtype"]], "optimizer": args.optimizer,
               "device": args.device, "activation_checkpointing": pick["ac"],
               "process_baseline": None if args.baseline_mib is None
-              else int(args.baseline_mib * 2 ** 20)}
+              else int(args.baseline_mib * 2 ** 20),
+              "quantize": args.quantize, "lora_rank": args.lora_rank}
     return source, kwargs, pick
 
 
@@ -123,15 +134,26 @@ def estimate_main(argv: list[str]) -> int:
 
 
 def _sweep(source: Any, max_world: int, kwargs: dict[str, Any]) -> str:
+    """Peak per rank for world sizes 1, 2, 4, ... and each strategy, from one trace."""
     sizes, n = [], 1
     while n < max_world:
         sizes.append(n)
         n *= 2
     sizes.append(max_world)
+    trace_keys = ("mp_policy", "activation_checkpointing", "batch_size", "seq_len",
+                  "quantize", "lora_rank")
+    step = trace_workload(source, **{k: kwargs[k] for k in trace_keys})
+    replay = {k: v for k, v in kwargs.items() if k not in trace_keys}
     rows = [f"{'world size':>10}  " + "  ".join(f"{s:>14}" for s in STRATEGIES)]
     for ws in sizes:
-        cells = [estimate(source, world_size=ws, strategy=s, **kwargs).total for s in STRATEGIES]
-        rows.append(f"{ws:>10}  " + "  ".join(f"{c / 2**20:>10,.0f} MiB" for c in cells))
+        cells = []
+        for s in STRATEGIES:
+            if s == "no_shard" and ws > 1 and kwargs["quantize"]:
+                cells.append(f"{'-':>14}")  # quantized weights do not run on its 2-D mesh
+                continue
+            total = estimate_traced(step, world_size=ws, strategy=s, **replay).total
+            cells.append(f"{total / 2**20:>10,.0f} MiB")
+        rows.append(f"{ws:>10}  " + "  ".join(cells))
     return "peak per rank (MiB)\n" + "\n".join(rows)
 
 
@@ -145,7 +167,7 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=MARGIN, default=0.10,
                         help="headroom over the estimate (default 0.10)")
     parser.add_argument("--allow-offload", action="store_true",
-                        help="consider CPU offload (the trainer has no flag for it)")
+                        help="consider CPU offload (fullshard train --parallel.offload)")
     return parser
 
 
@@ -167,9 +189,13 @@ def plan_main(argv: list[str]) -> int:
     print()
     print(result.estimate.table())
     print()
-    if result.choice.offload:
-        print("offload has no `fullshard train` flag: pass offload_policy=CPUOffloadPolicy() "
-              "to fully_shard in your own loop")
-    preset = f"--preset {args.preset} " if args.preset else ""
-    print(f"fullshard train {preset}" + result.train_flags(pick["dtype"]))
+    if args.quantize == "float8":
+        print("float8 has no `fullshard train` flag: convert the model with torchao's "
+              "convert_to_float8_training(..., enable_fsdp_float8_all_gather=True) in your "
+              "own loop")
+    folder = args.hf_config and (args.hf_config if os.path.isdir(args.hf_config)
+                                 else os.path.dirname(args.hf_config) or ".")
+    model = f"--model hf:{folder} " if args.hf_config \
+        else f"--preset {args.preset} " if args.preset else ""
+    print(f"fullshard train {model}" + result.train_flags(pick["dtype"]))
     return 0

@@ -44,3 +44,21 @@ def tune_cpu_allocator(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold_bytes))
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``), anywhere
+    in the heap, not only at its top. Worth a call once after building a model on the
+    CPU and sharding it: the whole model's tensors below the mmap threshold were served
+    from the heap, and once the shards replace them their pages would otherwise stay
+    resident for the rest of the run. Returns whether anything was released (False
+    where the C library is not glibc)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

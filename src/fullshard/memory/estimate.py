@@ -12,16 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.buffers import DEFAULT_MAX_NUMEL
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..policies import MixedPrecisionPolicy
-from .activations import trace_step
+from .activations import StepTrace, trace_step
 from .models import LossOf, workload_for
 from .process import current_rss_bytes
 from .replay import CATEGORIES, Replay, RunSettings
 from .units import find_units, layout_groups
+from .weights import WeightBytes, adapt_weights, check_weights
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 # State tensors torch's optimizers keep per parameter (SGD: with momentum).
@@ -39,6 +41,7 @@ class MemoryEstimate:
     phase_peaks: dict[str, int]       # each phase's peak, baseline included
     host_bytes: int                   # offloaded shards, gradients, states (not on device)
     num_params: int
+    trainable_params: int
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -52,7 +55,10 @@ class MemoryEstimate:
                 f"{s['world_size']}, {s['strategy']}, {s['dtype']}, batch {s['batch_size']} x "
                 f"{s['seq_len']}, {s['optimizer']}"
                 + (", activation checkpointing" if s["activation_checkpointing"] else "")
-                + (", offload" if s["offload"] else "") + f", {s['device']}")
+                + (", offload" if s["offload"] else "")
+                + (f", {s['quantize']} weights" if s.get("quantize") else "")
+                + (f", LoRA rank {s['lora_rank']} ({self.trainable_params / 1e6:,.1f}M "
+                   "trainable)" if s.get("lora_rank") else "") + f", {s['device']}")
         rows = [(name, nbytes) for name, nbytes in self.lines.items()]
         rows.append((f"peak per rank (in {self.peak_phase})", self.total))
         width = max(len(n) for n, _ in rows)
@@ -70,8 +76,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
              offload: bool = False, activation_checkpointing: bool = False,
              batch_size: int = 1, seq_len: int | None = None, optimizer: str = "adamw",
              device: str = "cuda", bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-             process_baseline: int | None = None, loss_of: LossOf | None = None
-             ) -> MemoryEstimate:
+             process_baseline: int | None = None, loss_of: LossOf | None = None,
+             quantize: str | None = None, lora_rank: int = 0) -> MemoryEstimate:
     """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
 
     Args:
@@ -94,38 +100,90 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         process_baseline: bytes the process holds before the model exists; default 0 on
             cuda, this process's RSS on cpu.
         loss_of: fn(model, batch, seq) -> loss, for modules that are not GPT or HF LMs.
+        quantize: the linear layers of the blocks as ``nf4`` (torchao NF4, frozen: needs
+            ``lora_rank``, QLoRA) or ``float8`` (trained, gathered in float8: torchao's
+            Float8Linear with enable_fsdp_float8_all_gather). Note [quantized weights in
+            the estimate] in memory/weights.py.
+        lora_rank: LoRA adapters of this rank beside every linear layer of the blocks,
+            every other weight frozen (``fullshard train --lora.rank``); 0: none.
     """
+    _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank)
+    step = trace_workload(model_or_config, mp_policy=mp_policy,
+                          activation_checkpointing=activation_checkpointing,
+                          batch_size=batch_size, seq_len=seq_len, loss_of=loss_of,
+                          quantize=quantize, lora_rank=lora_rank)
+    return estimate_traced(step, world_size=world_size, strategy=strategy,
+                           reshard_after_forward=reshard_after_forward, offload=offload,
+                           optimizer=optimizer, device=device, bucket_numel=bucket_numel,
+                           process_baseline=process_baseline)
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One micro-batch's step traced on the meta device: what ``estimate`` replays for
+    each strategy (the trace does not depend on the strategy, offload or world size)."""
+
+    name: str
+    model: nn.Module
+    units: list[nn.Module]
+    subclass: dict[int, WeightBytes]  # tensor-subclass parameters' bytes, by id
+    trace: StepTrace
+    policy: MixedPrecisionPolicy
+    param_dtype: torch.dtype
+    batch_size: int
+    seq_len: int
+    activation_checkpointing: bool
+    quantize: str | None
+    lora_rank: int
+
+
+def trace_workload(model_or_config: Any, *, mp_policy: MixedPrecisionPolicy | torch.dtype
+                   | None = None, activation_checkpointing: bool = False, batch_size: int = 1,
+                   seq_len: int | None = None, loss_of: LossOf | None = None,
+                   quantize: str | None = None, lora_rank: int = 0) -> TracedStep:
+    """Build the model on the meta device as configured and trace one step of it."""
+    check_weights(quantize, lora_rank, "full_shard", None, 1)
     workload = workload_for(model_or_config, loss_of)
     seq = workload.seq_len_or(seq_len)
-    raf = _reshard_rule(strategy, reshard_after_forward, world_size)
-    shard_size = 1 if strategy == "no_shard" and reshard_after_forward is None else world_size
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"estimate: optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
     policy = MixedPrecisionPolicy(param_dtype=mp_policy, reduce_dtype=torch.float32) \
         if isinstance(mp_policy, torch.dtype) else (mp_policy or MixedPrecisionPolicy())
-
     model = workload.build()
     units = find_units(model)
     param_dtype = next(model.parameters()).dtype
-    compute_dtype = policy.param_dtype or param_dtype
-    reduce_dtype = policy.reduce_dtype_for(param_dtype) or compute_dtype  # Note [torch versions]
-    model.to(compute_dtype)  # the trace computes in the dtype fullshard gathers in
+    subclass = adapt_weights(model, units, quantize, lora_rank)
+    model.to(policy.param_dtype or param_dtype)  # the trace computes in the gathered dtype
     if policy.output_dtype is not None:
         model.register_forward_hook(lambda _m, _a, out: out.to(policy.output_dtype)
                                     if isinstance(out, torch.Tensor) else out)
     if activation_checkpointing:
         checkpointed = {id(u) for u in units[:-1]}
         apply_activation_checkpointing(model, lambda m: id(m) in checkpointed)
-    groups = layout_groups(units, shard_size, raf, bucket_numel)
     trace = trace_step(model, units, lambda m: workload.loss_of(m, batch_size, seq))
+    return TracedStep(workload.name, model, units, subclass, trace, policy, param_dtype,
+                      batch_size, seq, activation_checkpointing, quantize, lora_rank)
 
+
+def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_shard",
+                    reshard_after_forward: bool | int | None = None, offload: bool = False,
+                    optimizer: str = "adamw", device: str = "cuda",
+                    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                    process_baseline: int | None = None) -> MemoryEstimate:
+    """``estimate`` of a traced step: fullshard's schedule replayed over it."""
+    _check_run(strategy, reshard_after_forward, world_size, optimizer, step.quantize,
+               step.lora_rank)
+    raf = _reshard_rule(strategy, reshard_after_forward, world_size)
+    shard_size = 1 if strategy == "no_shard" and reshard_after_forward is None else world_size
+    policy, param_dtype, model = step.policy, step.param_dtype, step.model
+    compute_dtype = policy.param_dtype or param_dtype
+    reduce_dtype = policy.reduce_dtype_for(param_dtype) or compute_dtype  # Note [torch versions]
+    groups = layout_groups(step.units, shard_size, raf, bucket_numel, step.subclass)
     settings = RunSettings(
         param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu")
-    replay = Replay(groups, trace, settings, [type(u).__name__ for u in units])
+    replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
     peaks = replay.run()
     if process_baseline is None:
         process_baseline = current_rss_bytes() if device == "cpu" else 0
@@ -136,11 +194,22 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         lines=lines, peak_phase=phase,
         phase_peaks={p: v.total + process_baseline for p, v in peaks.items()},
         host_bytes=replay.ledger.host, num_params=sum(p.numel() for p in model.parameters()),
-        settings={"model": workload.name, "world_size": world_size,
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        settings={"model": step.name, "world_size": world_size,
                   "strategy": _strategy_name(strategy, reshard_after_forward),
-                  "dtype": _dtype_name(policy, param_dtype), "batch_size": batch_size,
-                  "seq_len": seq, "optimizer": optimizer, "offload": offload,
-                  "activation_checkpointing": activation_checkpointing, "device": device})
+                  "dtype": _dtype_name(policy, param_dtype), "batch_size": step.batch_size,
+                  "seq_len": step.seq_len, "optimizer": optimizer, "offload": offload,
+                  "activation_checkpointing": step.activation_checkpointing,
+                  "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank})
+
+
+def _check_run(strategy: str, reshard_after_forward: bool | int | None, world_size: int,
+               optimizer: str, quantize: str | None, lora_rank: int) -> None:
+    """Bad input, before the (slow) trace."""
+    _reshard_rule(strategy, reshard_after_forward, world_size)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"estimate: optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
+    check_weights(quantize, lora_rank, strategy, reshard_after_forward, world_size)
 
 
 def _reshard_rule(strategy: str, reshard_after_forward: bool | int | None,

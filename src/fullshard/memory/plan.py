@@ -15,6 +15,9 @@ fits wins:
 
 "Fits" means the estimate times ``1 + margin`` is within the budget: the
 estimate's measured error is a few percent (docs/memory.md), the margin covers it.
+Quantized weights (NF4, float8) do not run on no_shard's 2-D mesh, so with them
+no_shard is considered at world size 1 only. A step is traced once per
+(checkpointing, micro-batch) and replayed for each strategy and offload choice.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .estimate import MemoryEstimate, estimate
+from .estimate import MemoryEstimate, TracedStep, estimate_traced, trace_workload
 
 STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
 CHECKPOINTING_COST = 1.33
@@ -70,8 +73,14 @@ class Plan:
         flags = [f"--parallel.strategy {c.strategy}",
                  f"--parallel.activation_checkpointing {str(c.activation_checkpointing).lower()}",
                  f"--batch.batch_size {c.micro_batch}", f"--batch.grad_accum {c.grad_accum}"]
+        if c.offload:
+            flags.append("--parallel.offload true")
         if precision:
             flags.append(f"--parallel.precision {precision}")
+        s = self.estimate.settings
+        if s.get("lora_rank"):
+            flags.append(f"--lora.rank {s['lora_rank']}")
+            flags.append(f"--lora.base {'nf4' if s.get('quantize') == 'nf4' else 'fp32'}")
         return " ".join(flags)
 
 
@@ -81,14 +90,16 @@ def _describe(c: Candidate) -> str:
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
 
 
-def candidates(batch_size: int, allow_offload: bool) -> list[Candidate]:
+def candidates(batch_size: int, allow_offload: bool,
+               strategies: tuple[str, ...] = tuple(STRATEGY_COST)) -> list[Candidate]:
     """Every configuration considered, cheapest first (Note [how plans are ranked])."""
     micro_batches, mb = [], batch_size
     while mb >= 1:
         micro_batches.append(mb)
         mb //= 2
     out = []
-    for strategy, base in STRATEGY_COST.items():
+    for strategy in strategies:
+        base = STRATEGY_COST[strategy]
         for ac in (False, True):
             for offload in ((False, True) if allow_offload else (False,)):
                 if offload and strategy != "full_shard":
@@ -108,17 +119,21 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
 
     ``batch_size`` is the per-rank batch wanted per optimizer step; smaller micro-batches
     reach it by gradient accumulation. Other keywords go to ``estimate``."""
+    trace_keys = ("mp_policy", "loss_of", "quantize", "lora_rank")
+    trace_kwargs = {k: v for k, v in estimate_kwargs.items() if k in trace_keys}
+    replay_kwargs = {k: v for k, v in estimate_kwargs.items() if k not in trace_keys}
+    strategies = tuple(s for s in STRATEGY_COST if not (
+        s == "no_shard" and world_size > 1 and trace_kwargs.get("quantize")))
     rejected: list[tuple[Candidate, int]] = []
-    cache: dict[tuple, MemoryEstimate] = {}
-    for cand in candidates(batch_size, allow_offload):
-        key = (cand.strategy, cand.activation_checkpointing, cand.offload, cand.micro_batch)
-        if key not in cache:
-            cache[key] = estimate(model_or_config, world_size=world_size,
-                                  strategy=cand.strategy,
-                                  activation_checkpointing=cand.activation_checkpointing,
-                                  offload=cand.offload, batch_size=cand.micro_batch,
-                                  seq_len=seq_len, **estimate_kwargs)
-        est = cache[key]
+    traces: dict[tuple[bool, int], TracedStep] = {}
+    for cand in candidates(batch_size, allow_offload, strategies):
+        key = (cand.activation_checkpointing, cand.micro_batch)
+        if key not in traces:
+            traces[key] = trace_workload(
+                model_or_config, activation_checkpointing=cand.activation_checkpointing,
+                batch_size=cand.micro_batch, seq_len=seq_len, **trace_kwargs)
+        est = estimate_traced(traces[key], world_size=world_size, strategy=cand.strategy,
+                              offload=cand.offload, **replay_kwargs)
         if est.total * (1 + margin) <= budget_bytes:
             return Plan(cand, est, budget_bytes, rejected)
         rejected.append((cand, est.total))

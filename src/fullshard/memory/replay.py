@@ -19,6 +19,9 @@ what a unit keeps after forward (``frees_after_forward``; the hpZ subgroup from
 ``after_forward_rule``), when a group's backward is done (``backward_is_done``),
 what a gather and a reduction allocate (``gather_plan``, ``reduce_plan``), which
 buffers the pool keeps and which groups keep persistent gradients (``FreeLists``).
+Tensor-subclass parameters (quantized weights) are gathered as core/subclass_params.py
+does, beside the flat buffer: a byte send buffer and a receive buffer from the pool,
+copied out into each parameter's own outputs, which the unsharded parameter views.
 What is written here is the byte accounting and the order of the actions at each
 moment, which follows hooks.py; tests/test_schedule_drift.py checks that order
 against the runtime's. The largest total seen, with the activations alive at that
@@ -132,6 +135,7 @@ class _Group:
     index: int
     state: str = "sharded"     # sharded | gathering | unsharded | post_forward
     gather: tuple | None = None
+    side_gather: tuple | None = None  # tensor-subclass parameters: (send, receive)
     grads_seen: int = 0
     inputs_pending: int = 0
     persistent_grads: bool = False
@@ -172,7 +176,8 @@ class Replay:
     def _allocate_model_states(self) -> None:
         s = self.settings
         for g in self.groups:
-            shard = g.layout.shard_numel * s.param_dtype.itemsize
+            shard = g.layout.shard_numel * s.param_dtype.itemsize \
+                + round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))
             self.ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
             trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
             self.ledger.alloc(("states", g.index), OPTIMIZER,
@@ -358,12 +363,23 @@ class Replay:
             return
         if group.state != "sharded":
             return
+        if layout.subclass:  # Note [tensor-subclass parameters]
+            n = layout.subclass_send_bytes
+            if s.offload:  # the inputs are copied from the host shard first
+                self.ledger.alloc(("inputs", group.index), COMMUNICATION, n)
+            group.side_gather = (self.pool.take(n, torch.uint8),
+                                 self.pool.take(layout.shard_size * n, torch.uint8))
+            if not layout.flat:
+                group.gather = None
+                group.state = "gathering"
+                return
         plan = self._gather_plan(group)
         if not plan.gathered:  # Note [shard groups of one rank]: no collective
             if plan.unsharded:  # otherwise the parameters are views of the shard
                 self.ledger.alloc(("unsharded", group.index), UNSHARDED,
                                   self._unsharded_bytes(group))
-            group.state = "unsharded"
+            group.gather = None  # the subclass gather, if any, is still to finish
+            group.state = "gathering" if group.side_gather is not None else "unsharded"
             return
         sends = [self.pool.take(layout.shard_numel, s.compute_dtype)] if plan.send else []
         out = self.pool.take(layout.unsharded_numel, s.compute_dtype)
@@ -373,7 +389,14 @@ class Replay:
     def _wait(self, group: _Group) -> None:
         if group.state != "gathering":
             return
-        if group.gather == ("chunk", group.index):
+        if group.side_gather is not None:
+            self.ledger.alloc(("side", group.index), UNSHARDED,
+                              group.layout.shard_size * group.layout.subclass_send_bytes)
+            self._sample()  # copy-out: received and outputs both alive
+            self._give_side_gather(group)
+        if group.gather is None:
+            pass
+        elif group.gather == ("chunk", group.index):
             self._sample()
             self.ledger.free(("chunk", group.index))
         else:
@@ -385,6 +408,14 @@ class Replay:
             self.pool.give(out)
         group.gather = None
         group.state = "unsharded"
+
+    def _give_side_gather(self, group: _Group) -> None:
+        send, received = group.side_gather
+        self.pool.give(send)
+        self.pool.give(received)
+        group.side_gather = None
+        if self.ledger.holds(("inputs", group.index)):
+            self.ledger.free(("inputs", group.index))
 
     def _prefetch(self, group: _Group | None) -> None:
         if group is not None and group.state == "sharded" and group.index not in self._reduced:
@@ -407,7 +438,11 @@ class Replay:
         if group.state == "post_forward":
             self.ledger.free(("chunk", group.index))
         elif group.state == "gathering":  # never drop a buffer under a live collective
-            if group.gather == ("chunk", group.index):
+            if group.side_gather is not None:
+                self._give_side_gather(group)
+            if group.gather is None:
+                pass
+            elif group.gather == ("chunk", group.index):
                 self.ledger.free(("chunk", group.index))
             else:
                 out, sends = group.gather
@@ -415,8 +450,9 @@ class Replay:
                 for send in sends:
                     self.pool.give(send)
             group.gather = None
-        if self.ledger.holds(("unsharded", group.index)):
-            self.ledger.free(("unsharded", group.index))
+        for key in (("unsharded", group.index), ("side", group.index)):
+            if self.ledger.holds(key):
+                self.ledger.free(key)
         group.state = "sharded"
 
     # -- optimizer --------------------------------------------------------------------

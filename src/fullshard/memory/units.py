@@ -7,7 +7,9 @@ collects each unit's parameters the way ``fully_shard`` does (those of the modul
 not managed by a unit below it, tied parameters once), pads them into dim-0 shards
 as ``ShardLayout`` does, and merges small adjacent units as the root does at its
 first forward, with the same rule (core/schedule.py ``plan_runs`` and
-``joins_bucket``; Note [buckets: units share a group] in core/buckets.py).
+``joins_bucket``; Note [buckets: units share a group] in core/buckets.py). Tensor-subclass
+parameters (quantized weights: memory/weights.py) stay out of the flat buffers and their
+units out of buckets, as at run time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn as nn
 from ..core.schedule import (AfterForward, after_forward_rule, joins_bucket, plan_runs,
                              reduce_numel)
 from ..wrap import ModuleWrapPolicy, apply_wrap_policy, repeated_block_classes
+from .weights import WeightBytes
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class ParamShape:
     numel: int
     rows: int         # dim-0 size, the dimension fullshard shards
     trainable: bool
+    subclass: WeightBytes | None = None  # a tensor-subclass parameter's bytes per element
 
     def shard_numel(self, shard_size: int) -> int:
         """Elements of this rank's padded dim-0 shard (Note [padded dim-0 shards])."""
@@ -48,13 +52,35 @@ class GroupLayout:
     after_forward: AfterForward     # its first unit's rule, as fully_shard keeps it
 
     @property
+    def flat(self) -> tuple[ParamShape, ...]:
+        """The parameters in the flat buffers (all but tensor-subclass ones)."""
+        return tuple(p for p in self.params if p.subclass is None)
+
+    @property
+    def subclass(self) -> tuple[ParamShape, ...]:
+        return tuple(p for p in self.params if p.subclass is not None)
+
+    @property
     def shard_numel(self) -> int:
-        return sum(p.shard_numel(self.shard_size) for p in self.params)
+        """Elements of this rank's flat shard."""
+        return sum(p.shard_numel(self.shard_size) for p in self.flat)
 
     @property
     def unsharded_numel(self) -> int:
         """Size of the gathered flat buffer (padded rows included)."""
         return self.shard_size * self.shard_numel
+
+    def subclass_shard_bytes(self, param_dtype_bytes: int) -> float:
+        """Bytes of this rank's tensor-subclass shards."""
+        return sum(p.shard_numel(self.shard_size) * (p.subclass.shard or param_dtype_bytes)
+                   for p in self.subclass)
+
+    @property
+    def subclass_send_bytes(self) -> int:
+        """Bytes this rank sends in the tensor-subclass all-gather (its padded shards'
+        all-gather inputs); the gathered ones are ``shard_size`` times as many."""
+        return math.ceil(sum(p.shard_numel(self.shard_size) * p.subclass.gathered
+                             for p in self.subclass))
 
     @property
     def trainable(self) -> tuple[ParamShape, ...]:
@@ -100,22 +126,31 @@ def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
 
 
 def layout_groups(units: list[nn.Module], shard_size: int,
-                  reshard_after_forward: bool | int, bucket_numel: int) -> list[GroupLayout]:
+                  reshard_after_forward: bool | int, bucket_numel: int,
+                  subclass: dict[int, WeightBytes] | None = None) -> list[GroupLayout]:
     """Groups in module order (root first), small adjacent units merged as fullshard does.
     ``reshard_after_forward`` is fully_shard's argument for every unit but the root,
-    which gets ``None`` (as from ``auto_wrap``)."""
+    which gets ``None`` (as from ``auto_wrap``); ``subclass`` gives the bytes of the
+    tensor-subclass parameters, by ``id``."""
+    subclass = subclass or {}
     params = unit_params(units)
     order = sorted(range(len(units)), key=_module_order(units))
     root = len(units) - 1
-    shapes = [tuple(ParamShape(id(p), p.numel(), p.shape[0] if p.dim() else 1, p.requires_grad)
+    shapes = [tuple(ParamShape(id(p), p.numel(), p.shape[0] if p.dim() else 1, p.requires_grad,
+                               subclass.get(id(p)))
                     for p in params[i]) for i in range(len(units))]
     singles = [GroupLayout(type(units[i]).__name__, (i,), shapes[i], shard_size, i == root,
                            after_forward_rule(None if i == root else reshard_after_forward,
                                               shard_size))
                for i in order if shapes[i]]
-    runs = plan_runs(singles, lambda g: g.unsharded_numel,
+    # Units with tensor-subclass parameters keep their own group (core/buckets.py).
+    mergeable = [g for g in singles if not g.subclass]
+    runs = plan_runs(mergeable, lambda g: g.unsharded_numel,
                      lambda first, g: joins_bucket(first.after_forward, first.is_root,
                                                    g.after_forward), bucket_numel)
+    runs += [[g] for g in singles if g.subclass]
+    position = {g.units[0]: n for n, g in enumerate(singles)}
+    runs.sort(key=lambda run: position[run[0].units[0]])
     return [run[0] if len(run) == 1 else _merged(run) for run in runs]
 
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..gpt import lm_loss
 from ..memory import tune_cpu_allocator
+from ..memory.allocator import release_free_heap
 from . import checkpoints
 from .config import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
@@ -69,6 +70,8 @@ class Trainer:
         self.workload: Workload = build_workload(cfg, worker.rank, worker.world)
         mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
         self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
+        if worker.device.type == "cpu":  # the whole model built here (LoRA) is shards now:
+            release_free_heap()          # its heap pages go back (memory/allocator.py)
         if self.workload.initial_state is not None:
             receive_initial_weights(self.model, self.workload.initial_state, worker.device)
         self.workload.initial_state = {}

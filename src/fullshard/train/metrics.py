@@ -145,7 +145,9 @@ def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
                           offload=parallel.offload, batch_size=cfg.batch.batch_size,
                           seq_len=cfg.batch.seq_len,
                           optimizer="adamw", device=device.type,
-                          process_baseline=baseline_bytes)
+                          process_baseline=baseline_bytes, lora_rank=cfg.lora.rank,
+                          quantize="nf4" if cfg.lora.rank and cfg.lora.base == "nf4"
+                          else None)
     except Exception:  # noqa: BLE001 - a Hugging Face architecture the trace cannot run
         if not cfg.is_hf:  # the GPT is always estimable: a failure there is a bug
             raise
