@@ -150,7 +150,7 @@ def test_a_toml_file_and_the_same_flags_give_one_config_that_round_trips(tmp_pat
     ("[optim]\nlr = true\n", "optim.lr: expected a number, got 'true'"),
     ("[batch]\nbatch_size = 2.5\n", "batch.batch_size: expected an int, got '2.5'"),
     ("[parallel]\nstrategy = \"zero3\"\n", "parallel.strategy: accepted values are "
-                                           "full_shard, shard_grad_op, hybrid_shard, no_shard; "
+                                           "full_shard, shard_grad_op, zero1, hybrid_shard, no_shard; "
                                            "got 'zero3'"),
     ("[optimizer]\nlr = 1\n", "unknown section [optimizer] (sections: gpt, batch, optim, "
                               "parallel, eval, checkpoint, metrics, lora)"),

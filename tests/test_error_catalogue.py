@@ -394,6 +394,8 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         "E53": _message(lambda: parse_size("big")),
         "E54": _message(lambda: export_hf(run, os.path.join(tmp, "hf"), 10**9)),
         "E112": _message(lambda: resolve("--lora.rank", "4")),
+        "E135": _message(lambda: resolve("--parallel.strategy", "zero1",
+                                         "--parallel.reshard-after-forward", "true")),
         "E115": _message(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),
         "E113": _message(lambda: export_adapters(run, os.path.join(tmp, "adapters"))),
         "E114": _message(lambda: export_command(argparse.Namespace(

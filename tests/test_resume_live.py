@@ -46,6 +46,8 @@ def _build(setting: str, world: int):
                                                    reduce_dtype=torch.float32)
     elif setting == "reshard_after_forward_false":
         layer_kwargs["reshard_after_forward"] = False
+    elif setting == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
+        layer_kwargs["reshard_after_forward"] = False
     elif setting == "reshard_after_forward_2":
         layer_kwargs["reshard_after_forward"] = 2
     elif setting == "hybrid_shard":
@@ -59,6 +61,8 @@ def _build(setting: str, world: int):
     fully_shard(model, **kwargs)
     if setting == "unmerged":
         model.set_bucket_numel(0)
+    if setting == "zero1":
+        model.set_keep_unsharded_storage(True)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -191,7 +195,7 @@ def _resume_live(setting: str, tmp: str, local_step: bool = True) -> None:
 
 @pytest.mark.parametrize("setting,world", [
     ("merged", 1), ("merged", 2), ("merged", 4), ("unmerged", 2), ("offload", 2),
-    ("mixed_precision", 2), ("reshard_after_forward_false", 2),
+    ("mixed_precision", 2), ("reshard_after_forward_false", 2), ("zero1", 2),
     ("reshard_after_forward_2", 4), ("hybrid_shard", 4), ("no_shard", 2)])
 def test_load_into_the_live_model_trains_on_exactly(setting, world, tmp_path):
     run_distributed(_resume_live, world, setting, str(tmp_path))

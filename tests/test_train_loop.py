@@ -39,6 +39,7 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model():
     variants = {
         "full_shard": {"batch.batch_size": 4},
         "shard_grad_op": {"batch.batch_size": 4, "parallel.strategy": "shard_grad_op"},
+        "zero1": {"batch.batch_size": 4, "parallel.strategy": "zero1"},
         "hybrid_shard": {"batch.batch_size": 4, "parallel.strategy": "hybrid_shard"},
         "no_shard": {"batch.batch_size": 4, "parallel.strategy": "no_shard"},
         "checkpointed": {"batch.batch_size": 4, "parallel.activation_checkpointing": True},

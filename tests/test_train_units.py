@@ -51,7 +51,7 @@ def test_toml_round_trip_and_overrides():
 
 @pytest.mark.parametrize("flags, message", [
     (["--parallel.strategy", "zero3"], "parallel.strategy: accepted values are full_shard, "
-                                       "shard_grad_op, hybrid_shard, no_shard; got 'zero3'"),
+                                       "shard_grad_op, zero1, hybrid_shard, no_shard; got 'zero3'"),
     (["--parallel.precision", "fp8"], "parallel.precision: accepted values are fp32, bf16, fp16"),
     (["--steps", "ten"], "steps: expected an int, got 'ten'"),
     (["--batch.batch-size", "0"], "batch.batch_size: must be in [1, 1048576], got 0"),

@@ -25,7 +25,7 @@ from .replay import CATEGORIES, Replay, RunSettings
 from .units import find_units, layout_groups
 from .weights import WeightBytes, adapt_weights, check_weights
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
+STRATEGIES = ("full_shard", "shard_grad_op", "zero1", "no_shard")
 # State tensors torch's optimizers keep per parameter (SGD: with momentum).
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                     "rmsprop": 1}
@@ -85,7 +85,10 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             path, directory, dict or PretrainedConfig), or an nn.Module on the meta device.
         world_size: ranks training together.
         strategy: ``full_shard`` (ZeRO-3), ``shard_grad_op`` (ZeRO-2: parameters stay
-            gathered from forward to backward) or ``no_shard`` (replicated, as DDP).
+            gathered from forward to backward), ``zero1`` (ZeRO-1: shard_grad_op whose
+            gathered parameters stay allocated across steps; Note [ZeRO-1 is ZeRO-2
+            keeping the gathered storage] in train/model.py) or ``no_shard`` (replicated,
+            as DDP).
         reshard_after_forward: overrides ``strategy`` with fully_shard's argument (an int N
             keeps parameters sharded N ways between forward and backward: hpZ).
         mp_policy: a MixedPrecisionPolicy, or a dtype meaning param_dtype=dtype with fp32
@@ -182,7 +185,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload,
-        replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu")
+        replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
+        keep_unsharded=strategy == "zero1" and reshard_after_forward is None)
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
     peaks = replay.run()
     if process_baseline is None:

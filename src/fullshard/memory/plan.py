@@ -15,6 +15,8 @@ fits wins:
 
 "Fits" means the estimate times ``1 + margin`` is within the budget: the
 estimate's measured error is a few percent (docs/memory.md), the margin covers it.
+zero1 is not a candidate: it moves what shard_grad_op moves and holds more (Note
+[ZeRO-1 is ZeRO-2 keeping the gathered storage]), so it never wins on either count.
 Quantized weights (NF4, float8) do not run on no_shard's 2-D mesh, so with them
 no_shard is considered at world size 1 only. A step is traced once per
 (checkpointing, micro-batch) and replayed for each strategy and offload choice.

@@ -65,6 +65,7 @@ class RunSettings:
     offload: bool               # shards, gradients, states on the host
     replicated: bool = False    # shard groups of one rank, replicas all-reduce (no_shard)
     heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
+    keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
 
     @property
     def shard_device(self) -> torch.device:
@@ -357,7 +358,7 @@ class Replay:
     def _unshard(self, group: _Group) -> None:
         s, layout = self.settings, group.layout
         if group.state == "post_forward":  # hpZ: gather the chunks straight into place
-            self.ledger.alloc(("unsharded", group.index), UNSHARDED, self._unsharded_bytes(group))
+            self._hold(("unsharded", group.index), self._unsharded_bytes(group))
             group.state = "gathering"
             group.gather = ("chunk", group.index)
             return
@@ -376,8 +377,7 @@ class Replay:
         plan = self._gather_plan(group)
         if not plan.gathered:  # Note [shard groups of one rank]: no collective
             if plan.unsharded:  # otherwise the parameters are views of the shard
-                self.ledger.alloc(("unsharded", group.index), UNSHARDED,
-                                  self._unsharded_bytes(group))
+                self._hold(("unsharded", group.index), self._unsharded_bytes(group))
             group.gather = None  # the subclass gather, if any, is still to finish
             group.state = "gathering" if group.side_gather is not None else "unsharded"
             return
@@ -390,8 +390,8 @@ class Replay:
         if group.state != "gathering":
             return
         if group.side_gather is not None:
-            self.ledger.alloc(("side", group.index), UNSHARDED,
-                              group.layout.shard_size * group.layout.subclass_send_bytes)
+            self._hold(("side", group.index),
+                       group.layout.shard_size * group.layout.subclass_send_bytes)
             self._sample()  # copy-out: received and outputs both alive
             self._give_side_gather(group)
         if group.gather is None:
@@ -403,11 +403,16 @@ class Replay:
             out, sends = group.gather
             for send in sends:
                 self.pool.give(send)
-            self.ledger.alloc(("unsharded", group.index), UNSHARDED, self._unsharded_bytes(group))
+            self._hold(("unsharded", group.index), self._unsharded_bytes(group))
             self._sample()  # copy-out: gathered and unsharded both alive
             self.pool.give(out)
         group.gather = None
         group.state = "unsharded"
+
+    def _hold(self, key: tuple, nbytes: int) -> None:
+        """Gathered parameters' storage: allocated unless kept from the last gather."""
+        if not self.ledger.holds(key):
+            self.ledger.alloc(key, UNSHARDED, nbytes)
 
     def _give_side_gather(self, group: _Group) -> None:
         send, received = group.side_gather
@@ -450,9 +455,10 @@ class Replay:
                 for send in sends:
                     self.pool.give(send)
             group.gather = None
-        for key in (("unsharded", group.index), ("side", group.index)):
-            if self.ledger.holds(key):
-                self.ledger.free(key)
+        if not self.settings.keep_unsharded:
+            for key in (("unsharded", group.index), ("side", group.index)):
+                if self.ledger.holds(key):
+                    self.ledger.free(key)
         group.state = "sharded"
 
     # -- optimizer --------------------------------------------------------------------

@@ -68,7 +68,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
     import tomli as tomllib
 
-Strategy = Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
+Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
 Precision = Literal["fp32", "bf16", "fp16"]
 STRATEGIES = typing.get_args(Strategy)
 PRECISIONS = typing.get_args(Precision)
@@ -141,7 +141,8 @@ class ParallelConfig:
 
     strategy: Strategy = "full_shard"
     """full_shard (ZeRO-3), shard_grad_op (ZeRO-2: parameters stay gathered from forward
-    to backward), hybrid_shard (shard within a replica group, replicate across groups),
+    to backward), zero1 (ZeRO-1: parameters gathered all the time, re-gathered after each
+    step; gradients and optimizer states sharded), hybrid_shard (shard within a replica group, replicate across groups),
     no_shard (every rank holds everything, gradients all-reduced: DDP)."""
     reshard_after_forward: ReshardAfterForward = None
     """Override the strategy's reshard_after_forward: true, false, or an int N dividing
@@ -284,6 +285,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if isinstance(raf, int) and not isinstance(raf, bool) and not 1 <= raf <= 2 ** 20:
         raise ConfigError(f"parallel.reshard_after_forward: accepted values are true, false, "
                           f"auto or an int in [1, {2 ** 20}], got {raf}")
+    if cfg.parallel.strategy == "zero1" and raf is not None and raf is not False:
+        raise ConfigError(f"parallel.reshard_after_forward: {raf} frees the parameters that "
+                          "parallel.strategy zero1 keeps gathered; leave it auto, or choose "
+                          "full_shard")
     return cfg
 
 

@@ -19,9 +19,26 @@ strategy       mesh                                      reshard_after_forward
 =============  ========================================  =====================
 full_shard     1-D, all ranks                            True
 shard_grad_op  1-D, all ranks                            False
+zero1          1-D, all ranks                            False, and the gathered
+                                                         storage kept across steps
 hybrid_shard   2-D (replicas, world / replicas)          True
 no_shard       2-D (world, 1): shard groups of one rank  (nothing to gather)
 =============  ========================================  =====================
+
+Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
+ZeRO-1 replicates the parameters and shards the optimizer states: gradients are
+reduce-scattered, each rank steps its shard, and the parameters are gathered again
+after the step. fullshard runs it as shard_grad_op (parameters gathered once per step,
+kept from forward to backward, gradients reduce-scattered per unit) whose gathered
+storage stays allocated across steps (``set_keep_unsharded_storage(True)``): the
+replicated parameters never leave the device and keep their addresses, and the next
+forward's all-gather writes the stepped shards straight into them. Gradients are
+sharded as soon as a unit's backward is done, as in ZeRO-2 (DeepSpeed's stage 1 keeps
+them whole until the reduction; sharding them early costs no extra communication), so
+zero1's memory is shard_grad_op's plus the gathered parameters during the optimizer
+step and between steps; its traffic is shard_grad_op's. What it is for: parameters at
+fixed addresses (CUDA graphs, compiled code that captures them) and no allocation per
+step, with the optimizer states still sharded.
 
 On a (replicate, shard) mesh fullshard shards within the shard dimension and
 all-reduces gradients across the replicate one, so shard groups of size one are plain
@@ -214,7 +231,7 @@ COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def build_mesh(parallel: ParallelConfig, device_type: str, world: int,
                ranks_per_node: int) -> DeviceMesh:
     """The device mesh ``parallel.strategy`` shards over."""
-    if parallel.strategy in ("full_shard", "shard_grad_op"):
+    if parallel.strategy in ("full_shard", "shard_grad_op", "zero1"):
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     if parallel.strategy == "no_shard":
         replicas = world
@@ -228,10 +245,10 @@ def build_mesh(parallel: ParallelConfig, device_type: str, world: int,
 
 
 def reshard_after_forward(parallel: ParallelConfig) -> bool | int:
-    """The explicit setting, else the strategy's (only shard_grad_op keeps parameters)."""
+    """The explicit setting, else the strategy's (shard_grad_op and zero1 keep parameters)."""
     if parallel.reshard_after_forward is not None:
         return parallel.reshard_after_forward
-    return parallel.strategy != "shard_grad_op"
+    return parallel.strategy not in ("shard_grad_op", "zero1")
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -251,8 +268,11 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) ->
     if parallel.compile:
         compile_blocks(model, blocks)
     offload = CPUOffloadPolicy() if parallel.offload else None
-    return auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
-                     mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
+    sharded = auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
+                        mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
+    if parallel.strategy == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
+        sharded.set_keep_unsharded_storage(True)
+    return sharded
 
 
 def compile_blocks(model: nn.Module, blocks: tuple[type, ...] | None = None) -> None:
