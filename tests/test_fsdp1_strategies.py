@@ -43,7 +43,7 @@ def _parity(strategy_name, kwargs):
 
 
 @pytest.mark.parametrize("strategy,world", [
-    ("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("NO_SHARD", 2),
+    ("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("ZERO1", 2), ("NO_SHARD", 2),
     ("HYBRID_SHARD", 4), ("_HYBRID_SHARD_ZERO2", 4)])
 def test_strategy_parity(strategy, world):
     run_distributed(_parity, world, strategy, {})

@@ -233,7 +233,7 @@ def _resume_live_fsdp1(state_dict_type: str, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "ZERO1"])
 def test_fsdp1_load_into_the_live_model_trains_on_exactly(state_dict_type, strategy):
     run_distributed(_resume_live_fsdp1, 2, state_dict_type, strategy)
 

@@ -81,6 +81,8 @@ def shard_fsdp1(front: type, module: nn.Module, process_group=None, sharding_str
             **unit_kwargs, "reshard_after_forward": None}  # FSDP1 never frees the root early
         fully_shard(unit, mp_policy=_unit_mp_policy(mixed, unit is module, full_precision),
                     **kwargs)
+        if strategy is ShardingStrategy.ZERO1:
+            unit.set_keep_unsharded_storage(True, recurse=False)
         unit.__class__ = fsdp_class(type(unit), front)
         _configure(unit, forward_prefetch, prefetch)
 

@@ -25,6 +25,10 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD: FULL_SHARD within each node, replicated across nodes (gradients
         reduce-scattered within the node, then all-reduced across nodes).
     _HYBRID_SHARD_ZERO2: HYBRID_SHARD with SHARD_GRAD_OP within the node.
+    ZERO1 (fullshard's; torch's enum has no such member): SHARD_GRAD_OP whose gathered
+        parameters stay on the device between steps and are re-gathered after each step;
+        gradients and optimizer states sharded (Note [ZeRO-1 is ZeRO-2 keeping the
+        gathered storage] in train/model.py).
     """
 
     FULL_SHARD = enum.auto()
@@ -32,6 +36,7 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
     _HYBRID_SHARD_ZERO2 = enum.auto()
+    ZERO1 = enum.auto()
 
 
 class BackwardPrefetch(enum.Enum):
