@@ -34,3 +34,15 @@ def test_trainer_benchmark_times_the_trainer_beside_a_plain_loop():
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| fullshard train |" in proc.stdout and "trainer / plain tokens/s:" in proc.stdout
+
+
+def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "disk_offload.py"), "--tiny", "--steps", "2",
+         "--memory-steps", "1", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for line in ("disk / CPU       step", "fullshard I/O thread (rank 0):",
+                 "dd direct I/O, one process: write", "rank 1: CPU offload"):
+        assert line in proc.stdout, proc.stdout
+    assert list(tmp_path.iterdir()) == []  # state folders and the dd probe removed

@@ -230,6 +230,33 @@ def _library_cases(tmp: str) -> dict[str, str]:
         saved = ckpt.save(os.path.join(tmp, "sgd", "step_1"), model, sgd)
         ckpt.load(saved, model, torch.optim.AdamW(model.parameters()))
     out["E39"] = _message(optimizer_does_not_fit)
+
+    from fullshard import DiskOffloadPolicy
+    out["E136"] = _message(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
+        path=os.path.join(tmp, "no-such-dir"))))
+
+    def not_elementwise():
+        class Lion(torch.optim.AdamW):
+            pass
+        model = fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(path=tmp))
+        model(torch.randn(2, 4)).sum().backward()
+        Lion(model.parameters()).step()
+    out["E137"] = _message(not_elementwise)
+
+    def disk_full():
+        import resource
+        import signal
+        model = fully_shard(nn.Linear(64, 64), offload_policy=DiskOffloadPolicy(path=tmp))
+        model(torch.randn(2, 64)).sum().backward()
+        opt = torch.optim.AdamW(model.parameters())
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            opt.step()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out["E138"] = _message(disk_full)
     return out
 
 
@@ -396,6 +423,9 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         "E112": _message(lambda: resolve("--lora.rank", "4")),
         "E135": _message(lambda: resolve("--parallel.strategy", "zero1",
                                          "--parallel.reshard-after-forward", "true")),
+        "E139": _message(lambda: resolve("--parallel.offload", "ssd")),
+        "E140": _message(lambda: resolve("--parallel.offload",
+                                         "disk:" + os.path.join(tmp, "no-states-dir"))),
         "E115": _message(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),
         "E113": _message(lambda: export_adapters(run, os.path.join(tmp, "adapters"))),
         "E114": _message(lambda: export_command(argparse.Namespace(

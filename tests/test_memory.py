@@ -113,3 +113,37 @@ def test_tune_cpu_allocator_refuses_a_threshold_that_is_not_a_positive_int():
         with pytest.raises(ValueError, match=r"tune_cpu_allocator: mmap_threshold_bytes must "
                                              r"be a positive int"):
             tune_cpu_allocator(bad)
+
+
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "tie_word_embeddings": False}
+
+
+def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path):
+    """Llama 3 8B full fine-tune on two 24 GB GPUs with 40 GiB of host memory per rank:
+    CPU offload fits the GPUs but not its host side (fp32 shards, gradients and AdamW
+    states of 4.0B elements per rank); given a states directory the plan moves the AdamW
+    states to disk and prints the flag that does it."""
+    from fullshard.memory import plan
+    gib = 2 ** 30
+    kwargs = dict(world_size=2, budget_bytes=24 * gib, batch_size=1, seq_len=2048,
+                  mp_policy=torch.bfloat16, allow_offload=True, host_budget_bytes=40 * gib)
+    without = plan(LLAMA_8B, **kwargs)
+    assert without.choice is None
+    assert any(nbytes < 0 for _, nbytes in without.rejected)  # ruled out by the host
+    chosen = plan(LLAMA_8B, offload_dir=str(tmp_path), **kwargs)
+    assert chosen.choice is not None and chosen.choice.states_on_disk, chosen.explain()
+    est = chosen.estimate
+    cpu = estimate(LLAMA_8B, world_size=2, strategy=chosen.choice.strategy, batch_size=1,
+                   seq_len=2048, mp_policy=torch.bfloat16, offload="cpu",
+                   activation_checkpointing=chosen.choice.activation_checkpointing)
+    per_rank = 8_030_261_248 // 2
+    assert est.disk_bytes == pytest.approx(8 * per_rank, rel=0.01)  # AdamW: 2 x fp32
+    staging = 3 * 4 * 2 ** 20 * 8  # three chunks of 4M elements, two fp32 states each
+    assert est.host_bytes == cpu.host_bytes - est.disk_bytes + staging
+    assert est.total == cpu.total  # the device side is CPU offload's
+    assert f"--parallel.offload disk:{tmp_path}" in chosen.train_flags("bf16")
+    table = est.table()
+    assert "offload (states on disk)" in table and "disk for optimizer states" in table

@@ -110,7 +110,7 @@ def test_70b_qlora_fits_two_24gb_gpus_with_offload_and_checkpointing(capsys):
     assert plan(LLAMA_70B, world_size=2, budget_bytes=budget, batch_size=1, seq_len=2048,
                 mp_policy=torch.bfloat16, quantize="nf4", lora_rank=64).choice is None
     assert "--lora.rank 64 --lora.base nf4" in result.train_flags("bf16")
-    assert "--parallel.offload true" in result.train_flags("bf16")
+    assert "--parallel.offload cpu" in result.train_flags("bf16")
 
 
 def test_cli_plan_prints_the_qlora_flags(tmp_path, capsys):

@@ -33,9 +33,12 @@ def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
     return {name: _losses(overrides) for name, overrides in variants.items()}
 
 
-def test_strategies_accumulation_and_recomputation_train_the_same_model():
+def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path):
     """Every strategy computes the same averaged gradient; 2 micro-batches of 2 are the
-    4 sequences of one batch of 4; recomputed activations are the stored ones."""
+    4 sequences of one batch of 4; recomputed activations are the stored ones; CPU
+    offload, with the optimizer states in memory or on disk, computes on the host what
+    the devices compute."""
+    states = tmp_path
     variants = {
         "full_shard": {"batch.batch_size": 4},
         "shard_grad_op": {"batch.batch_size": 4, "parallel.strategy": "shard_grad_op"},
@@ -46,6 +49,7 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model():
         "accumulated": {"batch.batch_size": 2, "batch.grad_accum": 2},
         "hpz": {"batch.batch_size": 4, "parallel.reshard_after_forward": 2},
         "offloaded": {"batch.batch_size": 4, "parallel.offload": True},
+        "states_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}"},
     }
     losses = run_distributed(_variants, 2, variants)[0]
     reference = losses.pop("full_shard")

@@ -24,7 +24,8 @@ from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig
                     FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
                     ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
                     StateDictType)
-from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .policies import (CPUOffloadPolicy, DataParallelMeshDims, DiskOffloadPolicy,
+                       MixedPrecisionPolicy, OffloadPolicy)
 
 __all__ = [
     "fully_shard",
@@ -41,6 +42,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DiskOffloadPolicy",
     "FullyShardedDataParallel",
     "FSDP",
     "ShardingStrategy",

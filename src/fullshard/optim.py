@@ -28,6 +28,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .core import registry
 from .core.registry import SHARDED_ORIGINALS
 from .core.state import finish_all_pending_reduces
+from .offload import step_on_disk
+from .policies import DiskOffloadPolicy
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -40,6 +42,9 @@ _enabled = True
 # What the pre-step hook swapped, per optimizer, until the post-step hook restores it.
 # Keyed weakly: this module must not keep a user's optimizer alive.
 _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+# True while a disk step runs the optimizer's own step over one chunk (Note [optimizer
+# states on disk]): the hooks then leave param_groups alone.
+_in_chunk_step = False
 # Optimizers already checked against SHARDED_ORIGINALS (the check runs at a first step).
 _CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -83,8 +88,8 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
 
 
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
-    if not registry.any_tracked():
-        return None  # no fullshard parameter in this process: not ours to touch
+    if _in_chunk_step or not registry.any_tracked():
+        return None  # a chunk of a disk step (below), or no fullshard parameter at all
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
@@ -94,16 +99,26 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
               for i, group in enumerate(opt.param_groups)]
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
                 and any(o is not None for group in owners for o in group))
+    on_disk = [(p, o) for group, group_owners in zip(opt.param_groups, owners)
+               for p, o in zip(group["params"], group_owners)
+               if o is not None and isinstance(o.offload, DiskOffloadPolicy)]
+    if on_disk and not swapping:
+        _refuse_disk_states(opt, on_disk[0][1])
     replaced = _run_closure_first(args, kwargs) if swapping else None
     finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     if not swapping:
         return replaced
+    if on_disk:  # Note [optimizer states on disk]: these step first, a chunk at a time
+        step_on_disk(opt, [(p, o.offload) for p, o in on_disk], lambda: _chunk_step(opt))
     swaps = []
     for group, group_owners in zip(opt.param_groups, owners):
         params = group["params"]
         local_params = []
         swapped = False
         for p, owner in zip(params, group_owners):
+            if owner is not None and isinstance(owner.offload, DiskOffloadPolicy):
+                swapped = True  # stepped above; the ordinary step must not see it
+                continue
             local = _local_view(p) if owner is not None else None
             if local is None:
                 local_params.append(p)
@@ -167,7 +182,30 @@ def _local_view(p: DTensor) -> torch.Tensor | None:
 
 
 def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    _restore(opt)
+    if not _in_chunk_step:
+        _restore(opt)
+
+
+def _chunk_step(opt: torch.optim.Optimizer) -> None:
+    """The optimizer's own step over one chunk of disk-offloaded slices (its
+    ``param_groups`` hold just those); fullshard's hooks stand aside meanwhile."""
+    global _in_chunk_step
+    _in_chunk_step = True
+    try:
+        type(opt).step(opt)
+    finally:
+        _in_chunk_step = False
+
+
+def _refuse_disk_states(opt: torch.optim.Optimizer, owner) -> None:
+    why = ("set_local_step(False) is in effect" if not _enabled else
+           f"{type(opt).__name__} is not one of the elementwise optimizers ("
+           + ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS) + ")")
+    raise RuntimeError(
+        f"fullshard: {type(opt).__name__} steps parameter '{owner.fqn}', whose unit keeps "
+        f"optimizer states on disk (DiskOffloadPolicy(path={owner.offload.path!r})), but "
+        f"{why}: states on disk are stepped a chunk of elements at a time, which only an "
+        "elementwise update allows. Use such an optimizer, or CPUOffloadPolicy() for this unit.")
 
 
 def _restore(opt: torch.optim.Optimizer) -> None:

@@ -7,6 +7,8 @@ values that fullshard does not implement yet raise ``NotImplementedError`` at
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -71,6 +73,28 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+@dataclass(frozen=True)
+class DiskOffloadPolicy(CPUOffloadPolicy):
+    """CPU offload whose optimizer states live in files under ``path`` (NVMe offload).
+
+    Parameters and gradients are sharded on the CPU as with ``CPUOffloadPolicy``; the
+    optimizer's per-element states (Adam's ``exp_avg``/``exp_avg_sq``, momentum buffers)
+    of the unit's parameters are kept on disk and streamed through the host in chunks
+    during ``optimizer.step()`` (Note [optimizer states on disk]).
+
+    Attributes:
+        path: a writable directory on a local disk; fullshard creates a folder of its own
+            in it and removes it when the optimizer is gone or the process exits.
+        chunk_numel: parameter elements stepped at a time. Host memory for the states is
+            three chunks' worth (reading ahead, stepping, writing back):
+            ``3 * chunk_numel * bytes of states per element`` (24 bytes x chunk_numel for
+            fp32 Adam). Rounded up to a multiple of 4096.
+    """
+
+    path: str = field(kw_only=True)
+    chunk_numel: int = field(default=1 << 22, kw_only=True)
+
+
 def _torch_policies() -> tuple[type, type, type]:
     """torch's own policy classes (fullshard accepts them wherever it accepts its own)."""
     from torch.distributed import fsdp
@@ -95,6 +119,8 @@ def as_offload_policy(value, label: str) -> OffloadPolicy:
     (no offloading, as torch's migration guide writes it)."""
     if value is None:
         return OffloadPolicy()
+    if type(value) is DiskOffloadPolicy:
+        return _checked_disk_policy(value, label)
     if type(value) in (OffloadPolicy, CPUOffloadPolicy):
         return value
     _, torch_offload, torch_cpu_offload = _torch_policies()
@@ -102,9 +128,32 @@ def as_offload_policy(value, label: str) -> OffloadPolicy:
         return CPUOffloadPolicy(pin_memory=value.pin_memory)
     if type(value) is torch_offload:
         return OffloadPolicy()
-    raise TypeError(f"fully_shard({label}): offload_policy must be OffloadPolicy() or "
-                    "CPUOffloadPolicy() (fullshard's or torch.distributed.fsdp's) or None, got "
+    raise TypeError(f"fully_shard({label}): offload_policy must be OffloadPolicy(), "
+                    "CPUOffloadPolicy() (fullshard's or torch.distributed.fsdp's), "
+                    "DiskOffloadPolicy(path=...) or None, got "
                     f"{type(value).__name__}.")
+
+
+def _checked_disk_policy(policy: DiskOffloadPolicy, label: str) -> DiskOffloadPolicy:
+    """The policy, after checking its directory can take the state files (E136)."""
+    where = f"fully_shard({label}): DiskOffloadPolicy(path={policy.path!r})"
+    if not isinstance(policy.chunk_numel, int) or policy.chunk_numel <= 0:
+        raise ValueError(f"{where}: chunk_numel must be a positive int, got "
+                         f"{policy.chunk_numel!r}.")
+    if not isinstance(policy.path, (str, os.PathLike)) or not str(policy.path):
+        raise ValueError(f"{where}: path must name a directory on a local disk.")
+    path = os.fspath(policy.path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{where}: no such directory. Create it first, or name an "
+                         "existing directory on a local disk (NVMe).")
+    try:  # os.access says nothing of read-only mounts: create a file to know
+        fd, probe = tempfile.mkstemp(prefix=".fullshard-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{where}: the directory is not writable ({e.strerror}). Name a "
+                         "directory this process can write to.") from None
+    return policy
 
 
 try:  # torch >= 2.13

@@ -104,8 +104,11 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="hpZ: keep parameters sharded N ways between forward and backward")
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                         help="activation checkpointing of every block")
-    parser.add_argument("--offload", action="store_true", help="shards, gradients and "
-                        "optimizer states in host memory (CPUOffloadPolicy)")
+    parser.add_argument("--offload", nargs="?", const="cpu", default="none",
+                        choices=["none", "cpu", "disk"], help="cpu (the default with no "
+                        "value): shards, gradients and optimizer states in host memory "
+                        "(CPUOffloadPolicy); disk: the optimizer states in files "
+                        "(DiskOffloadPolicy)")
     parser.add_argument("--sweep", action="store_true",
                         help="peak for world sizes 1, 2, 4, ... up to --world-size, each strategy")
     parser.add_argument("--zero-table", action="store_true", help="model states only, in the "
@@ -167,7 +170,12 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=MARGIN, default=0.10,
                         help="headroom over the estimate (default 0.10)")
     parser.add_argument("--allow-offload", action="store_true",
-                        help="consider CPU offload (fullshard train --parallel.offload)")
+                        help="consider CPU offload (fullshard train --parallel.offload cpu)")
+    parser.add_argument("--host-budget-gib", type=BUDGET_GIB,
+                        help="host memory per rank, GiB: offloaded plans must fit it too")
+    parser.add_argument("--offload-dir", metavar="PATH", help="with --allow-offload, also "
+                        "consider optimizer states in files under PATH (--parallel.offload "
+                        "disk:PATH), used when the host budget rules CPU offload out")
     return parser
 
 
@@ -177,12 +185,17 @@ def plan_main(argv: list[str]) -> int:
         return projected_plan(argv)
     parser = plan_parser()
     args = parser.parse_args(argv)
+    if args.offload_dir is not None and not args.allow_offload:
+        parser.error("--offload-dir: offload is considered only with --allow-offload; add it")
     source, kwargs, pick = _resolve(args)
     del kwargs["activation_checkpointing"]
     batch, seq = kwargs.pop("batch_size"), kwargs.pop("seq_len")
     result = plan(source, world_size=args.world_size, budget_bytes=int(args.budget_gib * 2**30),
                   batch_size=batch, seq_len=seq, margin=args.margin,
-                  allow_offload=args.allow_offload, **kwargs)
+                  allow_offload=args.allow_offload,
+                  host_budget_bytes=(int(args.host_budget_gib * 2**30)
+                                     if args.host_budget_gib is not None else None),
+                  offload_dir=args.offload_dir, **kwargs)
     print(result.explain())
     if result.choice is None:
         return 1

@@ -127,6 +127,8 @@ class ParamGroup:
         # so the unsharded parameters keep their addresses (CUDA graphs), at its memory
         self.keep_unsharded_storage = False
         self.offload = offload  # Note [CPU offload]
+        for p in params:  # the optimizer hook asks a parameter (Note [optimizer states on disk])
+            p.offload = offload
         self._compute_device = compute_device
         self.post_forward_size = post_forward_size
         self.post_forward: PostForwardShard | None = (

@@ -194,6 +194,7 @@ class ShardedParam:
         self.padded_shard: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
+        self.offload = None  # its unit's CPUOffloadPolicy / DiskOffloadPolicy, set by the group
         self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
         # Note [tensor-subclass parameters]: gathered through the subclass's own hooks, or
         # in its own dtype beside a unit computing in another (param_dtype_override_fn)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.buffers import DEFAULT_MAX_NUMEL
 from ..core.state import DEFAULT_BUCKET_NUMEL
-from ..policies import MixedPrecisionPolicy
+from ..policies import DiskOffloadPolicy, MixedPrecisionPolicy
 from .activations import StepTrace, trace_step
 from .models import LossOf, workload_for
 from .process import current_rss_bytes
@@ -30,6 +30,7 @@ STRATEGIES = ("full_shard", "shard_grad_op", "zero1", "no_shard")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                     "rmsprop": 1}
 BASELINE = "process baseline"
+DISK_CHUNK_NUMEL = DiskOffloadPolicy.__dataclass_fields__["chunk_numel"].default
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class MemoryEstimate:
     num_params: int
     trainable_params: int
     settings: dict[str, Any] = field(default_factory=dict)
+    disk_bytes: int = 0               # optimizer states in files (offload="disk")
 
     @property
     def total(self) -> int:
@@ -55,7 +57,8 @@ class MemoryEstimate:
                 f"{s['world_size']}, {s['strategy']}, {s['dtype']}, batch {s['batch_size']} x "
                 f"{s['seq_len']}, {s['optimizer']}"
                 + (", activation checkpointing" if s["activation_checkpointing"] else "")
-                + (", offload" if s["offload"] else "")
+                + ({"cpu": ", offload", "disk": ", offload (states on disk)"}.get(
+                    s["offload"], ""))
                 + (f", {s['quantize']} weights" if s.get("quantize") else "")
                 + (f", LoRA rank {s['lora_rank']} ({self.trainable_params / 1e6:,.1f}M "
                    "trainable)" if s.get("lora_rank") else "") + f", {s['device']}")
@@ -67,13 +70,15 @@ class MemoryEstimate:
                                     for p, b in self.phase_peaks.items()))
         if self.host_bytes:
             out.append(f"  host memory for offloaded states  {self.host_bytes / 2**20:,.1f} MiB")
+        if self.disk_bytes:
+            out.append(f"  disk for optimizer states         {self.disk_bytes / 2**20:,.1f} MiB")
         return "\n".join(out)
 
 
 def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_shard",
              reshard_after_forward: bool | int | None = None,
              mp_policy: MixedPrecisionPolicy | torch.dtype | None = None,
-             offload: bool = False, activation_checkpointing: bool = False,
+             offload: bool | str = False, activation_checkpointing: bool = False,
              batch_size: int = 1, seq_len: int | None = None, optimizer: str = "adamw",
              device: str = "cuda", bucket_numel: int = DEFAULT_BUCKET_NUMEL,
              process_baseline: int | None = None, loss_of: LossOf | None = None,
@@ -93,7 +98,10 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             keeps parameters sharded N ways between forward and backward: hpZ).
         mp_policy: a MixedPrecisionPolicy, or a dtype meaning param_dtype=dtype with fp32
             gradient reduction.
-        offload: shards, gradients and optimizer states on the host (CPUOffloadPolicy).
+        offload: ``"cpu"`` (or True): shards, gradients and optimizer states on the host
+            (CPUOffloadPolicy); ``"disk"``: the same with the optimizer states in files,
+            the host holding three chunks of them (DiskOffloadPolicy's default
+            chunk_numel); ``"none"`` (or False): on the device.
         activation_checkpointing: every unit but the root recomputes its forward.
         batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
         optimizer: adamw, adam, sgd, sgd-momentum, adagrad or rmsprop.
@@ -167,7 +175,8 @@ def trace_workload(model_or_config: Any, *, mp_policy: MixedPrecisionPolicy | to
 
 
 def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_shard",
-                    reshard_after_forward: bool | int | None = None, offload: bool = False,
+                    reshard_after_forward: bool | int | None = None,
+                    offload: bool | str = False,
                     optimizer: str = "adamw", device: str = "cuda",
                     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                     process_baseline: int | None = None) -> MemoryEstimate:
@@ -175,6 +184,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     _check_run(strategy, reshard_after_forward, world_size, optimizer, step.quantize,
                step.lora_rank)
     raf = _reshard_rule(strategy, reshard_after_forward, world_size)
+    offload = offload_mode(offload)
     shard_size = 1 if strategy == "no_shard" and reshard_after_forward is None else world_size
     policy, param_dtype, model = step.policy, step.param_dtype, step.model
     compute_dtype = policy.param_dtype or param_dtype
@@ -184,7 +194,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
-        pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload,
+        pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload != "none",
+        states_on_disk=DISK_CHUNK_NUMEL if offload == "disk" else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
         keep_unsharded=strategy == "zero1" and reshard_after_forward is None)
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
@@ -197,7 +208,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     return MemoryEstimate(
         lines=lines, peak_phase=phase,
         phase_peaks={p: v.total + process_baseline for p, v in peaks.items()},
-        host_bytes=replay.ledger.host, num_params=sum(p.numel() for p in model.parameters()),
+        host_bytes=replay.ledger.host, disk_bytes=replay.disk_bytes, num_params=sum(p.numel() for p in model.parameters()),
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         settings={"model": step.name, "world_size": world_size,
                   "strategy": _strategy_name(strategy, reshard_after_forward),
@@ -205,6 +216,17 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                   "seq_len": step.seq_len, "optimizer": optimizer, "offload": offload,
                   "activation_checkpointing": step.activation_checkpointing,
                   "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank})
+
+
+def offload_mode(offload: bool | str) -> str:
+    """``none``, ``cpu`` or ``disk`` for estimate's ``offload`` argument."""
+    if offload in (False, None, "none"):
+        return "none"
+    if offload in (True, "cpu"):
+        return "cpu"
+    if offload == "disk":
+        return "disk"
+    raise ValueError(f"estimate: offload must be none, cpu or disk (or a bool), got {offload!r}")
 
 
 def _check_run(strategy: str, reshard_after_forward: bool | int | None, world_size: int,

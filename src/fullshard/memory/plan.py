@@ -9,12 +9,16 @@ fits wins:
                keeps it gathered; no_shard gathers nothing and all-reduces)
     + activation checkpointing   x 1.33  (forward runs twice for the blocks)
     + offload (only if allowed)  x 2.00  (host-device copies and a CPU optimizer)
+    + states on disk             x 1.30 more (only with a states directory, and then
+                                 only when a host budget rules CPU offload out)
     micro-batch                  x 1.15 per halving below the requested size
                                  (smaller kernels; gradient accumulation keeps
                                  the global batch)
 
 "Fits" means the estimate times ``1 + margin`` is within the budget: the
 estimate's measured error is a few percent (docs/memory.md), the margin covers it.
+With a host budget, offloaded candidates must also fit it with their host memory
+(shards, gradients and, unless on disk, optimizer states) times ``1 + margin``.
 zero1 is not a candidate: it moves what shard_grad_op moves and holds more (Note
 [ZeRO-1 is ZeRO-2 keeping the gathered storage]), so it never wins on either count.
 Quantized weights (NF4, float8) do not run on no_shard's 2-D mesh, so with them
@@ -32,6 +36,7 @@ from .estimate import MemoryEstimate, TracedStep, estimate_traced, trace_workloa
 STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
 CHECKPOINTING_COST = 1.33
 OFFLOAD_COST = 2.00
+DISK_COST = 1.30  # over OFFLOAD_COST: the step waits on the disk (docs/benchmarks.md)
 HALVING_COST = 1.15
 
 
@@ -43,6 +48,7 @@ class Candidate:
     micro_batch: int
     grad_accum: int
     cost: float
+    states_on_disk: bool = False  # offload with DiskOffloadPolicy
 
 
 @dataclass(frozen=True)
@@ -53,12 +59,16 @@ class Plan:
     estimate: MemoryEstimate | None
     budget_bytes: int
     rejected: list[tuple[Candidate, int]]  # (candidate, estimated bytes), cheapest first
+    host_budget_bytes: int | None = None
+    offload_dir: str | None = None         # where --parallel.offload disk: puts the states
 
     def explain(self) -> str:
         mib = 2 ** 20
         lines = []
         for cand, nbytes in self.rejected[:4]:
-            lines.append(f"  {_describe(cand)}: {nbytes / mib:,.0f} MiB estimated, over budget")
+            where = "host memory" if nbytes < 0 else "estimated"
+            lines.append(f"  {_describe(cand)}: {abs(nbytes) / mib:,.0f} MiB {where}, "
+                         "over budget")
         if len(self.rejected) > 4:
             lines.append(f"  ... {len(self.rejected) - 4} more over budget")
         if self.choice is None:
@@ -75,8 +85,10 @@ class Plan:
         flags = [f"--parallel.strategy {c.strategy}",
                  f"--parallel.activation_checkpointing {str(c.activation_checkpointing).lower()}",
                  f"--batch.batch_size {c.micro_batch}", f"--batch.grad_accum {c.grad_accum}"]
-        if c.offload:
-            flags.append("--parallel.offload true")
+        if c.states_on_disk:
+            flags.append(f"--parallel.offload disk:{self.offload_dir}")
+        elif c.offload:
+            flags.append("--parallel.offload cpu")
         if precision:
             flags.append(f"--parallel.precision {precision}")
         s = self.estimate.settings
@@ -88,12 +100,13 @@ class Plan:
 
 def _describe(c: Candidate) -> str:
     parts = [c.strategy] + (["activation checkpointing"] if c.activation_checkpointing else []) \
-        + (["offload"] if c.offload else [])
+        + (["offload (states on disk)" if c.states_on_disk else "offload"] if c.offload else [])
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
 
 
 def candidates(batch_size: int, allow_offload: bool,
-               strategies: tuple[str, ...] = tuple(STRATEGY_COST)) -> list[Candidate]:
+               strategies: tuple[str, ...] = tuple(STRATEGY_COST),
+               allow_disk: bool = False) -> list[Candidate]:
     """Every configuration considered, cheapest first (Note [how plans are ranked])."""
     micro_batches, mb = [], batch_size
     while mb >= 1:
@@ -103,21 +116,28 @@ def candidates(batch_size: int, allow_offload: bool,
     for strategy in strategies:
         base = STRATEGY_COST[strategy]
         for ac in (False, True):
-            for offload in ((False, True) if allow_offload else (False,)):
+            offloads = [(False, False)] + ([(True, False)] if allow_offload else []) \
+                + ([(True, True)] if allow_offload and allow_disk else [])
+            for offload, disk in offloads:
                 if offload and strategy != "full_shard":
                     continue
                 for halvings, mb in enumerate(micro_batches):
                     cost = base * (CHECKPOINTING_COST if ac else 1) \
-                        * (OFFLOAD_COST if offload else 1) * HALVING_COST ** halvings
+                        * (OFFLOAD_COST if offload else 1) * (DISK_COST if disk else 1) \
+                        * HALVING_COST ** halvings
                     out.append(Candidate(strategy, ac, offload, mb,
-                                         -(-batch_size // mb), round(cost, 4)))
+                                         -(-batch_size // mb), round(cost, 4), disk))
     return sorted(out, key=lambda c: (c.cost, -c.micro_batch))
 
 
 def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size: int,
          seq_len: int | None = None, margin: float = 0.10, allow_offload: bool = False,
+         host_budget_bytes: int | None = None, offload_dir: str | None = None,
          **estimate_kwargs: Any) -> Plan:
-    """The cheapest candidate whose estimate x (1 + margin) fits ``budget_bytes``.
+    """The cheapest candidate whose estimate x (1 + margin) fits ``budget_bytes`` (and,
+    offloaded, whose host memory x (1 + margin) fits ``host_budget_bytes`` if given).
+    With ``offload_dir`` (and ``allow_offload``) offload with the optimizer states in
+    that directory is a candidate too.
 
     ``batch_size`` is the per-rank batch wanted per optimizer step; smaller micro-batches
     reach it by gradient accumulation. Other keywords go to ``estimate``."""
@@ -128,15 +148,21 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
         s == "no_shard" and world_size > 1 and trace_kwargs.get("quantize")))
     rejected: list[tuple[Candidate, int]] = []
     traces: dict[tuple[bool, int], TracedStep] = {}
-    for cand in candidates(batch_size, allow_offload, strategies):
+    found = lambda cand, est: Plan(cand, est, budget_bytes, rejected,  # noqa: E731
+                                   host_budget_bytes, offload_dir)
+    for cand in candidates(batch_size, allow_offload, strategies, offload_dir is not None):
         key = (cand.activation_checkpointing, cand.micro_batch)
         if key not in traces:
             traces[key] = trace_workload(
                 model_or_config, activation_checkpointing=cand.activation_checkpointing,
                 batch_size=cand.micro_batch, seq_len=seq_len, **trace_kwargs)
+        offload = "disk" if cand.states_on_disk else cand.offload
         est = estimate_traced(traces[key], world_size=world_size, strategy=cand.strategy,
-                              offload=cand.offload, **replay_kwargs)
-        if est.total * (1 + margin) <= budget_bytes:
-            return Plan(cand, est, budget_bytes, rejected)
-        rejected.append((cand, est.total))
-    return Plan(None, None, budget_bytes, rejected)
+                              offload=offload, **replay_kwargs)
+        if est.total * (1 + margin) > budget_bytes:
+            rejected.append((cand, est.total))
+        elif host_budget_bytes is not None and est.host_bytes * (1 + margin) > host_budget_bytes:
+            rejected.append((cand, -est.host_bytes))  # negative: the host is what is over
+        else:
+            return found(cand, est)
+    return found(None, None)

@@ -66,10 +66,15 @@ class RunSettings:
     replicated: bool = False    # shard groups of one rank, replicas all-reduce (no_shard)
     heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
     keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
+    states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
 
     @property
     def shard_device(self) -> torch.device:
         return shard_device_for(self.offload, self.device)
+
+
+def _round_up(numel: int, to: int = 4096) -> int:
+    return -(-numel // to) * to
 
 
 @dataclass
@@ -176,13 +181,23 @@ class Replay:
     # -- steady state -----------------------------------------------------------------
     def _allocate_model_states(self) -> None:
         s = self.settings
+        self.on_disk = 0  # trainable shard elements whose states live on disk
         for g in self.groups:
             shard = g.layout.shard_numel * s.param_dtype.itemsize \
                 + round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))
             self.ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
             trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
+            if s.states_on_disk:
+                self.on_disk += trainable
+                continue
             self.ledger.alloc(("states", g.index), OPTIMIZER,
                               s.optimizer_states * trainable * s.param_dtype.itemsize, s.offload)
+        if s.states_on_disk and self.on_disk and s.optimizer_states:
+            # Note [optimizer states on disk]: three staging sets of one chunk each
+            chunk = min(_round_up(s.states_on_disk), _round_up(self.on_disk))
+            self.ledger.alloc("disk staging", OPTIMIZER,
+                              3 * chunk * s.optimizer_states * s.param_dtype.itemsize, True)
+        self.disk_bytes = self.on_disk * s.optimizer_states * s.param_dtype.itemsize
 
     def run(self, steps: int = 2) -> dict[str, Peak]:
         """Replay ``steps`` steps; the peaks of the last one (pools warmed up)."""

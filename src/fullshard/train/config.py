@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -96,6 +97,28 @@ ReshardAfterForward = Annotated[bool | int | None, tyro.constructors.PrimitiveCo
     nargs=1, metavar="true|false|N|auto", instance_from_str=_reshard_from_text,
     is_instance=lambda v: v is None or isinstance(v, (bool, int)),
     str_from_instance=lambda v: ["auto" if v is None else str(v).lower()])]
+
+
+def _offload_from_text(args: list[str]) -> str:
+    word = args[0].strip()
+    if word.lower() in _FALSE + ("none",):
+        return "none"
+    if word.lower() in _TRUE + ("cpu",):
+        return "cpu"
+    if word.lower().startswith("disk:") and word[5:]:
+        return "disk:" + word[5:]
+    raise ValueError(f"{word!r} is not none, cpu or disk:PATH")
+
+
+# none, cpu (true), or disk:PATH: where shards, gradients and optimizer states live.
+Offload = Annotated[str, tyro.constructors.PrimitiveConstructorSpec(
+    nargs=1, metavar="none|cpu|disk:PATH", instance_from_str=_offload_from_text,
+    is_instance=lambda v: isinstance(v, str), str_from_instance=lambda v: [v])]
+
+
+def offload_kind(value: str) -> str:
+    """``none``, ``cpu`` or ``disk`` for a ``parallel.offload`` value."""
+    return "disk" if value.startswith("disk:") else value
 
 
 @dataclass
@@ -158,9 +181,12 @@ class ParallelConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile before sharding (one graph per
     block; fullshard's gathers and reductions run between them)."""
-    offload: bool = False
-    """Keep parameters, gradients and optimizer states in CPU memory (CPU offload); the
-    optimizer steps there, fused. For models that do not fit the devices otherwise."""
+    offload: Offload = "none"
+    """cpu: keep parameters, gradients and optimizer states in CPU memory (CPU offload);
+    the optimizer steps there, fused. disk:PATH: the same, with the optimizer states in
+    files under the directory PATH (an NVMe disk), streamed through the host a chunk at a
+    time during the step. For models that do not fit the devices (or the host) otherwise.
+    true/false read as cpu/none."""
 
 
 @dataclass
@@ -289,6 +315,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"parallel.reshard_after_forward: {raf} frees the parameters that "
                           "parallel.strategy zero1 keeps gathered; leave it auto, or choose "
                           "full_shard")
+    offload = cfg.parallel.offload
+    if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
+        raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "
+                          f"{offload!r}")
+    if offload.startswith("disk:") and not os.path.isdir(offload[5:]):
+        raise ConfigError(f"parallel.offload: {offload[5:]} is not a directory; create it, or "
+                          "name a directory on a local disk for the optimizer states")
     return cfg
 
 

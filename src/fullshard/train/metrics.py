@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..memory import MemoryTracker, estimate
-from .config import TrainConfig
+from .config import TrainConfig, offload_kind
 from .model import COMPUTE_DTYPES
 
 
@@ -142,7 +142,7 @@ def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
                           reshard_after_forward=reshard,
                           mp_policy=COMPUTE_DTYPES[parallel.precision],
                           activation_checkpointing=parallel.activation_checkpointing,
-                          offload=parallel.offload, batch_size=cfg.batch.batch_size,
+                          offload=offload_kind(parallel.offload), batch_size=cfg.batch.batch_size,
                           seq_len=cfg.batch.seq_len,
                           optimizer="adamw", device=device.type,
                           process_baseline=baseline_bytes, lora_rank=cfg.lora.rank,

@@ -66,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..checkpoint import StateDictOptions, set_model_state_dict
 from ..gpt import GPT, GPTConfig
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
 from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
@@ -267,7 +267,11 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) ->
         apply_activation_checkpointing(model, lambda m: isinstance(m, blocks))
     if parallel.compile:
         compile_blocks(model, blocks)
-    offload = CPUOffloadPolicy() if parallel.offload else None
+    offload = None
+    if parallel.offload == "cpu":
+        offload = CPUOffloadPolicy()
+    elif parallel.offload.startswith("disk:"):  # Note [optimizer states on disk]
+        offload = DiskOffloadPolicy(path=parallel.offload[len("disk:"):])
     sharded = auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
                         mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
     if parallel.strategy == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]

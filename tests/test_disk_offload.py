@@ -1,0 +1,233 @@
+"""DiskOffloadPolicy: CPU offload whose optimizer states live in files, stepped a chunk at
+a time (Note [optimizer states on disk]). The chunks here are small (4096 elements) so
+every step crosses many chunk boundaries, several inside one parameter."""
+
+import gc
+import os
+import resource
+import signal
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fullshard.checkpoint as fcp
+from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, fully_shard
+from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.offload import disk_states_of
+from fullshard.testing import models as m
+from fullshard.testing import run_distributed
+from fullshard.testing.models import token_batch
+from fullshard.testing.parity import check_parity
+
+CFG = GPTConfig(vocab_size=64, seq_len=12, d_model=64, n_layers=2, n_heads=2)
+CHUNK = 4096
+
+
+def _batch(step, n=8):
+    return token_batch(step, n, CFG.vocab_size, CFG.seq_len)
+
+
+def _shard(model, policy):
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+
+
+def _optimizer(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "fused_adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _build(policy, kind):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    _shard(model, policy)
+    return model, _optimizer(kind, model.parameters())
+
+
+def _train(model, opt, steps, first=0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 8 // world
+    for step in range(first, first + steps):
+        x, y = _batch(step)
+        lm_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _max_diff(model_a, model_b):
+    return max((a.to_local() - b.to_local()).abs().max().item()
+               for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def _states_diff(opt_a, opt_b):
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    return max((sa[i][k].to_local() - sb[i][k].to_local()).abs().max().item()
+               for i in sa for k in sa[i] if k != "step")
+
+
+def _same_as_cpu_offload(directory, kind):
+    cpu = _build(CPUOffloadPolicy(pin_memory=False), kind)
+    disk = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK), kind)
+    _train(*cpu, 4)
+    _train(*disk, 4)
+    model, opt = disk
+    (states,) = disk_states_of(opt)
+    folder = states.files.directory
+    out = {
+        "weights": _max_diff(cpu[0], model),
+        "states": _states_diff(cpu[1], opt),
+        "chunks": len(states.chunks),
+        "placeholders": all(v.device.type == "meta" for s in opt.state.values()
+                            for k, v in s.items() if k != "step"),
+        "steps": {float(s["step"]) for s in opt.state.values() if "step" in s},
+        "written": states.files.bytes_written,
+        "files": sorted(os.listdir(folder)),
+    }
+    del disk, model, opt, states
+    gc.collect()
+    out["removed"] = not os.path.exists(folder)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adamw", "fused_adamw", "sgd"])
+def test_disk_offload_steps_exactly_as_cpu_offload(kind, tmp_path):
+    for out in run_distributed(_same_as_cpu_offload, 2, str(tmp_path), kind):
+        assert out["weights"] == 0.0 and out["states"] == 0.0, out
+        assert out["chunks"] >= 10, out
+        assert out["placeholders"], "per-element states must not stay in host memory"
+        names = {"adamw": ["exp_avg.bin", "exp_avg_sq.bin"],
+                 "fused_adamw": ["exp_avg.bin", "exp_avg_sq.bin"],
+                 "sgd": ["momentum_buffer.bin"]}[kind]
+        assert out["files"] == names
+        assert out["written"] >= 4 * out["chunks"] * CHUNK * 4 * len(names)
+        assert out["removed"], "the state folder outlived its optimizer"
+        if kind != "sgd":
+            assert out["steps"] == {4.0}
+    assert os.listdir(tmp_path) == []
+
+
+def _parity_with_one_process(directory, optimizer):
+    policy = DiskOffloadPolicy(path=directory, chunk_numel=CHUNK)
+    if optimizer == "sgd":  # SGD with momentum: one state, the GPT's many chunks
+        check_parity(lambda: GPT(CFG), lambda model: _shard(model, policy), _batch,
+                     lambda model, b: lm_loss(model(b[0]), b[1]), steps=4, optimizer="sgd")
+        return
+    # AdamW amplifies the reduction-order noise of near-zero gradients (rare tokens'
+    # embedding rows), so its parity uses a model without them
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+    check_parity(m.OddMLP, shard, lambda s: m.float_batch(s, 8, 7, 3), m.mse_loss,
+                 steps=4, optimizer="adamw", lr=1e-2)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_disk_offload_parity_with_one_process(world, optimizer, tmp_path):
+    run_distributed(_parity_with_one_process, world, str(tmp_path), optimizer)
+
+
+def _resume(directory, ckpt, chunk=CHUNK):
+    policy = (DiskOffloadPolicy(path=directory, chunk_numel=chunk) if chunk
+              else CPUOffloadPolicy(pin_memory=False))
+    straight = _build(CPUOffloadPolicy(pin_memory=False), "adamw")
+    _train(*straight, 6)
+    first = _build(policy, "adamw")
+    _train(*first, 3)
+    fcp.save(ckpt, *first)
+    del first
+    gc.collect()
+    resumed = _build(policy, "adamw")  # fresh weights and no states until the load
+    fcp.load(ckpt, *resumed)
+    _train(*resumed, 3, first=3)
+    # the same optimizer rewound to an earlier state dict after it has stepped on disk
+    rewound = _build(policy, "adamw")
+    _train(*rewound, 3)
+    model_sd = {k: v.clone() for k, v in rewound[0].state_dict().items()}
+    optim_sd = rewound[1].state_dict()
+    optim_sd = {"state": {i: {k: v.clone() for k, v in s.items()}
+                          for i, s in optim_sd["state"].items()},
+                "param_groups": optim_sd["param_groups"]}
+    _train(*rewound, 2, first=3)
+    rewound[0].load_state_dict(model_sd)
+    rewound[1].load_state_dict(optim_sd)
+    _train(*rewound, 3, first=3)
+    return _max_diff(straight[0], resumed[0]), _max_diff(straight[0], rewound[0])
+
+
+def test_disk_offload_resumes_from_a_checkpoint_and_a_state_dict(tmp_path):
+    ckpt = str(tmp_path / "ckpt" / "step3")
+    states = tmp_path / "states"
+    states.mkdir()
+    for resumed, rewound in run_distributed(_resume, 2, str(states), ckpt):
+        assert resumed == 0.0 and rewound == 0.0, (resumed, rewound)
+
+
+def _policy_errors(tmp):
+    def shard(policy):
+        fully_shard(torch.nn.Linear(4, 4), offload_policy=policy)
+    missing = os.path.join(tmp, "nope")
+    with pytest.raises(ValueError, match=r"fully_shard\(Linear\): DiskOffloadPolicy\(path='.*nope'\): "
+                                         r"no such directory"):
+        shard(DiskOffloadPolicy(path=missing))
+    with pytest.raises(ValueError, match=r"DiskOffloadPolicy\(path='/sys'\): the directory is "
+                                         r"not writable"):
+        shard(DiskOffloadPolicy(path="/sys"))  # sysfs refuses new files, even to root
+    with pytest.raises(ValueError, match=r"chunk_numel must be a positive int, got 0"):
+        shard(DiskOffloadPolicy(path=tmp, chunk_numel=0))
+    with pytest.raises(TypeError):
+        DiskOffloadPolicy()  # the path is required
+    return True
+
+
+def test_disk_offload_policy_errors(tmp_path):
+    assert run_distributed(_policy_errors, 1, str(tmp_path)) == [True]
+
+
+class _NotElementwise(torch.optim.AdamW):
+    """A subclass: fullshard cannot know its update is elementwise."""
+
+
+def _non_elementwise_optimizer(directory):
+    model = GPT(CFG)
+    _shard(model, DiskOffloadPolicy(path=directory))
+    opt = _NotElementwise(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"_NotElementwise steps parameter 'tok_emb.weight', "
+                                           r"whose unit keeps optimizer states on disk"):
+        _train(model, opt, 1)
+    return True
+
+
+def test_disk_offload_refuses_an_optimizer_it_cannot_step_in_chunks(tmp_path):
+    assert run_distributed(_non_elementwise_optimizer, 1, str(tmp_path)) == [True]
+
+
+def _disk_full(directory):
+    model, opt = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK), "adamw")
+    # A file-size limit below the states' size: the kernel refuses the reservation as a
+    # full disk would (EFBIG instead of ENOSPC), without filling a real disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(RuntimeError, match=r"DiskOffloadPolicy\(path='.*'\): cannot reserve "
+                                               r"[0-9.]+ MiB for optimizer state 'exp_avg' in .*"
+                                               r"MiB free there\)\. Free space"):
+            _train(model, opt, 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    del model, opt
+    gc.collect()
+    return os.listdir(directory)
+
+
+def test_disk_offload_says_when_the_disk_cannot_take_the_states(tmp_path):
+    assert run_distributed(_disk_full, 1, str(tmp_path)) == [[]]
