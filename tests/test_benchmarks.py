@@ -46,3 +46,16 @@ def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
                  "dd direct I/O, one process: write", "rank 1: CPU offload"):
         assert line in proc.stdout, proc.stdout
     assert list(tmp_path.iterdir()) == []  # state folders and the dd probe removed
+
+
+def test_quantized_comm_benchmark_counts_bytes_per_setting():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quantized_comm.py"), "--tiny", "--steps", "2"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "MB/step" not in line}
+    assert set(rows) == {"none", "weights", "grads", "weights,grads"}, proc.stdout
+    ratios = {name: [float(c) for c in row.split("|")[3:6:2]] for name, row in rows.items()}
+    assert ratios["none"] == [1.0, 1.0]
+    assert ratios["weights"][0] < 0.3 and ratios["grads"][1] < 0.3  # fp32 -> int8 + scales

@@ -6,7 +6,6 @@ import gc
 import os
 import resource
 import signal
-import tempfile
 
 import pytest
 import torch

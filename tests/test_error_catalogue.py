@@ -257,6 +257,24 @@ def _library_cases(tmp: str) -> dict[str, str]:
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     out["E138"] = _message(disk_full)
+
+    out["E141"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh(
+        "cpu", (2, 1), mesh_dim_names=("replicate", "shard"))).set_quantized_communication(
+            grads=True))
+
+    class Gather:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                               async_op=async_op)
+
+    def custom_and_quantized():
+        model = fully_shard(nn.Linear(4, 4))
+        model.set_custom_all_gather(Gather())
+        model.set_quantized_communication(weights=True)
+    out["E142"] = _message(custom_and_quantized)
     return out
 
 
@@ -424,6 +442,8 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         "E135": _message(lambda: resolve("--parallel.strategy", "zero1",
                                          "--parallel.reshard-after-forward", "true")),
         "E139": _message(lambda: resolve("--parallel.offload", "ssd")),
+        "E143": _message(lambda: resolve("--parallel.strategy", "no_shard",
+                                         "--parallel.quantize", "grads")),
         "E140": _message(lambda: resolve("--parallel.offload",
                                          "disk:" + os.path.join(tmp, "no-states-dir"))),
         "E115": _message(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),

@@ -19,7 +19,7 @@ import torch
 from faults.sitecustomize import KILL_AT_STEP, KILL_RANK, environment
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config import DEFAULT_PRESET, apply_overrides, get_preset
+from fullshard.train.config import DEFAULT_PRESET, get_preset
 from fullshard.train.model import build_model
 from test_train_cli import _metrics
 from test_train_reliability import _checkpoints, _fullshard_train_preset, _train_in_process

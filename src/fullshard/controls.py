@@ -14,8 +14,10 @@ import dataclasses
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from .core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from .core.state import UnitState
 from .core.streams import SharedCopies
 
@@ -210,6 +212,31 @@ class TorchControls:
         if self._unit.group is not None:
             setattr(self._unit.group, attr, comm)
 
+    # -- quantized communication (fullshard's; ZeRO++'s qwZ and qgZ) -------------------------
+    def set_quantized_communication(self, *, weights: bool = False, grads: bool = False,
+                                    block_size: int = DEFAULT_BLOCK_SIZE,
+                                    recurse: bool = True) -> None:
+        """All-gather this unit's parameters (``weights``) and/or reduce-scatter its
+        gradients (``grads``) as int8 with one fp32 scale per ``block_size`` elements, the
+        gradients summed in fp32 (Note [quantized communication]). ``False`` restores
+        full precision. The sharded parameters, optimizer and checkpoints stay exact; the
+        gathered copy and the reduced gradients carry the rounding. With hybrid sharding
+        the all-reduce across replicas stays in the reduce dtype."""
+        method = "set_quantized_communication"
+        _expect_bool(method, weights)
+        _expect_bool(method, grads)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) \
+                or block_size < 32 or block_size % 32:
+            raise ValueError(f"{method} on {self._unit.name}: block_size must be a positive "
+                             f"multiple of 32 (elements per scale), got {block_size!r}.")
+        units = self._units(recurse)
+        for unit in units:
+            _check_quantizable(unit, units, weights, grads)
+        for unit in units:
+            if unit.group is not None:
+                unit.group.quantize_weights = block_size if weights else 0
+                unit.group.quantize_grads = block_size if grads else 0
+
     # -- communication tuning with no fullshard counterpart -----------------------------------
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
@@ -259,6 +286,34 @@ class GradientReductionHandle:
         if root is not None:
             root.reduction_handle = None
             root.settle_gradients()
+
+
+def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool,
+                       grads: bool) -> None:
+    """Errors for set_quantized_communication on ``unit`` that cannot hold (E141)."""
+    group = unit.group
+    if group is None or not (weights or grads):
+        return
+    where = f"set_quantized_communication on {unit.name}"
+    for asked, what, comm, custom in (
+            (weights, "weights=True", group.all_gather_comm, "set_custom_all_gather"),
+            (grads, "grads=True", group.reduce_scatter_comm, "set_custom_reduce_scatter")):
+        if asked and comm is not None:
+            raise ValueError(f"{where}: {what} and {custom} both replace the unit's "
+                             "collective; use one of them.")
+    if group.world_size == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{where}: the unit is not sharded (NO_SHARD: a shard group of one "
+                         "rank, replicas all-reduced), so there is no all-gather or "
+                         "reduce-scatter to quantize. Shard it (FULL_SHARD, SHARD_GRAD_OP, "
+                         "HYBRID_SHARD) or leave quantization off.")
+    root = unit.root
+    if root is not None:
+        others = [u.name for u in root.members[group] if u not in changing]
+        if others:
+            raise ValueError(f"{where}: its parameters were merged with {', '.join(others)} "
+                             "into one collective at the first forward, so its communication "
+                             "cannot differ from theirs. Call it before the first forward, or "
+                             "on a module that contains them all.")
 
 
 def _expect_bool(method: str, value) -> None:

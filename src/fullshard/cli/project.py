@@ -83,13 +83,15 @@ def _device(args: argparse.Namespace) -> Device:
 
 
 def _table(rows: list) -> str:
-    head = (f"{'GPUs':>6} {'strategy':<14} {'AC':<9} {'micro':>5} {'accum':>5} "
+    head = (f"{'GPUs':>6} {'strategy':<14} {'AC':<9} {'int8':<5} {'micro':>5} {'accum':>5} "
             f"{'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'exposed comm s':>15} "
             f"{'GiB/rank':>9}")
     lines = [head]
     for p in rows:
         s = p.settings
-        lines.append(f"{p.world_size:>6} {s.strategy:<14} {s.checkpointing:<9} {s.batch:>5} "
+        int8 = {"none": "-", "weights": "w", "grads": "g", "weights,grads": "w,g"}[s.quantize]
+        lines.append(f"{p.world_size:>6} {s.strategy:<14} {s.checkpointing:<9} {int8:<5} "
+                     f"{s.batch:>5} "
                      f"{s.grad_accum:>5} {p.time.seconds:>8.3f} "
                      f"{p.tokens_per_second_per_device:>13,.0f} {p.mfu:>6.1%} "
                      f"{p.time.exposed:>15.3f} {p.memory_bytes / GiB:>9.1f}"
@@ -162,6 +164,8 @@ def plan_main(argv: list[str]) -> int:
                                      "fit, ranked by projected tokens/s per GPU, and the "
                                      "`fullshard train` flags of the fastest.")
     _arguments(parser, planning=True)
+    parser.add_argument("--allow-quantize", action="store_true", help="also rank int8 "
+                        "all-gathers and reduce-scatters (--parallel.quantize weights,grads)")
     parser.add_argument("--plot", default="fullshard-plan.png", metavar="PATH",
                         help="tokens/s/GPU against world size per strategy (needs "
                              "matplotlib: pip install 'fullshard[plot]'); '' for none")
@@ -173,7 +177,9 @@ def plan_main(argv: list[str]) -> int:
         device, shape = _device(args), shape_named(args.model)
         gpus = sizes[0]
         cluster = Cluster(device, gpus, min(args.nodes_of, gpus))
-        fits, over = rank_configurations(shape, cluster, batch=args.batch, seq=args.seq)
+        fits, over = rank_configurations(
+            shape, cluster, batch=args.batch, seq=args.seq,
+            quantize=("none", "weights,grads") if args.allow_quantize else ("none",))
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard plan: {err}", file=sys.stderr)
         return 2

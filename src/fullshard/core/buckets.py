@@ -44,7 +44,9 @@ def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> boo
     return (a.mesh == b.mesh and same_rule and same_reduce and a.mp_policy == b.mp_policy
             and ga.flat_shard.dtype == gb.flat_shard.dtype
             and ga.flat_shard.device == gb.flat_shard.device
-            and (ga.offload, ga.compute_device) == (gb.offload, gb.compute_device))
+            and (ga.offload, ga.compute_device) == (gb.offload, gb.compute_device)
+            and (ga.quantize_weights, ga.quantize_grads) == (gb.quantize_weights,
+                                                             gb.quantize_grads))
 
 
 def merge_small_units(units: "list[UnitState]", bucket_numel: int,
@@ -74,6 +76,7 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
                             first.replicate_pg, first.post_forward_size,
                             offload=first.offload, compute_device=first.compute_device)
         merged.keep_unsharded_storage = any(u.group.keep_unsharded_storage for u in run)
+        merged.quantize_weights, merged.quantize_grads = first.quantize_weights, first.quantize_grads
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group.retire(merged_into=merged)

@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPool
 from .collectives import Pending, all_gather, all_reduce_sum, reduce_scatter_sum
+from .quantized_collectives import quantized_all_gather, quantized_reduce_scatter_sum
 from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
                         take_unsharded_grad)
 from .param import ShardedParam
@@ -167,6 +168,10 @@ class ParamGroup:
         # torch's set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
         self.all_gather_comm = None
         self.reduce_scatter_comm = None
+        # set_quantized_communication: int8 blocks of this many elements, 0 for off
+        # (see Note [quantized communication])
+        self.quantize_weights = 0
+        self.quantize_grads = 0
         self._gather_pooled = True  # the gather in flight writes a pooled buffer
 
     def _announce(self, op: str) -> None:
@@ -341,7 +346,11 @@ class ParamGroup:
                    if comm is None else
                    comm.allocate((self.world_size * self.shard_numel,), dtype=dtype,
                                  device=device))
-            if comm is None:
+            if comm is None and self.quantize_weights:  # Note [quantized communication]
+                pending = quantized_all_gather(out, send, self.pg, self.quantize_weights,
+                                               async_op=async_op,
+                                               what=f"all-gather of {self.unit_name}")
+            elif comm is None:
                 pending = all_gather(out, send, self.pg, async_op=async_op,
                                      what=f"all-gather of {self.unit_name}")
             else:  # Note [custom collectives]
@@ -561,6 +570,15 @@ class ParamGroup:
                         op=dist.ReduceOp.SUM)
             return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
                                  self.pool, [], views, dest, self.replicate_pg, options,
+                                 self.partial_sum, copies=self.copies)
+        if self.quantize_grads and w > 1:  # Note [quantized communication]
+            out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
+                else dest
+            self._announce("reduce-scatter")
+            pending = quantized_reduce_scatter_sum(out, full, self.pg, self.quantize_grads,
+                                                   exact_tail=len(trainable), async_op=True)
+            return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
+                                 [full], views, dest, self.replicate_pg, options,
                                  self.partial_sum, copies=self.copies)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest

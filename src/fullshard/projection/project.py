@@ -33,6 +33,9 @@ from .timeline import StepTime, UnitCost, step_time
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
+QUANTIZE = ("none", "weights", "grads", "weights,grads")
+INT8_WIRE_BYTES = 1 + 4 / 256  # int8 plus an fp32 scale per 256 elements
+QUANTIZE_GAIN = 0.05  # the speed-up quantized communication must bring to be ranked first
 ADAMW_BYTES_PER_PARAM = 28
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient, two moments
 
@@ -46,11 +49,18 @@ class Settings:
     checkpointing: str = "none"
     param_bytes: int = 2           # compute dtype of gathered parameters (bf16)
     reduce_bytes: int = 4          # gradient reduction dtype (fp32)
+    quantize: str = "none"         # int8 all-gathers / reduce-scatters (--parallel.quantize)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ProjectionError(f"strategy must be one of {', '.join(STRATEGIES)}, "
                                   f"got {self.strategy!r}")
+        if self.quantize not in QUANTIZE:
+            raise ProjectionError(f"quantize must be one of {', '.join(QUANTIZE)}, got "
+                                  f"{self.quantize!r}")
+        if self.quantize != "none" and self.strategy == "no_shard":
+            raise ProjectionError("quantize applies to all-gathers and reduce-scatters, "
+                                  "which no_shard does not issue")
         if self.checkpointing not in CHECKPOINTING:
             raise ProjectionError(f"activation checkpointing must be one of "
                                   f"{', '.join(CHECKPOINTING)}, got {self.checkpointing!r}")
@@ -88,6 +98,7 @@ class Projection:
         s = self.settings
         return {"model": self.model, "device": self.device, "world_size": self.world_size,
                 "strategy": s.strategy, "checkpointing": s.checkpointing,
+                "quantize": s.quantize,
                 "batch": s.batch, "grad_accum": s.grad_accum, "seq": s.seq,
                 "step_s": self.time.seconds, "tokens_per_s_per_device":
                     self.tokens_per_second_per_device, "mfu": self.mfu,
@@ -128,9 +139,17 @@ def _unit_costs(shape: ModelShape, cluster: Cluster, s: Settings) -> list[UnitCo
     extra = [0.0] + [recompute] * shape.n_layers + [0.0]
     params = _unit_params(shape)
     last = len(params) - 1
+    # Note [quantized communication]: int8 on the wire, plus the (de)quantizing passes
+    # through device memory: the gather quantizes the shard and dequantizes the unit, the
+    # reduce quantizes the unit's gradients and dequantizes and sums the shard's copies
+    words = s.quantize.split(",")
+    gather_bytes = INT8_WIRE_BYTES if "weights" in words else s.param_bytes
+    reduce_bytes = INT8_WIRE_BYTES if "grads" in words else s.reduce_bytes
     costs = []
     for i, (fwd, again, n) in enumerate(zip(flops, extra, params)):
-        gather = collective_seconds("all_gather", n * s.param_bytes, shard, link)
+        gather = collective_seconds("all_gather", n * gather_bytes, shard, link)
+        if "weights" in words:
+            gather += (n / shard + n) * (s.param_bytes + 1) / dev.memory_bandwidth
         # the root stays gathered through backward (torch's rule for the root), and so does
         # every unit under shard_grad_op; the last unit's backward follows its forward
         keeps = i == 0 or i == last or s.strategy == "shard_grad_op"
@@ -139,7 +158,9 @@ def _unit_costs(shape: ModelShape, cluster: Cluster, s: Settings) -> list[UnitCo
                                         world_link)
             replica = 0.0
         else:
-            reduce = collective_seconds("reduce_scatter", n * s.reduce_bytes, shard, link)
+            reduce = collective_seconds("reduce_scatter", n * reduce_bytes, shard, link)
+            if "grads" in words:
+                reduce += 2 * n * (s.reduce_bytes + 1) / dev.memory_bandwidth
             replica = collective_seconds("all_reduce", n * s.reduce_bytes / shard, replicas,
                                          replica_link)
         costs.append(UnitCost(forward=tokens * fwd / rate,
@@ -198,21 +219,29 @@ def _micro_batches(batch: int) -> Iterator[int]:
 def rank_configurations(shape: ModelShape, cluster: Cluster, *, batch: int, seq: int,
                         margin: float = 0.10, strategies: tuple[str, ...] = STRATEGIES,
                         checkpointing: tuple[str, ...] = ("none", "full"),
+                        quantize: tuple[str, ...] = ("none",),
                         ) -> tuple[list[Projection], list[Projection]]:
     """(configurations that fit, fastest first; those that do not). ``batch`` is the
     sequences per rank per optimizer step; smaller micro-batches reach it by accumulation.
     The default checkpointing choices are the ones ``fullshard train`` runs (per block,
-    full); "selective" is torchtitan's, for projecting its runs."""
+    full); "selective" is torchtitan's, for projecting its runs. ``quantize`` adds int8
+    communication choices (``weights,grads``) to each sharded configuration."""
     fits, over = [], []
     for strategy in strategies:
         if strategy == "hybrid_shard" and cluster.nodes == 1:
             continue
         for ac in checkpointing:
-            for micro in _micro_batches(batch):
-                p = project(shape, cluster, Settings(strategy, micro, seq, -(-batch // micro),
-                                                     ac))
-                (fits if p.fits(margin) else over).append(p)
-    fits.sort(key=lambda p: -p.tokens_per_second_per_device)
+            for q in quantize:
+                if q != "none" and strategy == "no_shard":
+                    continue
+                for micro in _micro_batches(batch):
+                    p = project(shape, cluster, Settings(strategy, micro, seq,
+                                                         -(-batch // micro), ac, quantize=q))
+                    (fits if p.fits(margin) else over).append(p)
+    # int8 communication rounds what is gathered and reduced: rank it first only when it
+    # is more than QUANTIZE_GAIN faster than full precision
+    fits.sort(key=lambda p: -p.tokens_per_second_per_device / (
+        1.0 if p.settings.quantize == "none" else 1.0 + QUANTIZE_GAIN))
     over.sort(key=lambda p: p.memory_bytes)
     return fits, over
 
@@ -235,4 +264,6 @@ def train_flags(p: Projection, model: str) -> str:
               f"--parallel.activation_checkpointing {str(s.checkpointing != 'none').lower()}",
               f"--batch.batch_size {s.batch}", f"--batch.grad_accum {s.grad_accum}",
               f"--batch.seq_len {s.seq}", "--parallel.precision bf16"]
+    if s.quantize != "none":
+        flags.append(f"--parallel.quantize {s.quantize}")
     return " ".join(flags)

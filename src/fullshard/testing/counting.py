@@ -7,7 +7,9 @@ from collections import Counter
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from ..core import collectives as collectives_module
 from ..core import gradients as gradients_module
 from ..core import group as group_module
 from ..core import post_forward as post_forward_module
@@ -52,6 +54,29 @@ def count_collectives():
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+
+
+@contextlib.contextmanager
+def count_sent_bytes():
+    """Yield a Counter of the bytes this rank sends: ``all_gather`` (fullshard's flat
+    all-gathers, quantized or not) and ``reduce_scatter`` (all-to-alls: gloo's
+    reduce-scatter is one, Note [reduce-scatter on gloo], and so is the quantized one)."""
+    counts: Counter = Counter()
+    real_gather, real_a2a = collectives_module._all_gather_flat, dist.all_to_all_single
+
+    def gather(output, input, *args, **kwargs):
+        counts["all_gather"] += input.numel() * input.element_size()
+        return real_gather(output, input, *args, **kwargs)
+
+    def a2a(output, input, *args, **kwargs):
+        counts["reduce_scatter"] += input.numel() * input.element_size()
+        return real_a2a(output, input, *args, **kwargs)
+
+    collectives_module._all_gather_flat, dist.all_to_all_single = gather, a2a
+    try:
+        yield counts
+    finally:
+        collectives_module._all_gather_flat, dist.all_to_all_single = real_gather, real_a2a
 
 
 def count_forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[dict, dict]:

@@ -70,6 +70,7 @@ else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
     import tomli as tomllib
 
 Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
+Quantize = Literal["none", "weights", "grads", "weights,grads"]
 Precision = Literal["fp32", "bf16", "fp16"]
 STRATEGIES = typing.get_args(Strategy)
 PRECISIONS = typing.get_args(Precision)
@@ -181,6 +182,10 @@ class ParallelConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile before sharding (one graph per
     block; fullshard's gathers and reductions run between them)."""
+    quantize: Quantize = "none"
+    """Communicate in int8 with one fp32 scale per 256 elements (ZeRO++): weights (the
+    all-gathers), grads (the reduce-scatters, summed in fp32), or weights,grads. For
+    bandwidth-bound links; the shards, optimizer and checkpoints stay exact."""
     offload: Offload = "none"
     """cpu: keep parameters, gradients and optimizer states in CPU memory (CPU offload);
     the optimizer steps there, fused. disk:PATH: the same, with the optimizer states in
@@ -315,6 +320,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"parallel.reshard_after_forward: {raf} frees the parameters that "
                           "parallel.strategy zero1 keeps gathered; leave it auto, or choose "
                           "full_shard")
+    if cfg.parallel.quantize != "none" and cfg.parallel.strategy == "no_shard":
+        raise ConfigError(f"parallel.quantize: {cfg.parallel.quantize} quantizes all-gathers "
+                          "and reduce-scatters, which parallel.strategy no_shard does not "
+                          "issue; choose a sharded strategy or parallel.quantize none")
     offload = cfg.parallel.offload
     if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
         raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "

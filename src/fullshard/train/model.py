@@ -276,6 +276,9 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) ->
                         mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
     if parallel.strategy == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
         sharded.set_keep_unsharded_storage(True)
+    if parallel.quantize != "none":  # Note [quantized communication]
+        words = parallel.quantize.split(",")
+        sharded.set_quantized_communication(weights="weights" in words, grads="grads" in words)
     return sharded
 
 
