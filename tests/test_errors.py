@@ -61,8 +61,9 @@ def _unsupported_options():
         param_dtype=torch.int8)), ValueError,
         r"fully_shard\(Linear\): mp_policy.param_dtype=torch.int8 is not a floating-point")
     _raises(lambda: fully_shard(nn.Linear(2, 2), offload_policy="cpu"),
-            TypeError, r"offload_policy must be OffloadPolicy\(\) or CPUOffloadPolicy\(\) "
-                       r"\(fullshard's or torch.distributed.fsdp's\) or None, got str")
+            TypeError, r"offload_policy must be OffloadPolicy\(\), CPUOffloadPolicy\(\) "
+                       r"\(fullshard's or torch.distributed.fsdp's\), "
+                       r"DiskOffloadPolicy\(path=...\) or None, got str")
     _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3),
             ValueError, r"reshard_after_forward=3 must divide the shard group size 2")
     _raises(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"),
