@@ -147,3 +147,20 @@ def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path)
     assert f"--parallel.offload disk:{tmp_path}" in chosen.train_flags("bf16")
     table = est.table()
     assert "offload (states on disk)" in table and "disk for optimizer states" in table
+
+
+def test_estimate_and_plan_with_int8_communication():
+    """int8 reduce-scatters replace gloo's full-size receive buffer by int8 ones (lower);
+    no_shard has nothing to quantize (refused by estimate, skipped by plan); the plan's
+    flags carry --parallel.quantize."""
+    cfg = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8)
+    kw = dict(world_size=2, batch_size=8, device="cpu", process_baseline=0)
+    plain, int8 = estimate(cfg, **kw), estimate(cfg, quantize_comm="weights,grads", **kw)
+    assert int8.lines["communication buffers"] < plain.lines["communication buffers"]
+    assert int8.settings["quantize_comm"] == "weights,grads"
+    with pytest.raises(ValueError, match="no_shard does not issue"):
+        estimate(cfg, strategy="no_shard", quantize_comm="grads", **kw)
+    chosen = plan(cfg, world_size=2, budget_bytes=2 ** 40, batch_size=8, device="cpu",
+                  process_baseline=0, quantize_comm="grads")
+    assert chosen.choice.strategy != "no_shard"
+    assert "--parallel.quantize grads" in chosen.train_flags()

@@ -21,7 +21,7 @@ MIB = 2 ** 20
 
 
 def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool,
-                    param_dtype: torch.dtype | None = None):
+                    param_dtype: torch.dtype | None = None, quantize_comm: str = "none"):
     from fullshard import MixedPrecisionPolicy
     from fullshard.activation_checkpointing import apply_activation_checkpointing
 
@@ -34,6 +34,9 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=strategy == "full_shard", mp_policy=mp)
     fully_shard(model, reshard_after_forward=strategy == "full_shard", mp_policy=mp)
+    if quantize_comm != "none":
+        model.set_quantized_communication(weights="weights" in quantize_comm,
+                                          grads="grads" in quantize_comm)
     if activation_checkpointing:
         apply_activation_checkpointing(model, lambda m: m in set(model.layers))
     model.to_empty(device="cpu")
@@ -124,3 +127,18 @@ def test_planned_configuration_runs_under_its_budget():
 
 def _baseline() -> int:
     return MemoryTracker(warm_up=True).baseline_bytes
+
+
+def test_quantized_communication_estimate_within_10_percent_of_measured_peak():
+    """int8 gathers and reductions: their send and receive buffers and the fp32 passes that
+    dequantize are in the estimate (Note [quantized communication])."""
+    cfg = GPTConfig(vocab_size=32000, seq_len=SEQ, d_model=768, n_layers=8, n_heads=12)
+    reports = run_distributed(train_and_track, 2, cfg, "full_shard", BATCH, False, None,
+                              "weights,grads", timeout=300)
+    for rank, report in enumerate(reports):
+        est = estimate(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, device="cpu",
+                       process_baseline=report["baseline_bytes"], quantize_comm="weights,grads")
+        error = (est.total - report["peak_bytes"]) / report["peak_bytes"]
+        print(f"int8 communication, rank {rank}: measured {report['peak_bytes'] / MIB:.0f} "
+              f"MiB, estimated {est.total / MIB:.0f} MiB ({error:+.1%})")
+        assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())

@@ -60,6 +60,9 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=LORA_RANK, default=0, help="LoRA adapters of "
                         "this rank on the blocks' linear layers, every other weight frozen "
                         "(fullshard train --lora.rank)")
+    parser.add_argument("--int8-comm", choices=["none", "weights", "grads", "weights,grads"],
+                        default="none", help="int8 all-gathers and/or reduce-scatters "
+                        "(fullshard train --parallel.quantize): their buffers counted")
     parser.add_argument("--baseline-mib", type=BASELINE_MIB, help="process baseline to add "
                         "(default: 0 on cuda, this process's RSS on cpu)")
 
@@ -91,7 +94,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
               "device": args.device, "activation_checkpointing": pick["ac"],
               "process_baseline": None if args.baseline_mib is None
               else int(args.baseline_mib * 2 ** 20),
-              "quantize": args.quantize, "lora_rank": args.lora_rank}
+              "quantize": args.quantize, "lora_rank": args.lora_rank,
+              "quantize_comm": args.int8_comm}
     return source, kwargs, pick
 
 

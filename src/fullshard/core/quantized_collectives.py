@@ -75,6 +75,16 @@ def dequantize(packed: torch.Tensor, width: int, block: int) -> torch.Tensor:
     return (q.float() * scale).view(n_rows, nb * block)[:, :width]
 
 
+# Rows dequantized per pass: the fp32 temporary is this many rows, not the world's.
+ROWS_PER_PASS = 8
+
+
+def _dequantize_rows(packed: torch.Tensor, width: int, block: int):
+    """``(first_row, fp32 values)`` for passes of at most ROWS_PER_PASS rows."""
+    for first in range(0, packed.shape[0], ROWS_PER_PASS):
+        yield first, dequantize(packed[first:first + ROWS_PER_PASS], width, block)
+
+
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                          block: int, async_op: bool = False,
                          what: str = "an all-gather") -> Pending:
@@ -88,7 +98,9 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.
     work = collectives._all_gather_flat(received, send.view(-1), group=group, async_op=True)
 
     def unpack() -> None:
-        output.view(w, n).copy_(dequantize(received.view(w, per_rank), n, block))
+        rows = output.view(w, n)
+        for first, values in _dequantize_rows(received.view(w, per_rank), n, block):
+            rows[first:first + values.shape[0]].copy_(values)
 
     return _done(Pending(output, work, unpack), async_op, what)
 
@@ -114,7 +126,9 @@ def quantized_reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor,
     work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
 
     def sum_copies() -> None:
-        total = dequantize(received[:, :q_bytes], body, block).sum(dim=0)
+        total = torch.zeros(body, dtype=torch.float32, device=output.device)
+        for _, values in _dequantize_rows(received[:, :q_bytes], body, block):
+            total += values.sum(dim=0)
         output[:body].copy_(total)
         if exact_tail:
             output[body:].copy_(received[:, q_bytes:].view(torch.float32).sum(dim=0))

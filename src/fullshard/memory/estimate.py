@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.buffers import DEFAULT_MAX_NUMEL
+from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..policies import DiskOffloadPolicy, MixedPrecisionPolicy
 from .activations import StepTrace, trace_step
@@ -82,7 +83,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
              batch_size: int = 1, seq_len: int | None = None, optimizer: str = "adamw",
              device: str = "cuda", bucket_numel: int = DEFAULT_BUCKET_NUMEL,
              process_baseline: int | None = None, loss_of: LossOf | None = None,
-             quantize: str | None = None, lora_rank: int = 0) -> MemoryEstimate:
+             quantize: str | None = None, lora_rank: int = 0,
+             quantize_comm: str = "none") -> MemoryEstimate:
     """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
 
     Args:
@@ -117,6 +119,9 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             the estimate] in memory/weights.py.
         lora_rank: LoRA adapters of this rank beside every linear layer of the blocks,
             every other weight frozen (``fullshard train --lora.rank``); 0: none.
+        quantize_comm: ``weights``, ``grads`` or ``weights,grads``: int8 all-gathers and/or
+            reduce-scatters (set_quantized_communication; ``--parallel.quantize``), whose
+            send and receive buffers and fp32 (de)quantizing passes are counted.
     """
     _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank)
     step = trace_workload(model_or_config, mp_policy=mp_policy,
@@ -126,7 +131,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
     return estimate_traced(step, world_size=world_size, strategy=strategy,
                            reshard_after_forward=reshard_after_forward, offload=offload,
                            optimizer=optimizer, device=device, bucket_numel=bucket_numel,
-                           process_baseline=process_baseline)
+                           process_baseline=process_baseline, quantize_comm=quantize_comm)
 
 
 @dataclass(frozen=True)
@@ -179,12 +184,20 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                     offload: bool | str = False,
                     optimizer: str = "adamw", device: str = "cuda",
                     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                    process_baseline: int | None = None) -> MemoryEstimate:
+                    process_baseline: int | None = None,
+                    quantize_comm: str = "none") -> MemoryEstimate:
     """``estimate`` of a traced step: fullshard's schedule replayed over it."""
     _check_run(strategy, reshard_after_forward, world_size, optimizer, step.quantize,
                step.lora_rank)
     raf = _reshard_rule(strategy, reshard_after_forward, world_size)
     offload = offload_mode(offload)
+    if quantize_comm not in ("none", "weights", "grads", "weights,grads"):
+        raise ValueError("estimate: quantize_comm must be none, weights, grads or "
+                         f"weights,grads, got {quantize_comm!r}")
+    if quantize_comm != "none" and strategy == "no_shard" and world_size > 1:
+        raise ValueError(f"estimate: quantize_comm={quantize_comm!r} quantizes all-gathers and "
+                         "reduce-scatters, which no_shard does not issue")
+    words = quantize_comm.split(",")
     shard_size = 1 if strategy == "no_shard" and reshard_after_forward is None else world_size
     policy, param_dtype, model = step.policy, step.param_dtype, step.model
     compute_dtype = policy.param_dtype or param_dtype
@@ -196,6 +209,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload != "none",
         states_on_disk=DISK_CHUNK_NUMEL if offload == "disk" else 0,
+        quantize_weights=DEFAULT_BLOCK_SIZE if "weights" in words else 0,
+        quantize_grads=DEFAULT_BLOCK_SIZE if "grads" in words else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
         keep_unsharded=strategy == "zero1" and reshard_after_forward is None)
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
@@ -215,7 +230,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                   "dtype": _dtype_name(policy, param_dtype), "batch_size": step.batch_size,
                   "seq_len": step.seq_len, "optimizer": optimizer, "offload": offload,
                   "activation_checkpointing": step.activation_checkpointing,
-                  "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank})
+                  "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank,
+                  "quantize_comm": quantize_comm})
 
 
 def offload_mode(offload: bool | str) -> str:

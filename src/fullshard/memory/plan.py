@@ -21,7 +21,8 @@ With a host budget, offloaded candidates must also fit it with their host memory
 (shards, gradients and, unless on disk, optimizer states) times ``1 + margin``.
 zero1 is not a candidate: it moves what shard_grad_op moves and holds more (Note
 [ZeRO-1 is ZeRO-2 keeping the gathered storage]), so it never wins on either count.
-Quantized weights (NF4, float8) do not run on no_shard's 2-D mesh, so with them
+Quantized weights (NF4, float8) do not run on no_shard's 2-D mesh, and int8
+communication has no all-gather or reduce-scatter to quantize there, so with either
 no_shard is considered at world size 1 only. A step is traced once per
 (checkpointing, micro-batch) and replayed for each strategy and offload choice.
 """
@@ -92,6 +93,8 @@ class Plan:
         if precision:
             flags.append(f"--parallel.precision {precision}")
         s = self.estimate.settings
+        if s.get("quantize_comm", "none") != "none":
+            flags.append(f"--parallel.quantize {s['quantize_comm']}")
         if s.get("lora_rank"):
             flags.append(f"--lora.rank {s['lora_rank']}")
             flags.append(f"--lora.base {'nf4' if s.get('quantize') == 'nf4' else 'fp32'}")
@@ -144,8 +147,9 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
     trace_keys = ("mp_policy", "loss_of", "quantize", "lora_rank")
     trace_kwargs = {k: v for k, v in estimate_kwargs.items() if k in trace_keys}
     replay_kwargs = {k: v for k, v in estimate_kwargs.items() if k not in trace_keys}
+    quantized_comm = replay_kwargs.get("quantize_comm", "none") != "none"
     strategies = tuple(s for s in STRATEGY_COST if not (
-        s == "no_shard" and world_size > 1 and trace_kwargs.get("quantize")))
+        s == "no_shard" and world_size > 1 and (trace_kwargs.get("quantize") or quantized_comm)))
     rejected: list[tuple[Candidate, int]] = []
     traces: dict[tuple[bool, int], TracedStep] = {}
     found = lambda cand, est: Plan(cand, est, budget_bytes, rejected,  # noqa: E731

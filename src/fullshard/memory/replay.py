@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.buffers import FreeLists
+from ..core.quantized_collectives import ROWS_PER_PASS, wire_bytes
 from ..core.schedule import (GatherPlan, PrefetchOrder, ReducePlan, backward_is_done,
                              frees_after_forward, gather_plan, reduce_plan, shard_device_for)
 from .activations import StepTrace
@@ -67,6 +68,8 @@ class RunSettings:
     heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
     keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
     states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
+    quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
+    quantize_grads: int = 0
 
     @property
     def shard_device(self) -> torch.device:
@@ -235,6 +238,12 @@ class Replay:
         if total > peak.total:
             peak.total, peak.breakdown = total, breakdown
 
+    def _sample_with(self, nbytes: int) -> None:
+        """Sample with a communication temporary of ``nbytes`` alive."""
+        self.ledger.alloc(("temporary",), COMMUNICATION, nbytes)
+        self._sample()
+        self.ledger.free(("temporary",))
+
     # -- forward (hooks._pre_forward, _root_pre_forward, _post_forward) -------------------
     def _on_pre_forward(self, unit: int) -> None:
         group = self.group_of_unit.get(unit)
@@ -325,11 +334,17 @@ class Replay:
         if plan.all_reduce:  # all-reduced in ``full``, then copied over
             self._sample()
             return group, full, None, None
-        scratch = self.pool.take(w * numel, s.reduce_dtype) if plan.scratch else None
+        quantized = s.quantize_grads and w > 1  # Note [quantized communication]
+        scratch = self.pool.take(w * numel, s.reduce_dtype) \
+            if plan.scratch and not quantized else None
         out = None
         if plan.output:
             out = ("out", group.index)
             self.ledger.alloc(out, COMMUNICATION, numel * s.reduce_dtype.itemsize)
+        if quantized:  # int8 chunks to send and as many received, until the sum
+            per_rank = wire_bytes(numel - len(layout.trainable), s.quantize_grads) \
+                + 4 * len(layout.trainable)
+            self.ledger.alloc(("q_reduce", group.index), COMMUNICATION, 2 * w * per_rank)
         self._sample()
         return group, full, scratch, out
 
@@ -352,12 +367,17 @@ class Replay:
     def _finish_pending_reduce(self) -> None:
         if self._pending is None:
             return
-        _group, full, scratch, out = self._pending
+        group, full, scratch, out = self._pending
         self._pending = None
+        if self.ledger.holds(("q_reduce", group.index)):  # fp32 sum, a pass of rows
+            numel = group.layout.reduce_numel
+            self._sample_with((1 + min(ROWS_PER_PASS, group.layout.shard_size)) * numel * 4)
         self.pool.give(full)
         self.pool.give(scratch)
         if out is not None:
             self.ledger.free(out)
+        if self.ledger.holds(("q_reduce", group.index)):
+            self.ledger.free(("q_reduce", group.index))
 
     # -- gathering (ParamGroup.unshard, wait_unshard, reshard) -------------------------------
     def _unsharded_bytes(self, group: _Group) -> int:
@@ -398,6 +418,10 @@ class Replay:
             return
         sends = [self.pool.take(layout.shard_numel, s.compute_dtype)] if plan.send else []
         out = self.pool.take(layout.unsharded_numel, s.compute_dtype)
+        if s.quantize_weights:  # Note [quantized communication]: the int8 shard and all of them
+            per_rank = wire_bytes(layout.shard_numel, s.quantize_weights)
+            self.ledger.alloc(("q_gather", group.index), COMMUNICATION,
+                              (1 + layout.shard_size) * per_rank)
         group.gather = (out, sends)
         group.state = "gathering"
 
@@ -419,10 +443,18 @@ class Replay:
             for send in sends:
                 self.pool.give(send)
             self._hold(("unsharded", group.index), self._unsharded_bytes(group))
+            if self.ledger.holds(("q_gather", group.index)):  # dequantized a pass at a time
+                self._sample_with(min(ROWS_PER_PASS, group.layout.shard_size)
+                                  * group.layout.shard_numel * 4)
             self._sample()  # copy-out: gathered and unsharded both alive
             self.pool.give(out)
+            self._free_quantized_gather(group)
         group.gather = None
         group.state = "unsharded"
+
+    def _free_quantized_gather(self, group: _Group) -> None:
+        if self.ledger.holds(("q_gather", group.index)):
+            self.ledger.free(("q_gather", group.index))
 
     def _hold(self, key: tuple, nbytes: int) -> None:
         """Gathered parameters' storage: allocated unless kept from the last gather."""
@@ -469,6 +501,7 @@ class Replay:
                 self.pool.give(out)
                 for send in sends:
                     self.pool.give(send)
+                self._free_quantized_gather(group)
             group.gather = None
         if not self.settings.keep_unsharded:
             for key in (("unsharded", group.index), ("side", group.index)):
