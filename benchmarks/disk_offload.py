@@ -13,9 +13,10 @@ Three figures, each printed with the command's settings:
    its I/O thread spent on them (MB/s), beside what ``dd`` with direct I/O writes and
    reads in the same directory (the disk's raw sequential speed).
 3. Peak memory: each rank's peak RSS training ``--memory-model`` (default W3's shape:
-   d=1024, 16 layers, vocab 32000) with CPU offload and with states on disk, each in
-   fresh processes, against the bytes moved to disk (the AdamW states of the rank's
-   shards less the three staging chunks).
+   d=1024, 16 layers, vocab 32000) with CPU offload, with the states on disk, and with
+   the states and the parameters on disk (``params=True``), each in fresh processes,
+   against the bytes moved to disk (the AdamW states of the rank's shards less the three
+   staging chunks; then also the fp32 parameter shards).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _interleaved(directory: str, steps: int, cfg: GPTConfig) -> dict:
 
 def _peak_rss(kind: str, directory: str, model: str, steps: int) -> dict:
     cfg, batch = MEMORY_MODELS[model]
-    policy = (DiskOffloadPolicy(path=directory, chunk_numel=CHUNK) if kind == "disk"
-              else CPUOffloadPolicy())
+    policy = (CPUOffloadPolicy() if kind == "cpu" else
+              DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=kind == "params"))
     net, opt = _sharded(cfg, policy)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
@@ -96,7 +97,8 @@ def _peak_rss(kind: str, directory: str, model: str, steps: int) -> dict:
     shard_numel = sum(p.to_local().numel() for p in net.parameters())
     staging = sum(s.files.staging_bytes for s in disk_states_of(opt))
     return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "states_bytes": 2 * 4 * shard_numel, "staging": staging}
+            "states_bytes": 2 * 4 * shard_numel, "param_bytes": 4 * shard_numel,
+            "staging": staging}
 
 
 def _dd(directory: str, mib: int = 512) -> tuple[float, float]:
@@ -159,16 +161,20 @@ def main() -> None:
     print(f"\npeak RSS per rank, {args.memory_model} ({args.memory_steps} steps, fresh "
           "processes each):")
     peaks = {}
-    for kind in ("cpu", "disk"):
+    for kind in ("cpu", "disk", "params"):
         peaks[kind] = run_distributed(_peak_rss, world, kind, directory, args.memory_model,
                                       args.memory_steps, timeout=1800)
     for rank in range(world):
-        cpu, disk = peaks["cpu"][rank], peaks["disk"][rank]
-        drop = cpu["peak_rss"] - disk["peak_rss"]
-        moved = cpu["states_bytes"] - disk["staging"]
-        print(f"  rank {rank}: CPU offload {cpu['peak_rss'] / 2**20:,.0f} MiB, states on disk "
-              f"{disk['peak_rss'] / 2**20:,.0f} MiB: drop {drop / 2**20:,.0f} MiB; states moved "
-              f"to disk less staging {moved / 2**20:,.0f} MiB; drop / moved {drop / moved:.3f}")
+        cpu = peaks["cpu"][rank]
+        for kind, what in (("disk", "states"), ("params", "states and parameters")):
+            disk = peaks[kind][rank]
+            drop = cpu["peak_rss"] - disk["peak_rss"]
+            moved = cpu["states_bytes"] - disk["staging"] + (
+                cpu["param_bytes"] if kind == "params" else 0)
+            print(f"  rank {rank}: CPU offload {cpu['peak_rss'] / 2**20:,.0f} MiB, {what} on "
+                  f"disk {disk['peak_rss'] / 2**20:,.0f} MiB: drop {drop / 2**20:,.0f} MiB; "
+                  f"moved to disk less staging {moved / 2**20:,.0f} MiB; drop / moved "
+                  f"{drop / moved:.3f}")
     if not args.dir:
         os.rmdir(directory)
 

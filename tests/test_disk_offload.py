@@ -95,6 +95,46 @@ def _same_as_cpu_offload(directory, kind):
     return out
 
 
+def _parameters_on_disk(directory):
+    from fullshard.core.mapped import resident_bytes
+    cpu = _build(CPUOffloadPolicy(pin_memory=False), "adamw")
+    disk = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=True), "adamw")
+    _train(*cpu, 3)
+    _train(*disk, 3)
+    shards = [u.group.flat_shard for u in (disk[0].layers[0]._unit, disk[0]._unit)]
+    # resident now? touch every shard, then give the pages back as a gather does
+    before = resident_bytes()
+    touched = sum(float(s.sum()) for s in shards)
+    during = resident_bytes()
+    from fullshard.core.mapped import page_out
+    for s in shards:
+        page_out(s)
+    after = resident_bytes()
+    nbytes = sum(s.numel() * s.element_size() for s in shards)
+    out = {"weights": _max_diff(cpu[0], disk[0]), "states": _states_diff(cpu[1], disk[1]),
+           "paged_in": during - before, "paged_out": during - after, "shard_bytes": nbytes,
+           "touched": touched == touched, "files": os.listdir(directory)}
+    fcp.save(os.path.join(directory, "ckpt", "s3"), *disk)  # state dicts read mapped shards
+    resumed = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=True), "adamw")
+    fcp.load(os.path.join(directory, "ckpt", "s3"), *resumed)
+    _train(*cpu, 2, first=3)
+    _train(*resumed, 2, first=3)
+    out["resumed"] = _max_diff(cpu[0], resumed[0])
+    return out
+
+
+def test_parameters_on_disk_train_exactly_and_give_their_pages_back(tmp_path):
+    """DiskOffloadPolicy(params=True): the flat shards are unlinked file mappings (no file
+    left in the folder; the states' folder is), paged out after each use; training,
+    checkpointing and resuming are CPU offload's, bit for bit."""
+    for out in run_distributed(_parameters_on_disk, 2, str(tmp_path)):
+        assert out["weights"] == 0.0 and out["states"] == 0.0 and out["resumed"] == 0.0, out
+        assert all(name.startswith("fullshard-optim-states-") or name == "ckpt"
+                   for name in out["files"]), out["files"]
+        assert out["paged_in"] > 0.5 * out["shard_bytes"], out
+        assert out["paged_out"] > 0.5 * out["shard_bytes"], out
+
+
 @pytest.mark.parametrize("kind", ["adamw", "fused_adamw", "sgd"])
 def test_disk_offload_steps_exactly_as_cpu_offload(kind, tmp_path):
     for out in run_distributed(_same_as_cpu_offload, 2, str(tmp_path), kind):

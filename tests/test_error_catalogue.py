@@ -444,6 +444,8 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         "E139": _message(lambda: resolve("--parallel.offload", "ssd")),
         "E143": _message(lambda: resolve("--parallel.strategy", "no_shard",
                                          "--parallel.quantize", "grads")),
+        "E144": _message(lambda: resolve("--parallel.offload", "cpu",
+                                         "--parallel.offload-params", "true")),
         "E140": _message(lambda: resolve("--parallel.offload",
                                          "disk:" + os.path.join(tmp, "no-states-dir"))),
         "E115": _message(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),

@@ -50,6 +50,8 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path
         "hpz": {"batch.batch_size": 4, "parallel.reshard_after_forward": 2},
         "offloaded": {"batch.batch_size": 4, "parallel.offload": True},
         "states_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}"},
+        "params_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}",
+                           "parallel.offload_params": True},
     }
     losses = run_distributed(_variants, 2, variants)[0]
     reference = losses.pop("full_shard")

@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .core import registry
 from .core.registry import SHARDED_ORIGINALS
+from .core.mapped import page_out
 from .core.state import finish_all_pending_reduces
 from .offload import step_on_disk
 from .policies import DiskOffloadPolicy
@@ -184,6 +185,19 @@ def _local_view(p: DTensor) -> torch.Tensor | None:
 def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if not _in_chunk_step:
         _restore(opt)
+        _page_out_parameters(opt)
+
+
+def _page_out_parameters(opt: torch.optim.Optimizer) -> None:
+    """Give back the pages the step touched of parameters kept on disk (Note [parameters
+    on disk]); the disk step gives back its chunks as it goes, the rest go here."""
+    if not registry.any_tracked():
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            owner = registry.owner_of(p)
+            if owner is not None and getattr(owner.offload, "params", False):
+                page_out(p._local_tensor)
 
 
 def _chunk_step(opt: torch.optim.Optimizer) -> None:

@@ -89,10 +89,14 @@ class DiskOffloadPolicy(CPUOffloadPolicy):
             three chunks' worth (reading ahead, stepping, writing back):
             ``3 * chunk_numel * bytes of states per element`` (24 bytes x chunk_numel for
             fp32 Adam). Rounded up to a multiple of 4096.
+        params: also keep the unit's sharded parameters in a file under ``path``, paged
+            in when used (each gather's copy-in, the optimizer step, state dicts) and
+            given back right after (Note [parameters on disk] in core/mapped.py).
     """
 
     path: str = field(kw_only=True)
     chunk_numel: int = field(default=1 << 22, kw_only=True)
+    params: bool = field(default=False, kw_only=True)
 
 
 def _torch_policies() -> tuple[type, type, type]:
@@ -140,6 +144,8 @@ def _checked_disk_policy(policy: DiskOffloadPolicy, label: str) -> DiskOffloadPo
     if not isinstance(policy.chunk_numel, int) or policy.chunk_numel <= 0:
         raise ValueError(f"{where}: chunk_numel must be a positive int, got "
                          f"{policy.chunk_numel!r}.")
+    if not isinstance(policy.params, bool):
+        raise ValueError(f"{where}: params must be True or False, got {policy.params!r}.")
     if not isinstance(policy.path, (str, os.PathLike)) or not str(policy.path):
         raise ValueError(f"{where}: path must name a directory on a local disk.")
     path = os.fspath(policy.path)

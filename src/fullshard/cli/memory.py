@@ -109,10 +109,10 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                         help="activation checkpointing of every block")
     parser.add_argument("--offload", nargs="?", const="cpu", default="none",
-                        choices=["none", "cpu", "disk"], help="cpu (the default with no "
-                        "value): shards, gradients and optimizer states in host memory "
-                        "(CPUOffloadPolicy); disk: the optimizer states in files "
-                        "(DiskOffloadPolicy)")
+                        choices=["none", "cpu", "disk", "disk+params"], help="cpu (the "
+                        "default with no value): shards, gradients and optimizer states in "
+                        "host memory (CPUOffloadPolicy); disk: the optimizer states in files "
+                        "(DiskOffloadPolicy); disk+params: the parameter shards too")
     parser.add_argument("--sweep", action="store_true",
                         help="peak for world sizes 1, 2, 4, ... up to --world-size, each strategy")
     parser.add_argument("--zero-table", action="store_true", help="model states only, in the "

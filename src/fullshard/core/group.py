@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -73,6 +74,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPool
 from .collectives import Pending, all_gather, all_reduce_sum, reduce_scatter_sum
+from .mapped import mapped_empty, page_out
 from .quantized_collectives import quantized_all_gather, quantized_reduce_scatter_sum
 from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
                         take_unsharded_grad)
@@ -203,12 +205,22 @@ class ParamGroup:
         for p in self.subclass.params if self.subclass is not None else ():
             p.shard_subclass(full[p], self.unit_name, requires_grad=requires_grad[p],
                              device=self.shard_device(device))
+        if self.shard_on_disk and not self.flat_shard.is_meta:
+            page_out(self.flat_shard)
 
     def shard_device(self, device: torch.device) -> torch.device:
         """Where the flat shard lives when parameters are computed on ``device``."""
         return shard_device_for(self.offload is not None, device)
 
+    @property
+    def shard_on_disk(self) -> bool:
+        """Whether the flat shard is a file mapping (Note [parameters on disk])."""
+        return getattr(self.offload, "params", False)
+
     def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.shard_on_disk and device.type == "cpu":  # Note [parameters on disk]
+            return mapped_empty(self.shard_numel, dtype, os.fspath(self.offload.path),
+                                self.unit_name)
         pin = (self.offload is not None and self.offload.pin_memory and device.type == "cpu"
                and self.compute_device.type == "cuda")
         return torch.empty(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
@@ -342,6 +354,8 @@ class ParamGroup:
             if self._gather_plan().send:  # the one copy-in: cast / offload
                 send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
                 send.copy_(self.flat_shard, non_blocking=True)
+                if self.shard_on_disk:  # a pageable source: copied once copy_ returns
+                    page_out(self.flat_shard)
             out = (self.pool.take(self.world_size * self.shard_numel, dtype, device)
                    if comm is None else
                    comm.allocate((self.world_size * self.shard_numel,), dtype=dtype,

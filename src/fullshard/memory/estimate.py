@@ -41,7 +41,7 @@ class MemoryEstimate:
     lines: dict[str, int]             # CATEGORIES + process baseline, at the peak
     peak_phase: str                   # forward | backward | optimizer
     phase_peaks: dict[str, int]       # each phase's peak, baseline included
-    host_bytes: int                   # offloaded shards, gradients, states (not on device)
+    host_bytes: int                   # offloaded shards, gradients, states at their peak
     num_params: int
     trainable_params: int
     settings: dict[str, Any] = field(default_factory=dict)
@@ -58,7 +58,8 @@ class MemoryEstimate:
                 f"{s['world_size']}, {s['strategy']}, {s['dtype']}, batch {s['batch_size']} x "
                 f"{s['seq_len']}, {s['optimizer']}"
                 + (", activation checkpointing" if s["activation_checkpointing"] else "")
-                + ({"cpu": ", offload", "disk": ", offload (states on disk)"}.get(
+                + ({"cpu": ", offload", "disk": ", offload (states on disk)",
+                    "disk+params": ", offload (states and parameters on disk)"}.get(
                     s["offload"], ""))
                 + (f", {s['quantize']} weights" if s.get("quantize") else "")
                 + (f", LoRA rank {s['lora_rank']} ({self.trainable_params / 1e6:,.1f}M "
@@ -103,7 +104,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         offload: ``"cpu"`` (or True): shards, gradients and optimizer states on the host
             (CPUOffloadPolicy); ``"disk"``: the same with the optimizer states in files,
             the host holding three chunks of them (DiskOffloadPolicy's default
-            chunk_numel); ``"none"`` (or False): on the device.
+            chunk_numel); ``"disk+params"``: the parameter shards on disk too (paged in
+            one unit at a time); ``"none"`` (or False): on the device.
         activation_checkpointing: every unit but the root recomputes its forward.
         batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
         optimizer: adamw, adam, sgd, sgd-momentum, adagrad or rmsprop.
@@ -208,7 +210,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload != "none",
-        states_on_disk=DISK_CHUNK_NUMEL if offload == "disk" else 0,
+        states_on_disk=DISK_CHUNK_NUMEL if offload.startswith("disk") else 0,
+        params_on_disk=offload == "disk+params",
         quantize_weights=DEFAULT_BLOCK_SIZE if "weights" in words else 0,
         quantize_grads=DEFAULT_BLOCK_SIZE if "grads" in words else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
@@ -223,7 +226,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     return MemoryEstimate(
         lines=lines, peak_phase=phase,
         phase_peaks={p: v.total + process_baseline for p, v in peaks.items()},
-        host_bytes=replay.ledger.host, disk_bytes=replay.disk_bytes, num_params=sum(p.numel() for p in model.parameters()),
+        host_bytes=replay.ledger.host_peak, disk_bytes=replay.disk_bytes, num_params=sum(p.numel() for p in model.parameters()),
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         settings={"model": step.name, "world_size": world_size,
                   "strategy": _strategy_name(strategy, reshard_after_forward),
@@ -240,9 +243,10 @@ def offload_mode(offload: bool | str) -> str:
         return "none"
     if offload in (True, "cpu"):
         return "cpu"
-    if offload == "disk":
-        return "disk"
-    raise ValueError(f"estimate: offload must be none, cpu or disk (or a bool), got {offload!r}")
+    if offload in ("disk", "disk+params"):
+        return offload
+    raise ValueError("estimate: offload must be none, cpu, disk or disk+params (or a bool), "
+                     f"got {offload!r}")
 
 
 def _check_run(strategy: str, reshard_after_forward: bool | int | None, world_size: int,

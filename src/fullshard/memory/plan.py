@@ -11,6 +11,8 @@ fits wins:
     + offload (only if allowed)  x 2.00  (host-device copies and a CPU optimizer)
     + states on disk             x 1.30 more (only with a states directory, and then
                                  only when a host budget rules CPU offload out)
+    + parameters on disk too     x 1.30 more again (likewise, when states on disk
+                                 are not enough for the host budget)
     micro-batch                  x 1.15 per halving below the requested size
                                  (smaller kernels; gradient accumulation keeps
                                  the global batch)
@@ -50,6 +52,7 @@ class Candidate:
     grad_accum: int
     cost: float
     states_on_disk: bool = False  # offload with DiskOffloadPolicy
+    params_on_disk: bool = False  # ... and params=True
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class Plan:
                  f"--batch.batch_size {c.micro_batch}", f"--batch.grad_accum {c.grad_accum}"]
         if c.states_on_disk:
             flags.append(f"--parallel.offload disk:{self.offload_dir}")
+            if c.params_on_disk:
+                flags.append("--parallel.offload_params true")
         elif c.offload:
             flags.append("--parallel.offload cpu")
         if precision:
@@ -103,8 +108,12 @@ class Plan:
 
 def _describe(c: Candidate) -> str:
     parts = [c.strategy] + (["activation checkpointing"] if c.activation_checkpointing else []) \
-        + (["offload (states on disk)" if c.states_on_disk else "offload"] if c.offload else [])
+        + ([_OFFLOADS[(c.states_on_disk, c.params_on_disk)]] if c.offload else [])
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
+
+
+_OFFLOADS = {(False, False): "offload", (True, False): "offload (states on disk)",
+             (True, True): "offload (states and parameters on disk)"}
 
 
 def candidates(batch_size: int, allow_offload: bool,
@@ -119,17 +128,17 @@ def candidates(batch_size: int, allow_offload: bool,
     for strategy in strategies:
         base = STRATEGY_COST[strategy]
         for ac in (False, True):
-            offloads = [(False, False)] + ([(True, False)] if allow_offload else []) \
-                + ([(True, True)] if allow_offload and allow_disk else [])
-            for offload, disk in offloads:
+            offloads = [(False, 0)] + ([(True, 0)] if allow_offload else []) \
+                + ([(True, 1), (True, 2)] if allow_offload and allow_disk else [])
+            for offload, disk in offloads:  # disk: 1 states, 2 states and parameters
                 if offload and strategy != "full_shard":
                     continue
                 for halvings, mb in enumerate(micro_batches):
                     cost = base * (CHECKPOINTING_COST if ac else 1) \
-                        * (OFFLOAD_COST if offload else 1) * (DISK_COST if disk else 1) \
+                        * (OFFLOAD_COST if offload else 1) * DISK_COST ** disk \
                         * HALVING_COST ** halvings
-                    out.append(Candidate(strategy, ac, offload, mb,
-                                         -(-batch_size // mb), round(cost, 4), disk))
+                    out.append(Candidate(strategy, ac, offload, mb, -(-batch_size // mb),
+                                         round(cost, 4), disk >= 1, disk == 2))
     return sorted(out, key=lambda c: (c.cost, -c.micro_batch))
 
 
@@ -160,7 +169,8 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
             traces[key] = trace_workload(
                 model_or_config, activation_checkpointing=cand.activation_checkpointing,
                 batch_size=cand.micro_batch, seq_len=seq_len, **trace_kwargs)
-        offload = "disk" if cand.states_on_disk else cand.offload
+        offload = ("disk+params" if cand.params_on_disk else "disk") if cand.states_on_disk \
+            else cand.offload
         est = estimate_traced(traces[key], world_size=world_size, strategy=cand.strategy,
                               offload=offload, **replay_kwargs)
         if est.total * (1 + margin) > budget_bytes:

@@ -68,6 +68,7 @@ class RunSettings:
     heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
     keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
     states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
+    params_on_disk: bool = False  # DiskOffloadPolicy(params=True): shards paged in per use
     quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
     quantize_grads: int = 0
 
@@ -92,6 +93,7 @@ class _Ledger:
     def __init__(self):
         self.device: Counter = Counter()
         self.host = 0
+        self.host_peak = 0  # the most host memory alive at once (offloaded gradients included)
         self._live: dict[object, tuple[str, int, bool]] = {}
 
     def alloc(self, key: object, category: str, nbytes: int, on_host: bool = False) -> None:
@@ -99,6 +101,7 @@ class _Ledger:
         self._live[key] = (category, nbytes, on_host)
         if on_host:
             self.host += nbytes
+            self.host_peak = max(self.host_peak, self.host)
         else:
             self.device[category] += nbytes
 
@@ -185,10 +188,15 @@ class Replay:
     def _allocate_model_states(self) -> None:
         s = self.settings
         self.on_disk = 0  # trainable shard elements whose states live on disk
+        self.disk_param_bytes = self.paged_shard = 0  # params=True: on disk, largest paged in
         for g in self.groups:
             shard = g.layout.shard_numel * s.param_dtype.itemsize \
                 + round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))
-            self.ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
+            if s.params_on_disk:  # Note [parameters on disk]: resident while copied in
+                self.disk_param_bytes += shard
+                self.paged_shard = max(self.paged_shard, shard)
+            else:
+                self.ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
             trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
             if s.states_on_disk:
                 self.on_disk += trainable
@@ -200,7 +208,10 @@ class Replay:
             chunk = min(_round_up(s.states_on_disk), _round_up(self.on_disk))
             self.ledger.alloc("disk staging", OPTIMIZER,
                               3 * chunk * s.optimizer_states * s.param_dtype.itemsize, True)
-        self.disk_bytes = self.on_disk * s.optimizer_states * s.param_dtype.itemsize
+        if self.paged_shard:  # one unit's shard paged in at a time, counted throughout
+            self.ledger.alloc("paged shard", SHARDED_PARAMS, self.paged_shard, True)
+        self.disk_bytes = self.on_disk * s.optimizer_states * s.param_dtype.itemsize \
+            + self.disk_param_bytes
 
     def run(self, steps: int = 2) -> dict[str, Peak]:
         """Replay ``steps`` steps; the peaks of the last one (pools warmed up)."""

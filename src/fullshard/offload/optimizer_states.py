@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..core.mapped import page_out
 from ..policies import DiskOffloadPolicy
 from .files import ALIGN, StateFiles
 
@@ -100,6 +101,7 @@ class DiskStates:
         self.files = StateFiles(policy.path, sum(numels), chunk, label)
         self.chunks = _pieces(numels, chunk)
         self.on_disk: list[tuple[str, ...]] = [() for _ in params]  # state names in the files
+        self.params_on_disk = [policy.params for _ in params]  # Note [parameters on disk]
         self._prefetched = None  # the read of chunk 0 queued after the last step's writes
 
     # -- the step ----------------------------------------------------------------------
@@ -169,6 +171,9 @@ class DiskStates:
                         dirty = True
                 if dirty:
                     files.submit(True, c)
+                for pc, piece in taken:  # Note [parameters on disk]: stepped, give back
+                    if self.params_on_disk[pc.index]:
+                        page_out(piece)
         finally:
             for group, params in zip(opt.param_groups, saved):
                 group["params"] = params

@@ -117,9 +117,12 @@ Offload = Annotated[str, tyro.constructors.PrimitiveConstructorSpec(
     is_instance=lambda v: isinstance(v, str), str_from_instance=lambda v: [v])]
 
 
-def offload_kind(value: str) -> str:
-    """``none``, ``cpu`` or ``disk`` for a ``parallel.offload`` value."""
-    return "disk" if value.startswith("disk:") else value
+def offload_kind(value: str, params: bool = False) -> str:
+    """``none``, ``cpu``, ``disk`` or ``disk+params`` (estimate's offload argument) for a
+    ``parallel.offload`` value and ``parallel.offload_params``."""
+    if value.startswith("disk:"):
+        return "disk+params" if params else "disk"
+    return value
 
 
 @dataclass
@@ -182,6 +185,9 @@ class ParallelConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile before sharding (one graph per
     block; fullshard's gathers and reductions run between them)."""
+    offload_params: bool = False
+    """With --parallel.offload disk:PATH, keep the sharded parameters in files under PATH
+    too, paged in when used and given back right after."""
     quantize: Quantize = "none"
     """Communicate in int8 with one fp32 scale per 256 elements (ZeRO++): weights (the
     all-gathers), grads (the reduce-scatters, summed in fp32), or weights,grads. For
@@ -328,6 +334,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
         raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "
                           f"{offload!r}")
+    if cfg.parallel.offload_params and not offload.startswith("disk:"):
+        raise ConfigError(f"parallel.offload_params: parameters go to disk with "
+                          f"parallel.offload disk:PATH, not with parallel.offload {offload}; "
+                          "give a directory, or leave offload_params false")
     if offload.startswith("disk:") and not os.path.isdir(offload[5:]):
         raise ConfigError(f"parallel.offload: {offload[5:]} is not a directory; create it, or "
                           "name a directory on a local disk for the optimizer states")

@@ -271,7 +271,8 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) ->
     if parallel.offload == "cpu":
         offload = CPUOffloadPolicy()
     elif parallel.offload.startswith("disk:"):  # Note [optimizer states on disk]
-        offload = DiskOffloadPolicy(path=parallel.offload[len("disk:"):])
+        offload = DiskOffloadPolicy(path=parallel.offload[len("disk:"):],
+                                    params=parallel.offload_params)
     sharded = auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
                         mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
     if parallel.strategy == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
