@@ -68,11 +68,13 @@ def _step(model, opt, x, y) -> tuple[float, float]:
 def _interleaved(directory: str, steps: int, cfg: GPTConfig) -> dict:
     cpu = _sharded(cfg, CPUOffloadPolicy())
     disk = _sharded(cfg, DiskOffloadPolicy(path=directory, chunk_numel=CHUNK))
+    params = _sharded(cfg, DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=True))
     g = torch.Generator().manual_seed(dist.get_rank())
-    times = {"cpu": [], "disk": []}
+    times = {"cpu": [], "disk": [], "params": []}
+    models = [("cpu", cpu), ("disk", disk), ("params", params)]
     for i in range(steps + 2):
         x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
-        for name, (model, opt) in (("cpu", cpu), ("disk", disk))[::1 if i % 2 else -1]:
+        for name, (model, opt) in models[i % 3:] + models[:i % 3]:
             dist.barrier()
             t = _step(model, opt, x, x)
             if i >= 2:  # two warm-up steps: the first creates the states
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--memory-model", choices=sorted(MEMORY_MODELS), default="w3")
     ap.add_argument("--memory-steps", type=int, default=3)
+    ap.add_argument("--parts", default="time,memory", help="time (step time and disk "
+                    "throughput), memory (peak RSS), or both")
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT for both parts (checks "
                     "the script; the figures mean nothing)")
     args = ap.parse_args()
@@ -137,6 +141,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, world size {world}, gloo, states in {directory}, "
           f"chunk {CHUNK} elements")
 
+    if "time" in args.parts:
+        _time_and_throughput(args, directory, world, step_model)
+    if "memory" in args.parts:
+        _memory(args, directory, world)
+    if not args.dir:
+        os.rmdir(directory)
+
+
+def _time_and_throughput(args, directory: str, world: int, step_model: GPTConfig) -> None:
     out = run_distributed(_interleaved, world, directory, args.steps, step_model, timeout=1800)
     total = {k: [t[0] for t in v] for k, v in out[0]["times"].items()}
     stepping = {k: [t[1] for t in v] for k, v in out[0]["times"].items()}
@@ -145,8 +158,12 @@ def main() -> None:
     print(f"\n{'tiny' if args.tiny else 'W1'} step time, {args.steps} interleaved steps per model (rank 0, median):")
     print(f"  CPU offload      step {med['cpu']:8.1f} ms   optimizer.step {opt_med['cpu']:7.1f} ms")
     print(f"  states on disk   step {med['disk']:8.1f} ms   optimizer.step {opt_med['disk']:7.1f} ms")
+    print(f"  + params on disk step {med['params']:8.1f} ms   optimizer.step "
+          f"{opt_med['params']:7.1f} ms")
     print(f"  disk / CPU       step {med['disk'] / med['cpu']:8.2f}      optimizer.step "
           f"{opt_med['disk'] / opt_med['cpu']:7.2f}")
+    print(f"  + params / CPU   step {med['params'] / med['cpu']:8.2f}      optimizer.step "
+          f"{opt_med['params'] / opt_med['cpu']:7.2f}")
 
     r = out[0]
     moved = r["read"] + r["written"]
@@ -158,6 +175,9 @@ def main() -> None:
           f"written {r['written'] / 1e6:,.0f} MB; {world} ranks share the disk)")
     print(f"  dd direct I/O, one process: write {wr:,.0f} MB/s, read {rd:,.0f} MB/s")
 
+
+
+def _memory(args, directory: str, world: int) -> None:
     print(f"\npeak RSS per rank, {args.memory_model} ({args.memory_steps} steps, fresh "
           "processes each):")
     peaks = {}
@@ -175,8 +195,6 @@ def main() -> None:
                   f"disk {disk['peak_rss'] / 2**20:,.0f} MiB: drop {drop / 2**20:,.0f} MiB; "
                   f"moved to disk less staging {moved / 2**20:,.0f} MiB; drop / moved "
                   f"{drop / moved:.3f}")
-    if not args.dir:
-        os.rmdir(directory)
 
 
 if __name__ == "__main__":

@@ -383,6 +383,8 @@ class ParamGroup:
             return
         gathered = self._gather.wait(f"all-gather of {self.unit_name}")
         self._gather = None
+        if self.shard_on_disk:  # the collective read the shard itself (no copy-in)
+            page_out(self.flat_shard)
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
             self._release_cast_shard()
             self._alloc_unsharded_storage()

@@ -11,7 +11,8 @@ tensor; the kernel reads its pages in on first touch.
 What makes it offload is giving the pages back after each use: ``page_out`` asks the
 kernel to write a range back and drop it (``MADV_PAGEOUT``, Linux 5.4; before that
 ``MADV_DONTNEED``, which drops the process's mapping and leaves the data in the page
-cache). The group pages its shard out right after the copy-in of each gather, and after
+cache). The group pages its shard out right after the copy-in of each gather (or, when
+the collective sends the shard itself, once the gather is waited on), and after
 sharding; the optimizer hook after the step (Note [optimizer states on disk]). Between
 those points the shard costs the process no resident memory. The page cache may keep a
 copy while the machine has free memory: it is the kernel's, not the process's, and is
