@@ -95,6 +95,20 @@ def _same_as_cpu_offload(directory, kind):
     return out
 
 
+def _mapping_rss(t: torch.Tensor) -> int:
+    """Resident bytes of the mapping that holds ``t`` (from /proc/self/smaps)."""
+    address, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
 def _parameters_on_disk(directory):
     from fullshard.core.mapped import resident_bytes
     cpu = _build(CPUOffloadPolicy(pin_memory=False), "adamw")
@@ -102,6 +116,8 @@ def _parameters_on_disk(directory):
     _train(*cpu, 3)
     _train(*disk, 3)
     shards = [u.group.flat_shard for u in (disk[0].layers[0]._unit, disk[0]._unit)]
+    # after a step nothing of any shard is resident: every use gave its pages back
+    left_after_step = [_mapping_rss(s) for s in shards]
     # resident now? touch every shard, then give the pages back as a gather does
     before = resident_bytes()
     touched = sum(float(s.sum()) for s in shards)
@@ -113,7 +129,8 @@ def _parameters_on_disk(directory):
     nbytes = sum(s.numel() * s.element_size() for s in shards)
     out = {"weights": _max_diff(cpu[0], disk[0]), "states": _states_diff(cpu[1], disk[1]),
            "paged_in": during - before, "paged_out": during - after, "shard_bytes": nbytes,
-           "touched": touched == touched, "files": os.listdir(directory)}
+           "touched": touched == touched, "files": os.listdir(directory),
+           "left_after_step": left_after_step}
     fcp.save(os.path.join(directory, "ckpt", "s3"), *disk)  # state dicts read mapped shards
     resumed = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=True), "adamw")
     fcp.load(os.path.join(directory, "ckpt", "s3"), *resumed)
@@ -133,6 +150,7 @@ def test_parameters_on_disk_train_exactly_and_give_their_pages_back(tmp_path):
                    for name in out["files"]), out["files"]
         assert out["paged_in"] > 0.5 * out["shard_bytes"], out
         assert out["paged_out"] > 0.5 * out["shard_bytes"], out
+        assert out["left_after_step"] == [0, 0], out
 
 
 @pytest.mark.parametrize("kind", ["adamw", "fused_adamw", "sgd"])
