@@ -67,7 +67,6 @@ SLOW = {
     "tests/test_quantized_comm.py::test_quantized_communication_resumes_exactly",
     "tests/test_memory_measured.py::test_quantized_communication_estimate_within_10_percent_of_measured_peak",
     "tests/test_memory.py::test_estimate_and_plan_with_int8_communication",
-    "tests/test_memory.py::test_plan_puts_parameters_on_disk_too_when_states_are_not_enough",
     "tests/test_disk_offload.py::test_parameters_on_disk_train_exactly_and_give_their_pages_back",
     "tests/test_train_loop.py::test_quantized_communication_trains_within_a_percent_of_full_precision",
     "tests/test_disk_offload.py::test_disk_offload_parity_with_one_process",

@@ -147,6 +147,16 @@ def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path)
     assert f"--parallel.offload disk:{tmp_path}" in chosen.train_flags("bf16")
     table = est.table()
     assert "offload (states on disk)" in table and "disk for optimizer states" in table
+    # with 20 GiB of host, states on disk still leave the fp32 shards and gradients (about
+    # 30 GiB): parameters go to disk as well, and the flags say so
+    chosen = plan(LLAMA_8B, offload_dir=str(tmp_path), **{**kwargs, "host_budget_bytes": 20 * gib})
+    assert chosen.choice is not None and chosen.choice.params_on_disk, chosen.explain()
+    est = chosen.estimate
+    assert est.host_bytes * 1.1 <= 20 * gib
+    assert est.disk_bytes == pytest.approx(12 * per_rank, rel=0.01)  # states and fp32 shards
+    flags = chosen.train_flags("bf16")
+    assert f"--parallel.offload disk:{tmp_path} --parallel.offload_params true" in flags
+    assert "states and parameters on disk" in est.table()
 
 
 def test_estimate_and_plan_with_int8_communication():
@@ -164,22 +174,3 @@ def test_estimate_and_plan_with_int8_communication():
                   process_baseline=0, quantize_comm="grads")
     assert chosen.choice.strategy != "no_shard"
     assert "--parallel.quantize grads" in chosen.train_flags()
-
-
-def test_plan_puts_parameters_on_disk_too_when_states_are_not_enough(tmp_path):
-    """The same 8B run with 20 GiB of host per rank: states on disk still leave the fp32
-    shards and gradients (about 30 GiB); parameters on disk as well bring it under, and
-    the plan prints --parallel.offload_params true."""
-    from fullshard.memory import plan
-    gib = 2 ** 30
-    chosen = plan(LLAMA_8B, world_size=2, budget_bytes=24 * gib, batch_size=1, seq_len=2048,
-                  mp_policy=torch.bfloat16, allow_offload=True, host_budget_bytes=20 * gib,
-                  offload_dir=str(tmp_path))
-    assert chosen.choice is not None and chosen.choice.params_on_disk, chosen.explain()
-    est = chosen.estimate
-    assert est.host_bytes * 1.1 <= 20 * gib
-    per_rank = 8_030_261_248 // 2
-    assert est.disk_bytes == pytest.approx(12 * per_rank, rel=0.01)  # states and fp32 shards
-    flags = chosen.train_flags("bf16")
-    assert f"--parallel.offload disk:{tmp_path} --parallel.offload_params true" in flags
-    assert "states and parameters on disk" in est.table()
