@@ -41,6 +41,19 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _pageout_works = True  # until the kernel says otherwise (EINVAL before Linux 5.4)
 
 
+def reserve(fd: int, nbytes: int) -> OSError | None:
+    """Claim the first ``nbytes`` of the file ``fd`` now (``posix_fallocate``; a file
+    system without it is only extended), so a full disk shows here and not at a later
+    write. Returns the error when the disk refused, else None."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return e
+        os.ftruncate(fd, nbytes)
+    return None
+
+
 def mapped_empty(numel: int, dtype: torch.dtype, directory: str, label: str) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements whose memory is a file under ``directory``
     (unlinked at once: the mapping keeps it alive). The file's blocks are reserved now,
@@ -49,17 +62,14 @@ def mapped_empty(numel: int, dtype: torch.dtype, directory: str, label: str) -> 
     fd, path = tempfile.mkstemp(prefix="fullshard-params-", dir=directory)
     try:
         os.unlink(path)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                free = shutil.disk_usage(directory).free
-                raise RuntimeError(
-                    f"fully_shard({label}): DiskOffloadPolicy(path={directory!r}, params=True): "
-                    f"cannot reserve {nbytes / 2**20:.1f} MiB for the unit's parameters "
-                    f"({e.strerror}; {free / 2**20:.1f} MiB free there). Free space on that "
-                    "disk or name a larger one.") from None
-            os.ftruncate(fd, nbytes)
+        refused = reserve(fd, nbytes)
+        if refused is not None:
+            free = shutil.disk_usage(directory).free
+            raise RuntimeError(
+                f"fully_shard({label}): DiskOffloadPolicy(path={directory!r}, params=True): "
+                f"cannot reserve {nbytes / 2**20:.1f} MiB for the unit's parameters "
+                f"({refused.strerror}; {free / 2**20:.1f} MiB free there). Free space on that "
+                "disk or name a larger one.")
         mapping = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)

@@ -29,6 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..core.mapped import reserve
+
 ALIGN = 4096   # bytes: O_DIRECT's alignment for buffers, offsets and lengths
 SETS = 3       # staging sets: one read ahead, one stepping, one being written back
 
@@ -127,18 +129,14 @@ class StateFiles:
     def _reserve(self, fd: int, nbytes: int, name: str) -> None:
         """Claim the file's bytes now, so a full disk stops the first step with a clear
         error instead of a write failing halfway through a later one."""
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                os.ftruncate(fd, nbytes)  # a file system without fallocate
-                return
+        refused = reserve(fd, nbytes)
+        if refused is not None:
             free = shutil.disk_usage(self.directory).free
             raise RuntimeError(
                 f"fullshard: {self.label}: cannot reserve {nbytes / 2**20:.1f} MiB for "
-                f"optimizer state '{name}' in {self.directory} ({e.strerror}; "
+                f"optimizer state '{name}' in {self.directory} ({refused.strerror}; "
                 f"{free / 2**20:.1f} MiB free there). Free space on that disk or name a "
-                "larger one in DiskOffloadPolicy(path=...).") from None
+                "larger one in DiskOffloadPolicy(path=...).")
 
     @property
     def staging_bytes(self) -> int:
