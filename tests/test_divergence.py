@@ -26,8 +26,8 @@ def _model(debug=True):
     return model
 
 
-def _skip_layer():
-    model = _model()
+def _skip_layer(debug):
+    model = _model(debug)
     x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
     lm_loss(model(x), y).backward()
     if dist.get_rank() == 1:  # from the second step on, rank 1 skips layers.1
@@ -35,8 +35,8 @@ def _skip_layer():
     lm_loss(model(x), y).backward()
 
 
-def _extra_forward_on_rank0():
-    model = _model()
+def _extra_forward_on_rank0(debug):
+    model = _model(debug)
     x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
     lm_loss(model(x), y).backward()
     if dist.get_rank() == 0:  # an evaluation on rank 0 only
@@ -45,31 +45,36 @@ def _extra_forward_on_rank0():
     lm_loss(model(x), y).backward()
 
 
-def _unshard_different_modules():
-    model = _model()
+def _unshard_different_modules(debug):
+    model = _model(debug)
     x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
     lm_loss(model(x), y).backward()
-    model.layers[dist.get_rank()].unshard()
+    model.layers[dist.get_rank()].unshard()  # same sizes: the gathers pair, data mixed
+    lm_loss(model(x), y).backward()
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
 @pytest.mark.parametrize("scenario,expected", [
-    (_skip_layer, ["rank 0: all-gather of 'layers.1'", "rank 1: all-gather of 'layers.0'"]),
-    (_extra_forward_on_rank0, ["forward without grad", "(collective #"]),
-    (_unshard_different_modules, ["all-gather of 'layers.0'", "all-gather of 'layers.1'"]),
+    (_skip_layer, ["rank 0 ran the forward of 'layers.1' (forward of step 1)",
+                   "rank 1 ran the forward of 'layers.2' (forward of step 1)"]),
+    (_extra_forward_on_rank0, ["rank 0 ran the forward of 'GPT' (forward without grad of "
+                               "step 1)", "rank 1 ran the forward of 'GPT' (forward of step 1)"]),
+    (_unshard_different_modules, ["rank 0 ran the all-gather of 'layers.0'",
+                                  "rank 1 ran the all-gather of 'layers.1'"]),
 ], ids=["skip_layer", "extra_forward", "unshard"])
-def test_divergence_raises_on_every_rank(scenario, expected):
-    text = _failure_report(scenario)
+def test_divergence_raises_on_every_rank(scenario, expected, debug):
+    text = _failure_report(scenario, debug)
     assert "2 of 2 ranks failed" in text, text[-3000:]
-    assert text.count("DivergenceError: fullshard debug: ranks diverged") == 2, text[-3000:]
+    assert text.count("DivergenceError: fullshard: ranks diverged") == 2, text[-3000:]
     for phrase in expected:
         assert phrase in text, (phrase, text[-3000:])
     assert matches_documented("E29", _raised(text, "DivergenceError")), text[-3000:]
 
 
-def _failure_report(scenario) -> str:
+def _failure_report(scenario, *args) -> str:
     """The harness's report of the ranks that failed running ``scenario`` at world size 2."""
     with pytest.raises(AssertionError) as failure:
-        run_distributed(scenario, 2, timeout=120)
+        run_distributed(scenario, 2, *args, timeout=120)
     return str(failure.value)
 
 
@@ -185,8 +190,10 @@ def test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds(
 
     assert "Ranks 1 failed to pass monitoredBarrier in 3000 ms" in raised, raised
     assert matches_documented("E130", raised), raised
-    # rank 1, in a training all-gather, fails as soon as rank 0 has gone
-    assert "CollectiveError: fullshard: all-gather of GPT failed on rank 1" in text, text[-3000:]
+    # rank 1, stalled in a training all-gather, names it when rank 0 does not come to compare
+    assert ("DivergenceError: fullshard: rank 1 waited in the all-gather of GPT (step 1), then "
+            "waited for the other ranks") in text, text[-3000:]
+    assert matches_documented("E150", _raised(text, "DivergenceError")), text[-3000:]
 
 
 def test_ranks_at_different_collective_functions_both_name_them(tmp_path):

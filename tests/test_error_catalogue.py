@@ -537,6 +537,8 @@ _TESTED_ELSEWHERE = {
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E130": "tests/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
+    "E150": "tests/test_divergence.py::"
+            "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E134": "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E132": "tests/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",

@@ -200,9 +200,10 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             names only some of them, ``mesh`` is the whole mesh and every parameter must be
             a DTensor on it, ``Replicate()`` on the data-parallel dimensions; each is
             sharded over them as torch does (Note [sharding a tensor-parallel parameter]).
-        debug: on the root (or with ``FULLSHARD_DEBUG=1``): compare a fingerprint of every
-            collective across ranks first, so ranks that take different paths raise an
-            error naming the unit instead of hanging (slower; for debugging).
+        debug: on the root (or with ``FULLSHARD_DEBUG=1``): compare what the ranks ran
+            before every collective rather than after each forward and backward (Note
+            [ranks agree on every collective]), so the first mismatch is named before it
+            is issued (one exchange per collective; for debugging).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     units = shard_modules(modules, unit_label(modules), mesh=mesh,

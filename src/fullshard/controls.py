@@ -188,9 +188,16 @@ class TorchControls:
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
-        """Accepted: fullshard always reduces zeros for parameters a rank did not use (with
-        presence flags, Note [gradient presence flags]), so ranks never mismatch."""
+        """Whether a trainable parameter that no rank used in a backward gets a zero
+        gradient (True, as torch's FSDP2 then does) or keeps ``grad=None`` (False, the
+        default, as in one process). Either way, ranks that used different parameters
+        (an expert without tokens on one rank) reduce the same units in the same order,
+        zeros standing for the missing gradients (Note [when a unit's backward is done],
+        Note [gradient presence flags]); torch's FSDP2 needs True for that."""
         _expect_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for unit in self._units(recurse):  # a merged group reduces zeros if any unit asks
+            unit.reduce_options = dataclasses.replace(
+                unit.reduce_options, unused_as_zeros=reduce_scatter_unused_params)
 
     # -- custom collectives ------------------------------------------------------------------
     def set_custom_all_gather(self, comm) -> None:

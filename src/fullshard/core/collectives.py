@@ -57,9 +57,16 @@ class Pending(NamedTuple):
     work: dist.Work | None
     finish: Callable[[], None] | None = None  # local work after the data arrived
 
-    def wait(self, what: str = "a fullshard collective") -> torch.Tensor:
-        """Wait for the data; ``what`` ("all-gather of layers.3") names it in errors."""
-        if self.work is not None:
+    def wait(self, what: str = "a fullshard collective", patience=None) -> torch.Tensor:
+        """Wait for the data; ``what`` ("all-gather of layers.3") names it in errors.
+
+        ``patience`` (an object with ``stall_slice``, a timedelta, and ``stalled(what)``)
+        makes a wait that blocks the host (gloo) wait in slices and call
+        ``patience.stalled(what)`` after each, which may raise (Note [ranks agree on every
+        collective] in core/divergence.py); the collective itself is never abandoned."""
+        if self.work is not None and patience is not None:
+            _wait_in_slices(self.work, what, patience)
+        elif self.work is not None:
             try:
                 self.work.wait()
             except RuntimeError as err:
@@ -69,19 +76,31 @@ class Pending(NamedTuple):
         return self.output
 
 
-def _done(pending: Pending, async_op: bool, what: str) -> Pending:
-    return pending if async_op else Pending(pending.wait(what), None)
+def _wait_in_slices(work: dist.Work, what: str, patience) -> None:
+    while True:
+        try:
+            work.wait(timeout=patience.stall_slice)
+            return
+        except RuntimeError as err:
+            if work.is_completed():  # the collective itself failed (a peer, its timeout)
+                raise _failure(what, err) from err
+        patience.stalled(what)  # raises when the ranks diverged; else wait on
+
+
+def _done(pending: Pending, async_op: bool, what: str, patience=None) -> Pending:
+    return pending if async_op else Pending(pending.wait(what, patience), None)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = False, what: str = "an all-gather") -> Pending:
+               async_op: bool = False, what: str = "an all-gather",
+               patience=None) -> Pending:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major). ``what``
-    names the collective in errors (as in ``Pending.wait``)."""
+    and ``patience`` are as in ``Pending.wait`` (a blocking call waits with them)."""
     if group.size() == 1:
         output.copy_(shard)
         return Pending(output, None)
     work = _all_gather_flat(output, shard, group=group, async_op=True)
-    return _done(Pending(output, work), async_op, what)
+    return _done(Pending(output, work), async_op, what, patience)
 
 
 def receives_into_scratch(backend: str, size: int) -> bool:

@@ -1,84 +1,302 @@
-"""Divergence detection: ranks that take different paths fail loudly instead of hanging.
+"""The divergence guard: ranks that take different paths fail with a named error.
 
-Note [collective fingerprints]
-With ``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=True)``) every fullshard
-collective is preceded by a fingerprint exchange on a separate gloo group: each rank
-contributes (unit, operation, sequence number, forward/backward, grad mode) as five
-integers and every rank compares them all. The first collective where ranks disagree
-raises ``DivergenceError`` on every rank, naming what each rank was about to do; a
-rank that does not reach the exchange within ``FULLSHARD_DEBUG_TIMEOUT`` seconds
-(default 300) makes the others raise naming the collective they waited at. The
-separate group keeps fingerprints from pairing with the user's own collectives. It
-costs one small blocking all-gather per collective: a debugging mode, not a default.
+Note [ranks agree on every collective]
+Collectives pair by order: the k-th collective a rank issues on a process group meets the
+k-th of every other rank. Ranks that issue different collectives in some order therefore
+mix data: on NCCL two same-sized reduce-scatters of different units sum one unit's
+gradients into the other's without a word; on gloo a pair of different sizes aborts the
+process or hangs. fullshard's own order does not depend on the data (Note [when a unit's
+backward is done]); what remains is the model taking different paths on different ranks:
+a layer skipped on one rank, a forward on some ranks only (an evaluation under
+``if rank == 0:``), a unit whose output one rank never uses. The guard is always on:
+
+* Every rank records each unit's forward and each collective fullshard issues for the
+  root's units in its ledger (core/ledger.py): host arithmetic, nothing sent.
+* At the end of every root forward and of every backward, before the backward's gradients
+  are finished and handed to the optimizer, the ranks compare (count, digest) in one
+  all-gather of four integers on a gloo group of their own. Equal: go on. Otherwise every
+  rank receives every rank's entries since they last agreed and raises the same
+  DivergenceError naming the first difference: the step, the unit, what each rank did.
+* A rank that waits in a collective its peers never issue (on gloo, ``wait()`` blocks the
+  host) waits in slices of a tenth of FULLSHARD_ARRIVAL_TIMEOUT; after each it posts a
+  "stalled" record to the same exchange. Its peers meet it there at their next check (or
+  their own stall), and the same comparison either names the divergence or finds the
+  ranks consistent (a peer is merely slower, e.g. saving on its own): the stalled rank
+  then waits on and the others repeat their check. A rank that reaches no exchange within
+  FULLSHARD_ARRIVAL_TIMEOUT (300 s) makes the waiting ranks raise naming where they wait.
+
+On NCCL ``wait()`` does not block the host, it only orders the compute stream after the
+collective: a rank that issued an unmatched collective runs on to its next check, where
+the host-side exchange names the divergence before ``backward()`` returns, so no wrong
+sum reaches the optimizer, whatever the device does (it may stay in the unmatched
+collective until the process ends; NCCL's watchdog aborts it). A host that blocks on the
+device first (``.item()`` inside the model after the mismatch) cannot reach the check;
+NCCL's own timeout bounds that wait. On gloo, a first mismatched pair of *different sizes*
+aborts inside gloo ("Received data size doesn't match expected size") before any check:
+the end-of-forward check exists so that a forward's difference is named before the
+backward's reductions can pair that way.
+
+Cost: two all-gathers of four integers per training step, on the host (docs/benchmarks.md
+has the figure for W2). With ``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=True)``)
+the check runs before every collective instead, so the first mismatch is named before it
+is issued, at one exchange per collective.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import zlib
-from typing import Callable
+import re
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-_OPS = ["all-gather", "all-gather (post-forward subgroup)", "reduce-scatter", "all-reduce"]
-_FIELDS = 5
+from . import arrival
+from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
+                     PHASE_NAMES, Entry, Ledger)
+
+# Record kinds: a rank at a check (end of a phase, or before a collective in debug mode),
+# or a rank stalled inside a collective.
+CHECK, STALLED = 0, 1
+_FIELDS = 4  # kind, phase checked, count, digest
 
 
 class DivergenceError(RuntimeError):
-    """Ranks were about to run different collectives (or some never arrived)."""
+    """Ranks issued different collectives (or some never arrived to compare)."""
 
 
 def debug_enabled(requested: bool) -> bool:
     return requested or os.environ.get("FULLSHARD_DEBUG", "0") not in ("", "0")
 
 
-def _code(name: str) -> int:
-    return zlib.crc32(name.encode())
+# The guard's exchanges are control traffic on their own group, called directly rather
+# than through core/collectives (whose all-gathers move a unit's data, and are counted).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# One gloo group per set of ranks, made by the first root over them (every rank makes
+# its roots in the same order) and shared by later roots over the same ranks: a group per
+# root would leave sockets open for every model a process ever builds.
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-class DivergenceChecker:
-    """Fingerprints every collective of one root's groups (see the note above)."""
+def prepare(mesh) -> None:
+    """Make the guard's group for ``mesh``'s ranks, at ``fully_shard`` time: every rank
+    shards its model, while a group made at the first forward would wait forever for a
+    rank that never runs one."""
+    ranks = mesh.mesh.flatten().tolist()
+    if len(ranks) > 1:
+        _group_for(ranks)
 
-    def __init__(self, unit_names: list[str], ranks: list[int], in_backward: Callable[[], bool]):
-        self.in_backward = in_backward  # the root's phase, part of every fingerprint
-        # only the mesh's ranks take part (the mesh may be a subset of the world)
-        self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        self.world = len(ranks)
+
+def _group_for(ranks: list[int]) -> dist.ProcessGroup:
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        # the group's own timeout ends a check that waits too long with nothing left
+        # pending (a wait(timeout=) would leave the all-gather running)
+        _GROUPS[key] = dist.new_group(
+            ranks, backend="gloo", use_local_synchronization=True,
+            timeout=datetime.timedelta(seconds=arrival.timeout_s()))
+    return _GROUPS[key]
+
+
+# what a failed exchange says when a peer's process ended (rather than a timeout)
+_PEER_GONE = re.compile(r"connection|peer|closed|reset|broken pipe", re.IGNORECASE)
+
+
+class _Round(NamedTuple):
+    """One exchange of (kind, phase, count, digest) in flight."""
+    kind: int
+    phase: int
+    waiting_at: str
+    mine: torch.Tensor
+    rows: torch.Tensor
+    work: object
+
+
+class _Record(NamedTuple):
+    kind: int
+    phase: int
+    count: int
+    agreed: int
+    entries: dict[int, tuple[int, Entry]]
+    names: dict[int, str]  # this rank's units, to name entries other ranks do not have
+
+
+class Guard:
+    """Compares one root's ledger across its ranks (Note [ranks agree on every collective])."""
+
+    def __init__(self, ledger: Ledger, ranks: list[int], debug: bool,
+                 in_backward: Callable[[], bool]):
+        self.ledger = ledger
+        self.in_backward = in_backward
         self.ranks = ranks
-        self.names = {_code(name): name for name in unit_names}
-        self.timeout_s = float(os.environ.get("FULLSHARD_DEBUG_TIMEOUT", "300"))
-        self.sequence = 0
+        self.debug = debug
+        self.group = _group_for(ranks)
+        self.limit_s = arrival.timeout_s()
+        self.stall_slice = datetime.timedelta(seconds=self.limit_s / 10)
+        self._pending: _Round | None = None  # a check_soon's exchange, not yet compared
 
-    def check(self, unit_name: str, op: str) -> None:
-        self.sequence += 1
-        mine = torch.tensor([_code(unit_name), _OPS.index(op), self.sequence,
-                             int(self.in_backward()), int(torch.is_grad_enabled())],
-                            dtype=torch.int64)
-        rows = torch.empty(self.world * _FIELDS, dtype=torch.int64)
-        work = dist.all_gather_into_tensor(rows, mine, group=self.group, async_op=True)
+    # -- recording -------------------------------------------------------------------------
+    def phase(self) -> int:
+        if self.in_backward():
+            return BACKWARD
+        return FORWARD_WITH_GRAD if torch.is_grad_enabled() else FORWARD_WITHOUT_GRAD
+
+    def collective(self, operation: str, unit: int, numel: int) -> None:
+        """Record a collective about to be issued (debug mode: compare first)."""
+        self.settle()
+        phase = self.phase()
+        self.ledger.record(phase, OPERATIONS[operation], unit, numel)
+        if self.debug:
+            self.check(phase)
+
+    def forward(self, unit: int) -> None:
+        """Record a unit's forward starting."""
+        self.ledger.record(self.phase(), FORWARD, unit)
+
+    # -- the checks -----------------------------------------------------------------------
+    def check(self, phase: int) -> None:
+        """Every rank ended ``phase`` (or, in debug mode, is about to issue a collective)
+        having done the same; raise DivergenceError on every rank otherwise."""
+        self.settle()
+        while not self._finish(self._post(CHECK, phase)):
+            pass  # a peer was stalled but consistent: it waits on, and we check again
+
+    def check_soon(self, phase: int) -> None:
+        """``check``, its exchange started now and compared before this rank's next
+        collective or check (``settle``): the exchange overlaps what runs in between."""
+        self.settle()
+        self._pending = self._post(CHECK, phase)
+
+    def settle(self) -> None:
+        """Finish a check started by ``check_soon``."""
+        if self._pending is not None:
+            round_, self._pending = self._pending, None
+            while not self._finish(round_):
+                round_ = self._post(CHECK, round_.phase)
+
+    def stalled(self, what: str) -> None:
+        """Called by a wait that has lasted a slice: compare with the peers; return to wait
+        on if they are consistent, raise DivergenceError if not."""
+        self.settle()
+        self._finish(self._post(STALLED, -1, waiting_at=what))
+
+    def _post(self, kind: int, phase: int, waiting_at: str = "") -> "_Round":
+        ledger = self.ledger
+        # made fresh each time: a check may run under inference_mode (its tensors would
+        # be inference tensors, which no later in-place write outside it may touch)
+        mine = torch.tensor([kind, phase, ledger.count, ledger.digest], dtype=torch.int64)
+        rows = torch.empty(len(self.ranks) * _FIELDS, dtype=torch.int64)
+        round_ = _Round(kind, phase, waiting_at, mine, rows, None)
+        work = self._gather(lambda: _ALL_GATHER(rows, mine, group=self.group, async_op=True),
+                            round_)
+        return round_._replace(work=work)
+
+    def _finish(self, round_: "_Round") -> bool:
+        """Compare one round's records; True when every rank is at a check and agrees,
+        False when the ranks are consistent but not all at a check (retry)."""
+        self._gather(round_.work.wait, round_)
+        ledger = self.ledger
+        if round_.kind == CHECK and bool((round_.rows.view(-1, _FIELDS) == round_.mine).all()):
+            ledger.mark_agreed()
+            return True
+        record = _Record(round_.kind, round_.phase, ledger.count, ledger.agreed,
+                         dict(ledger.entries), ledger.unit_names)
+        records: list = [None] * len(self.ranks)
+        self._gather(lambda: dist.all_gather_object(records, record, group=self.group),
+                     round_)
+        names = {code: name for r in records for code, name in r.names.items()}
+        problem = first_difference(records, lambda entry: ledger.describe(entry, names))
+        if problem is not None:
+            raise DivergenceError(self._message(problem))
+        if round_.kind == CHECK and all(r.kind == CHECK for r in records):
+            ledger.mark_agreed()  # same entries, same check
+            return True
+        return False
+
+    def _gather(self, run, round_: "_Round"):
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            return run()
         except RuntimeError as err:
+            ledger = self.ledger
+            where = (f"waited in the {round_.waiting_at} (step {ledger.step}), then"
+                     if round_.kind == STALLED else
+                     f"ended the {PHASE_NAMES[round_.phase]} of step {ledger.step} and")
+            why = ("a peer went away" if _PEER_GONE.search(str(err)) else
+                   f"not every rank came within {self.limit_s:g} s")
             raise DivergenceError(
-                f"fullshard debug: rank {dist.get_rank()} waited {self.timeout_s:.0f} s before "
-                f"{self._describe(mine)} and not every rank arrived (a rank ran fewer "
-                "fullshard collectives: a forward, backward or unshard on some ranks only, or "
-                "it stopped early).") from err
-        rows = rows.view(self.world, _FIELDS)
-        if bool((rows == mine).all()):
-            return
-        lines = "\n".join(f"  rank {rank}: {self._describe(row)}"
-                          for rank, row in zip(self.ranks, rows))
-        raise DivergenceError(
-            "fullshard debug: ranks diverged; at the same point of the run they were about "
-            f"to run different collectives:\n{lines}\nEvery rank must run the same sharded "
-            "modules in the same order with the same grad mode (no evaluation, skipped layer "
-            "or unshard() on some ranks only).")
+                f"fullshard: rank {dist.get_rank()} {where} waited for the other ranks to "
+                f"compare what they ran, but {why}: a rank stopped, is busy in code of its "
+                "own (a save or an evaluation under `if rank == 0:`?) or ran fewer sharded "
+                f"modules; {arrival.TIMEOUT_VARIABLE} sets how long to wait.") from None
 
-    def _describe(self, row: torch.Tensor) -> str:
-        code, op, seq, backward, grad = (int(x) for x in row)
-        unit = self.names.get(code, f"<unknown unit {code}>")
-        phase = "backward" if backward else ("forward" if grad else "forward without grad")
-        return f"{_OPS[op]} of '{unit}' (collective #{seq}, {phase})"
+    # -- the message ------------------------------------------------------------------------
+    def _message(self, problem: "Difference") -> str:
+        groups: dict[str, list[int]] = {}
+        for rank, text in zip(self.ranks, problem.what):
+            groups.setdefault(text, []).append(rank)
+        said = "; ".join(f"{_ranks(r)} {text}" for text, r in groups.items())
+        return (f"fullshard: ranks diverged at step {problem.step} ({problem.phase}, entry "
+                f"#{problem.count} of the record): {said}. Every rank must run the same "
+                "sharded modules in the same order with the same grad mode: a module skipped, "
+                "or a forward, backward or unshard() on some ranks only, pairs their "
+                "collectives with the wrong tensors.")
+
+
+class Difference(NamedTuple):
+    count: int          # the first entry where the ranks differ
+    step: int
+    phase: str
+    what: list[str]     # per rank: what it did there
+
+
+def first_difference(records: list[_Record], describe) -> Difference | None:
+    """The first entry where the ranks' records disagree, or None when they are
+    consistent (equal, or stalled ranks behind the others). The same on every rank: it
+    reads only the exchanged records. ``describe(entry)`` names an entry."""
+    agreed = min(r.agreed for r in records)
+    last = max(r.count for r in records)
+    for count in range(agreed + 1, last + 1):
+        behind = [r for r in records if r.count < count]
+        if behind:
+            if all(r.kind == STALLED for r in behind):
+                return None  # the ranks behind are still inside the phase: consistent
+            return _difference(records, count, describe)
+        if len({_digest_at(r, count) for r in records}) > 1:
+            return _difference(records, count, describe)
+    if len({r.phase for r in records if r.kind == CHECK}) > 1:  # same entries, other checks
+        return _difference(records, last + 1, describe)
+    return None
+
+
+def _digest_at(record: _Record, count: int) -> int | None:
+    kept = record.entries.get(count)
+    return kept[0] if kept is not None else None
+
+
+def _difference(records: list[_Record], count: int, describe) -> Difference:
+    what, at = [], None
+    for r in records:
+        kept = r.entries.get(count)
+        if kept is not None:
+            entry = kept[1]
+            at = at or entry
+            what.append(f"ran {describe(entry)} ({PHASE_NAMES[entry.phase]} of step "
+                        f"{entry.step})")
+        elif r.count < count and r.kind == CHECK:
+            what.append(f"ended the {PHASE_NAMES[r.phase]} after entry #{r.count}")
+        elif r.count < count:
+            what.append(f"was still waiting in a collective after entry #{r.count}")
+        else:
+            what.append(f"kept no record of entry #{count} (its ledger keeps the last "
+                        "entries only)")
+    if at is not None:
+        return Difference(count, at.step, PHASE_NAMES[at.phase], what)
+    ended = next(r for r in records if r.kind == CHECK)
+    return Difference(count, -1, PHASE_NAMES[ended.phase], what)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return (f"rank {ranks[0]}" if len(ranks) == 1 else
+            "ranks " + ", ".join(str(r) for r in ranks))

@@ -40,12 +40,15 @@ class ReduceOptions:
         mesh dimension.
     force_sum: collectives always sum here and divide afterwards; with a hook, the
         hook then sees the sum (divided after it), as torch's does.
+    unused_as_zeros: ``set_reduce_scatter_unused_params(True)``: a trainable parameter no
+        rank used gets a zero gradient instead of None (Note [gradient presence flags]).
     """
 
     divide_factor: float | None = None
     all_reduce: bool = True
     hook: Callable[[torch.Tensor], None] | None = None
     force_sum: bool = False
+    unused_as_zeros: bool = False
 
 
 DEFAULT_REDUCE = ReduceOptions()
@@ -73,18 +76,20 @@ class PendingReduce:
         self._partial = partial  # the group's sum kept by all_reduce=False
         self._copies = copies    # copies to offloaded (host) gradients, Note [streams and events]
 
-    def finish(self, world_size: int) -> None:
+    def finish(self, world_size: int, patience=None) -> "UnknownPresence | None":
+        """Average the reduction into the sharded ``.grad``s; what is returned (when some
+        parameter lacked a gradient here) says which may have had none anywhere."""
         with traced("finish_reduce", self.unit_name):
-            self._finish(world_size)
+            return self._finish(world_size, patience)
 
-    def _finish(self, world_size: int) -> None:
-        out = self.pending.wait(f"gradient reduction of {self.unit_name}")
+    def _finish(self, world_size: int, patience) -> "UnknownPresence | None":
+        out = self.pending.wait(f"gradient reduction of {self.unit_name}", patience)
         options = self._options
         if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
             if not options.all_reduce:  # keep the shard-group sum; gradients come later
                 self._partial.add(out)
                 self._release_buffers()
-                return
+                return None
             self._partial.add_into(out)
             all_reduce_sum(out, self._replicate_pg,
                            what=f"gradient all-reduce across replicas of {self.unit_name}")
@@ -95,10 +100,6 @@ class PendingReduce:
         out.div_(divisor)
         if options.hook is not None and not options.force_sum:
             options.hook(grads)
-        if all(self.had_grad):
-            present = self.had_grad
-        else:  # see Note [gradient presence flags]; read before ``out`` goes to the host
-            present = [f > 0 for f in out[out.numel() - len(self.params):].tolist()]
         if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the host
             if self._copies is not None and self._dest.device != out.device:
                 self._copies.to_host(self._dest, out)  # readable after copies.settle()
@@ -112,19 +113,20 @@ class PendingReduce:
         self._release_buffers()  # ``out`` may have been one of them: only after the copy
         sizes = [p.layout.shard_numel for p in self.params]
         shards = torch.split(out, sizes + [len(self.params)])
+        unknown = None if all(self.had_grad) else UnknownPresence(
+            [(p, i) for i, (p, had) in enumerate(zip(self.params, self.had_grad))
+             if not had and p.sharded_param.grad is None], shards[-1])
         if self._views is not None:  # every .grad was None: hand out the views
-            for p, view, keep in zip(self.params, self._views, present):
-                if keep:
-                    p.sharded_param.grad = view
-            return
-        for p, shard, keep in zip(self.params, shards, present):
-            if not keep:
-                continue
+            for p, view in zip(self.params, self._views):
+                p.sharded_param.grad = view
+            return unknown
+        for p, shard in zip(self.params, shards):
             current = p.sharded_param.grad
             if current is None:
                 p.sharded_param.grad = p.sharded_grad(shard)
             else:
                 current._local_tensor.add_(p.sharded_grad(shard)._local_tensor)
+        return unknown
 
     def discard(self) -> None:
         """Wait for the collective (never free a buffer under it) and drop its result."""
@@ -136,6 +138,26 @@ class PendingReduce:
             if buf is not None:
                 self._pool.give(buf)
         self._buffers = []
+
+
+class UnknownPresence:
+    """Parameters that had no gradient on this rank (and none before this reduction),
+    given a gradient by a finished reduction before anyone read the presence flags:
+    ``resolve`` sets back to None those no rank used (Note [gradient presence flags]).
+    Resolved when the reduction is settled, after the backward's divergence check, so
+    reading the flags never waits on the device inside backward."""
+
+    def __init__(self, missing: list[tuple[ShardedParam, int]], flags: torch.Tensor):
+        self.missing = missing  # (parameter, the index of its presence flag)
+        self.flags = flags      # the reduced presence flags, one per reduced parameter
+
+    def resolve(self) -> None:
+        if not self.missing:
+            return
+        flags = self.flags.tolist()
+        for p, index in self.missing:
+            if flags[index] <= 0:
+                p.sharded_param.grad = None
 
 
 class PartialSum:

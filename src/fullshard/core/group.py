@@ -87,7 +87,7 @@ from .subclass_params import SubclassGather
 
 if TYPE_CHECKING:
     from ..policies import CPUOffloadPolicy
-    from .divergence import DivergenceChecker
+    from .divergence import Guard
 
 
 class GroupState(enum.Enum):
@@ -154,17 +154,23 @@ class ParamGroup:
         self._gather: Pending | None = None
         self._cast_shard: torch.Tensor | None = None  # the shard in param_dtype, being sent
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
-        self.on_grads_ready: Callable[[], None] | None = None
-        self._grads_expected = 0
-        self._grads_seen = 0
-        self.inputs_pending = 0  # forward inputs whose gradients backward has yet to compute
+        # Note [when a unit's backward is done]: forward calls whose inputs are watched and
+        # whose input gradients are still to come, those already computed in this
+        # backward, and forward calls with grad whose inputs needed none (never watched)
+        self.watches_live = 0
+        self.watches_fired = 0
+        self.unwatched_calls = 0
+        self.on_backward_done: Callable[[], None] | None = None
         self._all_present: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
         self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
-        self.checker: "DivergenceChecker | None" = None  # FULLSHARD_DEBUG (core/divergence.py)
+        # the root's divergence guard and this group's unit code in its ledger
+        # (Note [ranks agree on every collective]); None while there is no root or one rank
+        self.guard: "Guard | None" = None
+        self.guard_unit = -1
         self.merged_into: str | None = None  # the bucket that took over, once MERGED
         self.partial_sum = PartialSum()  # set_requires_all_reduce(False) under HSDP
         # torch's set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
@@ -176,10 +182,20 @@ class ParamGroup:
         self.quantize_grads = 0
         self._gather_pooled = True  # the gather in flight writes a pooled buffer
 
-    def _announce(self, op: str) -> None:
-        """Debug mode: compare this collective's fingerprint across ranks before issuing it."""
-        if self.checker is not None:
-            self.checker.check(self.unit_name, op)
+    def _record(self, op: str, numel: int) -> None:
+        """Enter a collective about to be issued in the root's ledger (Note [ranks agree on
+        every collective])."""
+        if self.guard is not None:
+            self.guard.collective(op, self.guard_unit, numel)
+
+    @property
+    def patience(self):
+        """What a wait calls after each slice it has waited (Note [ranks agree on every
+        collective]); None where waiting does not block the host (NCCL) or unguarded."""
+        guard = self.guard
+        if guard is None or self.compute_device.type != "cpu":
+            return None
+        return guard
 
     # -- construction -------------------------------------------------------------------
     def shard(self, originals: list[torch.Tensor], device: torch.device) -> None:
@@ -315,8 +331,9 @@ class ParamGroup:
         self._check_live("unshard")
         if self.state is GroupState.POST_FORWARD:
             self._alloc_unsharded_storage()
-            self._announce("all-gather (post-forward subgroup)")
-            self._gather = self.post_forward.gather_into(self._writer, async_op=async_op)
+            self._record("all-gather (post-forward subgroup)", self._writer.numel())
+            self._gather = self.post_forward.gather_into(self._writer, async_op=async_op,
+                                                         patience=self.patience)
             self._gather_is_direct = True
             self.state = GroupState.GATHERING
             if not async_op:
@@ -327,7 +344,7 @@ class ParamGroup:
         if self.unsharded is None:
             self._build_unsharded()
         if self.subclass is not None:  # Note [tensor-subclass parameters]
-            self._announce("all-gather (tensor-subclass parameters)")
+            self._record("all-gather (tensor-subclass parameters)", len(self.subclass.params))
             self.subclass.start(self.mp_policy, self.pool, async_op, self.compute_device)
             if not self.flat_params:
                 self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
@@ -347,7 +364,7 @@ class ParamGroup:
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
         comm = self.all_gather_comm
-        self._announce("all-gather")
+        self._record("all-gather", self.world_size * self.shard_numel)
         # On CUDA the copy-in and the collective run on the copy stream while compute goes
         # on (Note [streams and events]); ``ordered`` makes the caller's stream wait for it.
         with self.copies.to_device() as ordered, traced("all_gather", self.unit_name):
@@ -362,11 +379,12 @@ class ParamGroup:
                                  device=device))
             if comm is None and self.quantize_weights:  # Note [quantized communication]
                 pending = quantized_all_gather(out, send, self.pg, self.quantize_weights,
-                                               async_op=async_op,
+                                               async_op=async_op, patience=self.patience,
                                                what=f"all-gather of {self.unit_name}")
             elif comm is None:
                 pending = all_gather(out, send, self.pg, async_op=async_op,
-                                     what=f"all-gather of {self.unit_name}")
+                                     what=f"all-gather of {self.unit_name}",
+                                     patience=self.patience)
             else:  # Note [custom collectives]
                 pending = Pending(out, comm(output_tensor=out, input_tensor=send,
                                             group=self.pg, async_op=async_op))
@@ -381,7 +399,7 @@ class ParamGroup:
         """Finish a pending gather: copy out and register the unsharded params."""
         if self.state is not GroupState.GATHERING:
             return
-        gathered = self._gather.wait(f"all-gather of {self.unit_name}")
+        gathered = self._gather.wait(f"all-gather of {self.unit_name}", self.patience)
         self._gather = None
         if self.shard_on_disk:  # the collective read the shard itself (no copy-in)
             page_out(self.flat_shard)
@@ -397,8 +415,6 @@ class ParamGroup:
             up = p.unsharded_param
             if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
                 up.requires_grad_(p.sharded_param.requires_grad)
-            if up.requires_grad and p.grad_hook is None:
-                p.grad_hook = up.register_post_accumulate_grad_hook(self._grad_ready_hook)
             p.register(up)
         self.state = GroupState.UNSHARDED
 
@@ -435,7 +451,7 @@ class ParamGroup:
             self.post_forward.drop()
         elif self.state is GroupState.GATHERING:
             # never drop a buffer under a live collective
-            gathered = self._gather.wait(f"all-gather of {self.unit_name}")
+            gathered = self._gather.wait(f"all-gather of {self.unit_name}", self.patience)
             self._gather = None
             if not self._gather_is_direct:
                 self._give_gathered(gathered)
@@ -481,37 +497,41 @@ class ParamGroup:
         return [p for p in self.params if p.sharded_param.requires_grad]
 
     def forget_backward(self) -> None:
-        """Drop this group's gradients not yet reduced and its backward countdown."""
-        self._grads_seen = self._grads_expected = 0
-        self.inputs_pending = 0
+        """Drop this group's gradients not yet reduced and its backward bookkeeping."""
+        self.end_backward()
+        self.watches_live = 0
         self.partial_sum.total = None
         for p in self.params:
             p.accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
 
-    def expect_grads(self) -> None:
-        """Arm the countdown that fires ``on_grads_ready`` once every trainable param's
-        gradient has been accumulated in this backward."""
-        self._grads_expected = sum(1 for p in self.params if p.unsharded_param.requires_grad)
-        self._grads_seen = 0
-
     @property
     def backward_done(self) -> bool:
-        """Every trainable gradient accumulated and every input gradient computed: no part
-        of this backward can still read the unsharded parameters (frozen weights are read
-        for input gradients after the trainable ones may be done)."""
-        return backward_is_done(self._grads_seen, self._grads_expected, self.inputs_pending)
+        """The gradients of every watched forward input are computed and no forward call
+        went unwatched: the unit's backward is over (Note [when a unit's backward is
+        done])."""
+        return backward_is_done(self.watches_fired, self.watches_live, self.unwatched_calls)
 
-    def _grad_ready_hook(self, _param: torch.Tensor) -> None:
-        self._grads_seen += 1
-        if self.on_grads_ready is not None:
-            self.on_grads_ready()
+    def end_backward(self) -> None:
+        """Forget this backward's signals (the final callback; watches of forwards it did
+        not reach stay live until their graphs are freed)."""
+        self.watches_fired = 0
+        self.unwatched_calls = 0
+
+    # the three signals of Note [when a unit's backward is done]
+    def watch_started(self) -> None:
+        self.watches_live += 1
+
+    def watch_dropped(self) -> None:
+        """A watched forward's graph was freed without a backward through it."""
+        self.watches_live -= 1
 
     def input_grads_ready(self) -> None:
-        self.inputs_pending -= 1
-        if self.on_grads_ready is not None:
-            self.on_grads_ready()
+        self.watches_live -= 1
+        self.watches_fired += 1
+        if self.on_backward_done is not None:
+            self.on_backward_done()
 
     def _presence_flags(self, had_grad: list[bool], like: torch.Tensor) -> torch.Tensor:
         """One flag per trainable param; the all-present vector is cached (no host copy)."""
@@ -522,7 +542,11 @@ class ParamGroup:
                 cached = self._all_present = torch.ones(len(had_grad), dtype=like.dtype,
                                                         device=like.device)
             return cached
-        return torch.tensor(had_grad, dtype=like.dtype).to(like.device)
+        flags = torch.ones(len(had_grad), dtype=like.dtype, device=like.device)
+        for i, present in enumerate(had_grad):
+            if not present:
+                flags[i].fill_(0)  # a fill kernel: no host-to-device copy
+        return flags
 
     def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
         """Start reducing the unsharded gradients (sum, asynchronously) and free them
@@ -535,11 +559,17 @@ class ParamGroup:
 
         Note [gradient presence flags]
         A parameter unused on one rank has no gradient there but may have one on
-        another. Each rank appends one flag per parameter (1 = I have a gradient) to
-        every chunk, so after the reduce every rank knows which parameters got a
-        gradient anywhere: those get the mean gradient (zeros counted for ranks that
-        lacked it), the rest keep ``grad=None``, as in single-process training. Ranks
-        that had every gradient locally never read the flags (no device sync).
+        another. It is reduced as zeros, so every rank sends the same layout, and each
+        rank appends one flag per parameter (1 = I have a gradient) to every chunk: after
+        the reduce every rank knows which parameters got a gradient anywhere. Those get
+        the mean gradient (zeros counted for ranks that lacked it); the rest are set back
+        to ``grad=None`` when the reduction is settled (``UnknownPresence``), as in
+        single-process training and as torch's FSDP2 leaves a parameter no rank used.
+        Ranks that had every gradient locally never read the flags, and the others read
+        them only when the backward's gradients are settled, after the divergence check
+        (no device sync inside backward). With ``set_reduce_scatter_unused_params(True)``
+        every trainable parameter of a reduced unit gets a gradient, zeros where no rank
+        used it, as torch's FSDP2 does with that setting.
         """
         trainable = self.trainable()
         if not trainable:
@@ -547,7 +577,8 @@ class ParamGroup:
         w = self.world_size
         ref = trainable[0].unsharded_local
         grads = [take_unsharded_grad(p) for p in trainable]
-        had_grad = [g is not None for g in grads]
+        had_grad = [True] * len(grads) if options.unused_as_zeros else [
+            g is not None for g in grads]
         grads = [g if g is not None else torch.zeros_like(p.unsharded_local)
                  for p, g in zip(trainable, grads)]
         reduce_dtype = self.reduce_dtype or ref.dtype
@@ -575,13 +606,13 @@ class ParamGroup:
                                      self.pool, [full], views, dest, self.replicate_pg,
                                      options, self.partial_sum, copies=self.copies)
             self.partial_sum.add_into(full.view(-1))
-            self._announce("all-reduce")
+            self._record("all-reduce", full.numel())
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                                  [full], views, dest, options=options, copies=self.copies)
         if comm is not None:  # Note [custom collectives]
             out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
-            self._announce("reduce-scatter")
+            self._record("reduce-scatter", w * numel)
             work = comm(output_tensor=out, input_tensor=full, group=self.pg,
                         op=dist.ReduceOp.SUM)
             return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
@@ -590,7 +621,7 @@ class ParamGroup:
         if self.quantize_grads and w > 1:  # Note [quantized communication]
             out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
                 else dest
-            self._announce("reduce-scatter")
+            self._record("reduce-scatter", w * numel)
             pending = quantized_reduce_scatter_sum(out, full, self.pg, self.quantize_grads,
                                                    exact_tail=len(trainable), async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
@@ -599,7 +630,7 @@ class ParamGroup:
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
         if w > 1:
-            self._announce("reduce-scatter")
+            self._record("reduce-scatter", w * numel)
         pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
         return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                              [full, scratch], views, dest, self.replicate_pg, options,

@@ -5,23 +5,41 @@ Forward:  pre-forward gathers the unit (waiting on a prefetch if one was issued)
           post-forward frees the unit (``reshard_after_forward``; the root only if asked)
           and hooks the outputs so backward can gather it again.
 Backward: an output-gradient hook gathers the unit and prefetches the unit that
-          ran before it in forward; once every trainable parameter's gradient is
-          accumulated (a countdown of AccumulateGrad hooks), the unit
-          reduce-scatters asynchronously and frees its parameters. A final
-          callback, queued when backward starts, reduces the units the countdown
-          never completed for (unused parameters) and leaves everything sharded.
-          See Note [when a unit's backward is done].
+          ran before it in forward; once the gradients of the unit's forward inputs
+          are computed (its module's backward is over), the unit reduce-scatters
+          asynchronously and frees its parameters. A final callback, queued when
+          backward starts, reduces the units whose inputs needed no gradient, in one
+          fixed order, checks that every rank did the same (core/divergence.py) and
+          leaves everything sharded. See Note [when a unit's backward is done].
 
 Note [when a unit's backward is done]
-Two signals together: a countdown of AccumulateGrad hooks (every trainable
-parameter's gradient is in; fires once per backward even when a module runs twice
-in forward, and needs no inputs that require grad: the first unit gets token ids),
-and, when the unit's inputs require grad, an identity autograd function on them
-whose backward runs once their gradients are computed. The second matters for
-frozen weights: the gradient of a LoRA layer's input still reads the frozen base
-weight after the adapters' gradients are done. Units whose countdown cannot
-complete (a parameter unused in forward) are reduced in the final callback, in the
-same order on every rank.
+A unit's backward is over when its module's backward is over: every forward call's
+inputs that require grad pass through an identity autograd function
+(``_InputGradsReady``) whose backward runs once their gradients are computed; when
+every watched call of this iteration has fired, nothing of this backward reads the
+unit's parameters again (frozen weights included: a LoRA layer's input gradient reads
+the frozen base weight after the adapters' gradients are done), and its parameters'
+gradients are in: AccumulateGrad nodes run ahead of every other ready node (their
+sequence number is the largest), and a parameter's gradient is computed no later
+than the gradient of the input it was combined with. A gradient that still arrives
+after its unit was reduced (a parameter also used by a module that runs before the
+unit) is caught at the final callback and named.
+
+The signal depends on which modules ran, never on which parameters got gradients,
+so every rank reduces the same units in the same order whatever its data: an expert
+that got no tokens on one rank, a branch taken on some ranks only (Note [ranks agree
+on every collective]); its parameters are reduced as zeros there (Note [gradient
+presence flags]). This is torch FSDP2's module-boundary signal. An earlier design
+counted AccumulateGrad hooks, which made a unit with an unused parameter wait for
+the final callback on one rank while the others reduced it in place: different
+orders on different ranks.
+
+A unit whose forward inputs need no gradient (token ids), or that was called once
+without such inputs, has no boundary signal: it is reduced in the final callback, in
+``root.units`` order on every rank. A watched call whose graph is freed without a
+backward (a forward with grad, then no backward) stops counting then. Reentrant
+activation checkpointing runs the forward without grad and backpropagates through the
+recomputation: the recomputed call is watched instead.
 """
 
 from __future__ import annotations
@@ -34,9 +52,10 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .divergence import DivergenceChecker, debug_enabled
+from .divergence import DivergenceError, Guard, debug_enabled
 from .group import GroupState, ParamGroup
 from .init import lazy_init
+from .ledger import BACKWARD, Ledger, unit_code
 from .state import RootState, UnitState, unit_of
 
 
@@ -91,12 +110,17 @@ def ensure_root(unit: UnitState) -> RootState:
     for u in units:
         u.rename(names[u.module])
     root = lazy_init(unit, units, unit.bucket_numel)
-    checker = DivergenceChecker([g.unit_name for g in root.members],
-                                unit.mesh.mesh.flatten().tolist(),
-                                lambda: root.in_backward) if debug_enabled(unit.debug) else None
-    for group in root.members:
-        group.on_grads_ready = partial(_on_grads_ready, root, group)
-        group.checker = checker
+    ranks = unit.mesh.mesh.flatten().tolist()
+    if len(ranks) > 1:  # Note [ranks agree on every collective]
+        root.guard = Guard(Ledger([u.name for u in root.units]), ranks,
+                           debug_enabled(unit.debug), lambda: root.in_backward)
+        root.patience = root.guard if unit.mesh.device_type == "cpu" else None
+    for u in root.units:
+        u.ledger_code = unit_code(u.name)
+    for group, members in root.members.items():
+        group.on_backward_done = partial(_on_backward_done, root, group)
+        group.guard = root.guard
+        group.guard_unit = members[0].ledger_code
     return root
 
 
@@ -121,10 +145,18 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         if group is not None:
             group.unshard()
             group.wait_unshard()
-        return _prepare_inputs(unit, None, args, kwargs)  # cast only: no new backward
+        # reentrant checkpointing backpropagates through this recomputation (the forward
+        # ran without grad): watch it; otherwise cast only (Note [when a unit's backward
+        # is done])
+        recomputed = (group is not None and torch.is_grad_enabled()
+                      and not unit.ran_forward_with_grad)
+        unit.recomputed_with_grad |= recomputed
+        return _prepare_inputs(unit, group if recomputed else None, args, kwargs)
     if unit is root.unit:
         _check_input_devices(unit, args, kwargs)
         _root_pre_forward(root)
+    if root.guard is not None:
+        root.guard.forward(unit.ledger_code)
     root.record_pre_forward(unit)
     if group is not None:
         group.unshard()
@@ -164,15 +196,38 @@ def _prepare_inputs(unit: UnitState, watched: ParamGroup | None, args: Any, kwar
 
 
 def _watch(group: ParamGroup, leaves: list) -> bool:
-    """Pass the leaves that require grad through _InputGradsReady (in place); whether any did."""
+    """Pass the leaves that require grad through _InputGradsReady (in place); whether any
+    did. A call with none is counted unwatched (Note [when a unit's backward is done])."""
     slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
+        group.unwatched_calls += 1
         return False
-    watched = _InputGradsReady.apply(group, *(leaves[i] for i in slots))
+    watched = _InputGradsReady.apply(_Watch(group), *(leaves[i] for i in slots))
     for i, t in zip(slots, watched):
         leaves[i] = t
-    group.inputs_pending += 1
     return True
+
+
+class _Watch:
+    """One watched forward call: fires once when its inputs' gradients are computed, or
+    stops counting when its graph is freed without a backward through it."""
+
+    __slots__ = ("group", "fired")
+
+    def __init__(self, group):
+        self.group = group
+        self.fired = False
+        group.watch_started()
+
+    def fire(self) -> None:
+        if not self.fired:  # a second backward through a retained graph: not counted
+            self.fired = True
+            self.group.input_grads_ready()
+
+    def __del__(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.group.watch_dropped()
 
 
 def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
@@ -197,23 +252,24 @@ class _InputGradsReady(torch.autograd.Function):
     computed, i.e. once the unit's backward no longer needs its parameters."""
 
     @staticmethod
-    def forward(ctx, group, *tensors):
-        ctx.group = group
+    def forward(ctx, watch, *tensors):
+        ctx.watch = watch
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.group.input_grads_ready()
+        ctx.watch.fire()
         return (None, *grads)
 
 
 def watch_input_grads(group: ParamGroup, args: Any, kwargs: Any) -> Any:
     """(args, kwargs) with the tensors that require grad passed through _InputGradsReady:
-    ``group.input_grads_ready()`` runs once their gradients are computed, before the
-    gradient reaches any hook on the tensors themselves (the previous unit's
-    pre-backward); the watched call is counted in ``group.inputs_pending``. The memory
-    estimator's trace (memory/activations.py) watches with its own ``group`` (anything
-    with those two), so its events come in the runtime's order."""
+    ``group.watch_started()`` runs now, ``group.input_grads_ready()`` once their
+    gradients are computed, before the gradient reaches any hook on the tensors
+    themselves (the previous unit's pre-backward), or ``group.watch_dropped()`` when the
+    graph is freed first. The memory estimator's trace (memory/activations.py) watches
+    with its own ``group`` (anything with those three), so its events come in the
+    runtime's order."""
     leaves, spec = tree_flatten((args, kwargs))
     if not _watch(group, leaves):
         return args, kwargs
@@ -251,6 +307,8 @@ def _root_pre_forward(root: RootState) -> None:
         if group.state is not GroupState.SHARDED and group not in fresh:
             group.reshard()
     root.start_iteration()
+    if root.guard is not None:
+        root.guard.ledger.step += 1
 
 
 def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
@@ -269,7 +327,23 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
             group.reshard_after_forward()
     elif group is not None and root.forward_finished(unit):
         group.reshard()  # no backward will read these parameters
+    if unit is root.unit and root.guard is not None:  # the forward is over: compare
+        _check_forward(root)
     return output
+
+
+def _check_forward(root: RootState) -> None:
+    """Note [ranks agree on every collective]. A forward without grad has no backward to
+    check it: now. One with grad is compared before the next collective (the exchange
+    overlaps the loss), where a backward collective's different size could abort gloo
+    first; on NCCL, where a mismatch cannot stop the host, the backward's check covers
+    it."""
+    guard = root.guard
+    phase = guard.phase()
+    if not torch.is_grad_enabled():
+        guard.check(phase)
+    elif root.patience is not None:
+        guard.check_soon(phase)
 
 
 def _hook_outputs(unit: UnitState, output: Any) -> None:
@@ -297,13 +371,10 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
 
 def _start_backward(root: RootState) -> None:
     root.in_backward = True
-    for group in root.members:
-        if group.unsharded is not None:
-            group.expect_grads()
     Variable._execution_engine.queue_callback(partial(_final_callback, root))
 
 
-def _on_grads_ready(root: RootState, group: ParamGroup) -> None:
+def _on_backward_done(root: RootState, group: ParamGroup) -> None:
     if root.in_backward and group not in root.reduced and group.backward_done:
         _post_backward(root, group)
 
@@ -323,20 +394,47 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
 
 
 def _final_callback(root: RootState) -> None:
-    for u in root.units:
-        if u.ran_forward_with_grad and u.group is not None and u.group not in root.reduced:
-            _post_backward(root, u.group)
+    late = _late_gradients(root)  # before the final reductions take more gradients
+    for u in root.units:  # units without a boundary signal, in one order on every rank
+        group = u.group
+        if group is None or group in root.reduced:
+            continue
+        if u.ran_forward_with_grad or u.recomputed_with_grad or (
+                root.reduce_options(group).unused_as_zeros and group.unsharded is not None):
+            _post_backward(root, group)
+    if root.guard is not None:  # Note [ranks agree on every collective]
+        root.guard.check(BACKWARD)
+    if late:
+        raise DivergenceError(late)
     if root.unit.is_last_backward and not root.unit.manual_backward_finalization:
         root.settle_gradients()
     # else: the last reduce-scatter overlaps whatever comes next; the next backward,
     # forward or optimizer step completes it first (set_is_last_backward(False))
     for group in root.members:
-        group.inputs_pending = 0  # inputs of forwards this backward did not reach
+        group.end_backward()
         if root.stays_gathered_after_backward(group):
             root.kept_gathered.add(group)
         else:
             group.reshard()
     for u in root.units:
-        u.ran_forward_with_grad = False
+        u.ran_forward_with_grad = u.recomputed_with_grad = False
     root.reduced.clear()
     root.in_backward = False
+
+
+def _late_gradients(root: RootState) -> str | None:
+    """A gradient that reached a unit's parameter after the unit was reduced (Note [when
+    a unit's backward is done]): named, never dropped or carried into the next step."""
+    for group in root.reduced:
+        if not any(u.requires_gradient_sync for u in root.members[group]):
+            continue  # accumulating without sync: its gradients stay on the parameters
+        for p in group.trainable():
+            up = p.unsharded_param
+            if up is not None and up.grad is not None:
+                return (f"fullshard: parameter '{p.fqn}' of {group.unit_name} received a "
+                        "gradient after the unit's backward was over (its input gradients "
+                        "were already computed): the parameter is also used outside the "
+                        "unit's forward, by a module that runs before it. Shard the modules "
+                        "that share it in one fully_shard call, or in a unit that contains "
+                        "both.")
+    return None

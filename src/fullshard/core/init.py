@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
                         as_offload_policy)
-from . import arrival
+from . import arrival, divergence
 from .buckets import merge_small_units
 from .group import GroupState, ParamGroup, outside_inference_mode
 from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
@@ -48,6 +48,7 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
     spmd = data_parallel_mesh(label, mesh, dp_mesh_dims)
     mesh = resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
     arrival.prepare(spmd.mesh if spmd else mesh)  # Note [every rank arrives]
+    divergence.prepare(mesh)  # Note [ranks agree on every collective]
     pg = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last one
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 else None
     _check_reshard_after_forward(label, reshard_after_forward, pg.size())

@@ -51,11 +51,11 @@ class PostForwardShard:
         n = unsharded.numel() // self.size
         self.chunk = unsharded[self.rank * n:(self.rank + 1) * n].clone()
 
-    def gather_into(self, unsharded: torch.Tensor, async_op: bool) -> Pending:
+    def gather_into(self, unsharded: torch.Tensor, async_op: bool, patience=None) -> Pending:
         """All-gather the chunks within the subgroup straight into ``unsharded``."""
         chunk, self.chunk = self.chunk, None
         return all_gather(unsharded, chunk, self.group, async_op=async_op,
-                          what="all-gather within a post-forward subgroup")
+                          what="all-gather within a post-forward subgroup", patience=patience)
 
     def drop(self) -> None:
         self.chunk = None

@@ -87,7 +87,7 @@ def _dequantize_rows(packed: torch.Tensor, width: int, block: int):
 
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                          block: int, async_op: bool = False,
-                         what: str = "an all-gather") -> Pending:
+                         what: str = "an all-gather", patience=None) -> Pending:
     """``all_gather`` of int8 blocks: every rank's ``shard`` lands, dequantized, in its
     rank-major slot of ``output`` (Note [quantized communication])."""
     w, n = group.size(), shard.numel()
@@ -102,7 +102,7 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.
         for first, values in _dequantize_rows(received.view(w, per_rank), n, block):
             rows[first:first + values.shape[0]].copy_(values)
 
-    return _done(Pending(output, work, unpack), async_op, what)
+    return _done(Pending(output, work, unpack), async_op, what, patience)
 
 
 def quantized_reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor,

@@ -185,11 +185,11 @@ def plan_runs(items: Sequence[T], numel: Callable[[T], int],
 
 
 # -- backward -------------------------------------------------------------------------------
-def backward_is_done(grads_seen: int, grads_expected: int, inputs_pending: int) -> bool:
-    """Every trainable gradient accumulated and every input gradient computed: no part of
-    this backward can still read the unsharded parameters (Note [when a unit's backward
-    is done])."""
-    return grads_seen >= grads_expected and inputs_pending <= 0
+def backward_is_done(watches_fired: int, watches_live: int, unwatched_calls: int) -> bool:
+    """The input gradients of every watched forward call are computed (at least one in
+    this backward) and no forward call went unwatched: the unit's module backward is over
+    (Note [when a unit's backward is done] in core/hooks.py)."""
+    return watches_fired > 0 and watches_live <= 0 and unwatched_calls == 0
 
 
 # -- buffers --------------------------------------------------------------------------------

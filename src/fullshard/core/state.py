@@ -8,6 +8,7 @@ on the RootState so that units stay plain descriptions of themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..policies import MixedPrecisionPolicy
 from .buffers import BufferPool
-from .gradients import DEFAULT_REDUCE, ReduceOptions
+from .gradients import DEFAULT_REDUCE, ReduceOptions, UnknownPresence
 from .group import ParamGroup, PendingReduce
 from .schedule import PrefetchOrder, frees_after_forward
 from .streams import SharedCopies
@@ -56,7 +57,7 @@ class UnitState:
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
         self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root
-        self.debug = debug  # when this unit becomes the root: Note [collective fingerprints]
+        self.debug = debug  # as the root: compare before every collective (core/divergence.py)
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
@@ -80,6 +81,10 @@ class UnitState:
         # share one group; torch's per-unit setters apply to all of them together.
         self.created_with: list[UnitState] = [self]
         self.ran_forward_with_grad = False
+        # reentrant activation checkpointing: the forward ran without grad and its
+        # recomputation in backward is what autograd goes through (watched there)
+        self.recomputed_with_grad = False
+        self.ledger_code = 0  # this unit in its root's ledger (core/ledger.py)
 
     def rename(self, path: str) -> None:
         """Name the unit and its parameters by their path from the root (for messages)."""
@@ -143,6 +148,11 @@ class RootState:
         self.in_backward = False
         self.pending_reduce: PendingReduce | None = None
         self.reduction_handle = None  # finalize_backward(async_op=True)'s, until waited
+        # Note [ranks agree on every collective]: set at lazy init when the mesh has more
+        # than one rank; ``patience`` is the guard where waiting blocks the host (CPU)
+        self.guard = None
+        self.patience = None
+        self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
 
     # -- orders -------------------------------------------------------------------------
     def record_pre_forward(self, unit: UnitState) -> None:
@@ -190,8 +200,9 @@ class RootState:
         for group in self.members:
             group.reshard()
             group.forget_backward()
+        self.unknown_presence = []
         for u in self.units:
-            u.ran_forward_with_grad = False
+            u.ran_forward_with_grad = u.recomputed_with_grad = False
             u.explicit_unshard = False
         self.in_backward = False
         self.reduced.clear()
@@ -205,11 +216,15 @@ class RootState:
         run-time toggle ``all_reduce``, which holds while any of them asks for it."""
         members = self.members[group]
         first = members[0].reduce_options
-        if len(members) == 1 or first.all_reduce:
+        if len(members) == 1:
             return first
-        if any(u.reduce_options.all_reduce for u in members[1:]):
-            return ReduceOptions(first.divide_factor, True, first.hook, first.force_sum)
-        return first
+        changes = {}
+        if not first.all_reduce and any(u.reduce_options.all_reduce for u in members[1:]):
+            changes["all_reduce"] = True
+        if not first.unused_as_zeros and any(u.reduce_options.unused_as_zeros
+                                             for u in members[1:]):
+            changes["unused_as_zeros"] = True
+        return dataclasses.replace(first, **changes) if changes else first
 
     def unshards_in_backward(self, group: ParamGroup) -> bool:
         return any(u.unshard_in_backward for u in self.members[group])
@@ -218,7 +233,9 @@ class RootState:
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
-            pending.finish(self.unit.mesh.size())
+            unknown = pending.finish(self.unit.mesh.size(), self.patience)
+            if unknown is not None:
+                self.unknown_presence.append(unknown)
 
     def use_copies(self, shared: SharedCopies) -> None:
         """Move every group's host<->device copies to ``shared``'s streams (after the
@@ -236,3 +253,6 @@ class RootState:
         host: afterwards every ``.grad`` holds its final value."""
         self.finish_pending_reduce()
         self.copies.settle()
+        unknown, self.unknown_presence = self.unknown_presence, []
+        for presence in unknown:  # after the copies: offloaded flags are on the host now
+            presence.resolve()

@@ -222,7 +222,7 @@ class _Recorder:
         # fullshard's own watch: one signal per forward call, ordered as at run time
         watch = _InputGrads(self, unit)
         args, kwargs = watch_input_grads(watch, args, kwargs)
-        if watch.inputs_pending:
+        if watch.watched:
             self.trace.watched_inputs[unit] = self.trace.watched_inputs.get(unit, 0) + 1
         return args, kwargs
 
@@ -253,7 +253,14 @@ class _InputGrads:
     def __init__(self, recorder: _Recorder, unit: int):
         self.recorder = recorder
         self.unit = unit
-        self.inputs_pending = 0
+        self.watched = False
+        self.unwatched_calls = 0  # the runtime's count; the trace reads ``watched``
+
+    def watch_started(self) -> None:
+        self.watched = True
+
+    def watch_dropped(self) -> None:
+        pass  # the traced graph is always backpropagated
 
     def input_grads_ready(self) -> None:
         self.recorder.event("inputs_ready", self.unit)

@@ -148,8 +148,9 @@ class _Group:
     state: str = "sharded"     # sharded | gathering | unsharded | post_forward
     gather: tuple | None = None
     side_gather: tuple | None = None  # tensor-subclass parameters: (send, receive)
-    grads_seen: int = 0
-    inputs_pending: int = 0
+    inputs_pending: int = 0   # watched forward calls whose input gradients are to come
+    inputs_fired: int = 0
+    unwatched: bool = False   # a unit of it ran forward with no input needing grad
     persistent_grads: bool = False
 
     @property
@@ -223,7 +224,7 @@ class Replay:
     def _step(self) -> None:
         self.phase = "forward"
         for g in self.groups:
-            g.grads_seen, g.inputs_pending = 0, 0
+            g.inputs_pending, g.inputs_fired, g.unwatched = 0, 0, False
         retained = 0  # Note [freed small blocks stay resident]
         for event in self.trace.events:
             if self.settings.heap_retention:
@@ -271,6 +272,8 @@ class Replay:
             self._wait(group)
             if unit in self.trace.watched_inputs:
                 group.inputs_pending += 1
+            else:
+                group.unwatched = True
         self._prefetch(self.order.next_in_forward(unit))
 
     def _on_post_forward(self, unit: int) -> None:
@@ -300,22 +303,22 @@ class Replay:
         param = next(p for p in group.layout.trainable if p.key == key)
         self.ledger.alloc(("ugrad", key), GRADIENTS,
                           param.numel * self.settings.compute_dtype.itemsize)
-        group.grads_seen += 1
-        self._maybe_post_backward(group)
 
     def _on_inputs_ready(self, unit: int) -> None:
         group = self.group_of_unit.get(unit)
         if group is not None:
             group.inputs_pending -= 1
-            self._maybe_post_backward(group)
-
-    def _maybe_post_backward(self, group: _Group) -> None:
-        if group.index not in self._reduced and backward_is_done(
-                group.grads_seen, len(group.layout.trainable), group.inputs_pending):
-            self._post_backward(group)
+            group.inputs_fired += 1
+            if group.index not in self._reduced and backward_is_done(
+                    group.inputs_fired, group.inputs_pending, int(group.unwatched)):
+                self._post_backward(group)
 
     def _on_backward_end(self, _subject: int) -> None:
-        for g in self.groups:  # the final callback: groups whose countdown never completed
+        # the final callback: groups without a boundary signal, in the runtime's unit
+        # order (the root first, then the others as found in the model)
+        first = {g.index: min((0 if u == self.root_unit else u + 1) for u in g.layout.units)
+                 for g in self.groups}
+        for g in sorted(self.groups, key=lambda g: first[g.index]):
             if g.index not in self._reduced:
                 self._post_backward(g)
         self._finish_pending_reduce()

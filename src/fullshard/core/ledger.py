@@ -1,0 +1,89 @@
+"""The ledger: what one rank did, in order, for the units of one root.
+
+Every unit forward and every collective fullshard issues for a root's units is one
+entry: (step, phase, operation, unit, elements). Entries fold into a running digest, so
+two ranks that did the same things have the same (count, digest) and comparing two
+integers compares everything; the entries since the ranks last agreed are kept, so when
+they do not, the first difference can be named (core/divergence.py). Recording is host
+arithmetic on small integers: nothing is sent and nothing waits.
+
+Entries hold integers only (a unit is the CRC-32 of its path from the root, the same on
+every rank whatever modules each has; operations are codes), never strings: Python hashes
+integers the same way in every process, strings not.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+# Operations. FORWARD is a unit's forward starting (no collective): recorded so that a
+# unit skipped on one rank is named even when prefetching kept the gathers in step.
+FORWARD, ALL_GATHER, POST_FORWARD_GATHER, SUBCLASS_GATHER, REDUCE_SCATTER, ALL_REDUCE = \
+    range(6)
+OPERATIONS = {
+    "all-gather": ALL_GATHER,
+    "all-gather (post-forward subgroup)": POST_FORWARD_GATHER,
+    "all-gather (tensor-subclass parameters)": SUBCLASS_GATHER,
+    "reduce-scatter": REDUCE_SCATTER,
+    "all-reduce": ALL_REDUCE,
+}
+_OPERATION_NAMES = {code: name for name, code in OPERATIONS.items()}
+_OPERATION_NAMES[FORWARD] = "forward"
+
+# Phases: where the rank was when it recorded the entry.
+FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, BACKWARD, BETWEEN_STEPS = range(4)
+PHASE_NAMES = ("forward", "forward without grad", "backward",
+               "outside forward and backward")
+
+_MODULUS = (1 << 61) - 1  # a prime: the digest is a polynomial hash of the entries
+_BASE = 1_000_003
+# Entries kept for naming a difference; a phase with more (a forward of thousands of
+# units) is still compared by digest, but only its last entries can be named.
+HISTORY = 8192
+
+
+class Entry(NamedTuple):
+    step: int
+    phase: int
+    operation: int
+    unit: int
+    numel: int
+
+
+def unit_code(name: str) -> int:
+    """A unit's identity in entries: the same on every rank for the same path."""
+    return zlib.crc32(name.encode())
+
+
+class Ledger:
+    """One rank's record for one root (see the module docstring)."""
+
+    def __init__(self, unit_names: list[str]):
+        self.unit_names = {unit_code(name): name for name in unit_names}
+        self.step = -1     # the root's forward now running, counted from 0 ("step" in messages)
+        self.count = 0     # entries recorded so far
+        self.digest = 0
+        self.agreed = 0    # ``count`` when the ranks last agreed
+        # since ``agreed``: count -> (digest after it, entry); bounded by HISTORY
+        self.entries: dict[int, tuple[int, Entry]] = {}
+
+    def record(self, phase: int, operation: int, unit: int, numel: int = 0) -> None:
+        entry = Entry(self.step, phase, operation, unit, numel)
+        self.count += 1
+        self.digest = (self.digest * _BASE + (hash(entry) & _MODULUS)) % _MODULUS
+        self.entries[self.count] = (self.digest, entry)
+        if len(self.entries) > HISTORY:
+            del self.entries[self.count - HISTORY]
+
+    def mark_agreed(self) -> None:
+        self.agreed = self.count
+        self.entries.clear()
+
+    def describe(self, entry: Entry, names: dict[int, str] | None = None) -> str:
+        """``entry`` in words; ``names`` adds other ranks' units to this rank's."""
+        unit = self.unit_names.get(entry.unit) or (names or {}).get(entry.unit) \
+            or f"unit {entry.unit:#x}"
+        if entry.operation == FORWARD:
+            return f"the forward of '{unit}'"
+        return f"the {_OPERATION_NAMES[entry.operation]} of '{unit}'"
