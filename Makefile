@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-multinode soak test-torch test-gpu test-torchtitan bench bench-projection setup clean
+.PHONY: run test test-fast test-multinode test-extended soak test-torch test-gpu test-torchtitan bench bench-projection setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ run: $(STAMP)
 # Two pytest workers (pytest-xdist): most of a multi-rank test is spent starting processes
 # and waiting in collectives, so two at a time finish the suite ~17% sooner on 2 cores.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode and not soak" -n 2; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode and not soak and not extended" -n 2; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # Several "nodes" on 127.0.0.1 (two launchers, c10d rendezvous; ~3 minutes): CI runs it
@@ -33,10 +33,15 @@ test: $(STAMP)
 test-multinode: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m multinode
 
+# More combinations than `make test` has time for (tests/conftest.py lists them): CI runs
+# it after the multi-node lane.
+test-extended: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m extended
+
 # The tests a developer runs often (under 2 minutes on 2 cores): everything but the tests
 # tests/conftest.py marks slow.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak"
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended"
 
 # 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
 # without faults (48 minutes on 2 cores): tests/test_soak_restarts.py.
@@ -58,7 +63,7 @@ test-torch:
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH)
 	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -e '.[dev]'
-	OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest tests -m "not multinode and not soak" -n 2
+	OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest tests -m "not multinode and not soak and not extended" -n 2
 
 # torchtitan's own FSDP code on fullshard. Not a dependency: torchtitan's imports pull
 # triton (~1 GB), so its runtime dependencies are installed here without theirs.

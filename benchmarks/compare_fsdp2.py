@@ -6,6 +6,9 @@
 
 ``fullshard-fsdp1`` and ``fsdp1`` are the FSDP1 wrapper APIs (fullshard's
 ``FullyShardedDataParallel`` and torch's) with one unit per block and torch's defaults.
+``fullshard-unguarded`` is fullshard with the divergence guard taken off after its first
+step (Note [ranks agree on every collective]): ``--impls fullshard,fullshard-unguarded``
+measures what the guard costs.
 
 Every implementation trains its own copy of the same model (same initial weights,
 same batches) inside one set of ranks. Steps are interleaved (A B C D A B C D ...)
@@ -55,8 +58,8 @@ W3 = GPTConfig(vocab_size=32000, seq_len=64, d_model=1024, n_layers=16, n_heads=
 def build(impl: str, base: GPT, reshard_after_forward: bool,
           bucket_numel: int | None = None, bf16: bool = False) -> torch.nn.Module:
     model = copy.deepcopy(base)
-    if impl in ("fullshard", "fsdp2"):
-        if impl == "fullshard":
+    if impl in ("fullshard", "fsdp2", "fullshard-unguarded"):
+        if impl != "fsdp2":
             from fullshard import MixedPrecisionPolicy, fully_shard
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -67,7 +70,7 @@ def build(impl: str, base: GPT, reshard_after_forward: bool,
         # the root with torch's default (None): kept from forward to backward by both
         # implementations, as an explicit True would make both free and re-gather it
         fully_shard(model, mp_policy=policy)
-        if impl == "fullshard" and bucket_numel is not None:
+        if impl != "fsdp2" and bucket_numel is not None:
             model.set_bucket_numel(bucket_numel)
     elif impl in ("fullshard-fsdp1", "fsdp1"):
         from fullshard.gpt import Block
@@ -122,6 +125,15 @@ class PhaseTimer:
         return loss.detach(), phases
 
 
+def strip_guard(model: torch.nn.Module) -> None:
+    """Take the divergence guard off a fullshard root after lazy init (measuring only)."""
+    from fullshard.core.state import unit_of
+    root = unit_of(model).root
+    root.guard = root.patience = None
+    for group in root.members:
+        group.guard = None
+
+
 def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bool,
                  bucket_numel: int | None = None, bf16: bool = False) -> dict:
     rank = dist.get_rank()
@@ -144,6 +156,8 @@ def bench_worker(wl: Workload, impls: tuple[str, ...], reshard_after_forward: bo
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             losses[impl].append(loss.float().item())
+            if step == 0 and impl == "fullshard-unguarded":
+                strip_guard(models[impl])
             if step >= wl.warmup:
                 times[impl].append(elapsed.item())
                 phases[impl].append(step_phases)
@@ -168,6 +182,9 @@ def report(wl: Workload, world: int, raf: bool, res: dict, bf16: bool = False) -
     for phase in next(iter(res["phases_s"].values())):
         lines.append(f"| {phase} | " + " | ".join(
             f"{p[phase] * 1e3:.1f}" for p in res["phases_s"].values()) + " |")
+    if "fullshard-unguarded" in med and "fullshard" in med:
+        lines.append(f"\ndivergence guard: fullshard / fullshard-unguarded = "
+                     f"{med['fullshard'] / med['fullshard-unguarded']:.4f}")
     if "fsdp1" in med and "fullshard-fsdp1" in med:
         lines.append(f"\nFSDP1 API: fullshard-fsdp1 / fsdp1 = "
                      f"{med['fullshard-fsdp1'] / med['fsdp1']:.2f}")

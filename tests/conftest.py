@@ -29,6 +29,14 @@ if not lanes.is_cuda_lane(os.environ):
 
 
 SLOW = {
+    "tests/test_rank_dependent_paths.py::test_experts_without_tokens_on_some_ranks_train_like_one_process",
+    "tests/test_rank_dependent_paths.py::test_branches_and_root_parameters_used_on_some_ranks_train_like_one_process",
+    "tests/test_rank_dependent_paths.py::test_every_combination_trains_like_one_process",
+    "tests/test_rank_dependent_paths.py::test_every_combination_at_four_ranks_trains_like_one_process",
+    "tests/test_rank_dependent_paths.py::test_a_layer_dropped_on_one_rank_is_named_on_every_rank",
+    "tests/test_rank_dependent_paths.py::test_reductions_in_different_orders_are_named_before_the_optimizer_sees_them",
+    "tests/test_rank_dependent_paths.py::test_a_rank_that_is_only_slow_is_waited_for",
+    "tests/test_train_loop.py::test_moe_preset_trains_like_one_process",
     "tests/test_quantized_allgather.py::test_int8_subclass_trains_like_one_process_with_its_hooks_on_every_gather",
     "tests/test_quantized_allgather.py::test_nf4_qlora_trains_like_one_process",
     "tests/test_quantized_allgather.py::test_quantized_weights_with_cpu_offload_train_like_one_process",
@@ -157,12 +165,21 @@ SLOW = {
 MULTINODE_FILES = ("tests/test_multinode.py",)
 
 
+# More combinations than `make test` has time for (each a minute or more on 2 cores): left
+# out of `make test`, run by `make test-extended`; CI runs it after the multi-node lane.
+EXTENDED = {
+    "tests/test_rank_dependent_paths.py::test_compiled_blocks_with_rank_dependent_experts_train_like_one_process",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("[")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
         if item.nodeid.startswith(MULTINODE_FILES):
             item.add_marker(pytest.mark.multinode)
+        if item.nodeid.split("[")[0] in EXTENDED:
+            item.add_marker(pytest.mark.extended)
 
 
 def pytest_configure(config):
@@ -173,3 +190,4 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of `make test-fast` (see conftest.py)")
     config.addinivalue_line("markers", "soak: long runs, left out of `make test`; `make soak`")
     config.addinivalue_line("markers", "multinode: the multi-node lane, `make test-multinode`")
+    config.addinivalue_line("markers", "extended: more combinations, `make test-extended`")

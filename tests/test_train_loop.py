@@ -14,9 +14,9 @@ from fullshard.train.loop import Trainer
 QUIET = {"steps": 4, "eval.every": 0, "eval.sample_tokens": 0, "checkpoint.every": 0}
 
 
-def _losses(overrides: dict) -> list[float] | None:
-    """Train the debug preset with ``overrides``; rank 0 returns the step losses."""
-    cfg = apply_overrides(get_preset("debug"), {**QUIET, **overrides}, "test")
+def _losses(overrides: dict, preset: str = "debug") -> list[float] | None:
+    """Train ``preset`` with ``overrides``; rank 0 returns the step losses."""
+    cfg = apply_overrides(get_preset(preset), {**QUIET, **overrides}, "test")
     rank, world = dist.get_rank(), dist.get_world_size()
     worker = Worker(rank, world, rank, world, torch.device("cpu"))
     with tempfile.TemporaryDirectory() as out:
@@ -102,3 +102,15 @@ def test_quantized_communication_trains_within_a_percent_of_full_precision():
     assert len(losses["full"]) == 20
     for a, b in zip(losses["int8"], losses["full"]):
         assert a == pytest.approx(b, rel=1e-2), (losses["int8"], losses["full"])
+
+
+def test_moe_preset_trains_like_one_process():
+    """--preset moe (expert MLPs in a ModuleList, top-2 routing, a load-balancing loss): 2
+    ranks of one 4-token sequence each are one process accumulating the same 2 micro-
+    batches (each rank's and each micro-batch's load-balancing loss is its own batch's).
+    With 8 assignments per rank, an expert often gets no token on one rank only."""
+    small = {"steps": 6, "batch.batch_size": 1, "batch.seq_len": 4}
+    two = run_distributed(_losses, 2, small, "moe")[0]
+    one = run_distributed(_losses, 1, {**small, "batch.grad_accum": 2}, "moe")[0]
+    assert len(two) == 6
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)

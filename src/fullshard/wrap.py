@@ -143,7 +143,10 @@ def _count_new(module: nn.Module, seen: set[int]) -> int:
 
 def repeated_block_classes(model: nn.Module) -> set[type]:
     """The classes to shard one unit each: Hugging Face's ``_no_split_modules`` when the
-    model names them, else the classes that repeat inside ModuleLists/Sequentials."""
+    model names them, else the outermost classes that repeat inside ModuleLists or
+    Sequentials. A repeated class inside a repeated block (the experts of a mixture-of-
+    experts block) stays in its block's unit: an expert that gets no token skips its
+    forward, and a unit that runs on some ranks only cannot be gathered in step."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     if names:
         return {type(m) for m in model.modules() if type(m).__name__ in names}
@@ -151,7 +154,10 @@ def repeated_block_classes(model: nn.Module) -> set[type]:
     for container in model.modules():
         if isinstance(container, (nn.ModuleList, nn.Sequential)):
             counts.update(type(child) for child in container)
-    return {cls for cls, n in counts.items() if n >= 2}
+    repeated = {cls for cls, n in counts.items() if n >= 2}
+    nested = {type(inner) for outer in model.modules() if type(outer) in repeated
+              for inner in outer.modules() if inner is not outer}
+    return repeated - nested
 
 
 def auto_wrap(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:

@@ -79,7 +79,9 @@ BIG = 10 ** 12  # steps and intervals: no run gets near it
 # GPTConfig (fullshard.gpt, plain data) carries no metadata: its fields' bounds are here.
 GPT_BOUNDS = {"vocab_size": Bounds(1, 2 ** 24), "seq_len": Bounds(1, 2 ** 24),
               "d_model": Bounds(1, 2 ** 20), "n_layers": Bounds(1, 2 ** 14),
-              "n_heads": Bounds(1, 2 ** 14), "mlp_ratio": Bounds(1, 1024)}
+              "n_heads": Bounds(1, 2 ** 14), "mlp_ratio": Bounds(1, 1024),
+              "n_experts": Bounds(0, 2 ** 14), "top_k": Bounds(1, 2 ** 14),
+              "aux_loss_coef": Bounds(0, 1e6)}
 
 _TRUE, _FALSE, _AUTO = ("true", "yes", "on"), ("false", "no", "off"), ("auto", "none")
 
@@ -376,6 +378,17 @@ PRESETS: dict[str, TrainConfig] = {
         optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=30, decay_steps=400),
         eval=EvalConfig(every=100, batches=4, sample_tokens=300),
         checkpoint=CheckpointConfig(every=200),
+    ),
+    # A small Mixtral-style mixture of experts (8 experts per block, top-2 routing, a
+    # load-balancing loss): ~2.4M parameters of which ~0.8M compute each token; with few
+    # sequences per rank an expert often gets no token on one rank and some on another.
+    "moe": TrainConfig(
+        steps=300,
+        gpt=PRESET_SHAPES["moe"],
+        batch=BatchConfig(seq_len=64, batch_size=16),
+        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_steps=30, decay_steps=300),
+        eval=EvalConfig(every=100, batches=4, sample_tokens=300),
+        checkpoint=CheckpointConfig(every=150),
     ),
     "gpt2-124m": TrainConfig(
         steps=19073,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..gpt import lm_loss
+from ..gpt import aux_loss, lm_loss
 from ..memory import tune_cpu_allocator
 from ..memory.allocator import release_free_heap
 from . import checkpoints
@@ -198,7 +198,9 @@ class Trainer:
             self.model.set_requires_gradient_sync(micro == accum - 1)
             x, y = (t.to(self.worker.device) for t in self.sampler.next_batch())
             with self.memory.phase("forward"):
-                loss = lm_loss(self.workload.logits(x).float(), y) / accum
+                loss = lm_loss(self.workload.logits(x).float(), y)
+                balance = aux_loss(self.model)  # mixture-of-experts blocks' load balancing
+                loss = (loss if balance is None else loss + balance.float()) / accum
             with self.memory.phase("backward"):
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
