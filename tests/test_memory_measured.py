@@ -87,6 +87,24 @@ def test_estimate_within_10_percent_of_measured_peak(world_size, d_model, n_laye
         assert abs(error) <= 0.10, (rank, measured / MIB, est.table())
 
 
+def test_mixture_of_experts_estimate_within_10_percent_of_measured_peak():
+    """8 experts per block, top-2: every expert's weights are sharded, gathered and
+    reduced with its block; the trace routes tokens evenly (real routing varies per
+    step, so the measured activations do too)."""
+    cfg = GPTConfig(vocab_size=32000, seq_len=SEQ, d_model=256, n_layers=4, n_heads=4,
+                    mlp_ratio=4, n_experts=8, top_k=2)
+    batch = 4
+    reports = run_distributed(train_and_track, 2, cfg, "full_shard", batch, False,
+                              timeout=300)
+    for rank, report in enumerate(reports):
+        est = estimate(cfg, world_size=2, batch_size=batch, seq_len=SEQ, device="cpu",
+                       process_baseline=report["baseline_bytes"])
+        error = (est.total - report["peak_bytes"]) / report["peak_bytes"]
+        print(f"moe rank {rank}: measured {report['peak_bytes'] / MIB:.0f} MiB, estimated "
+              f"{est.total / MIB:.0f} MiB ({error:+.1%})")
+        assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
+
+
 def test_bf16_estimate_counts_the_fp32_loss():
     """Under bf16 the loss runs over an fp32 copy of the logits (as trainers compute it):
     with a large vocabulary those are the step's largest tensors."""

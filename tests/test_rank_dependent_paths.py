@@ -28,7 +28,7 @@ import torch.nn as nn
 from fullshard import fully_shard
 from fullshard.gpt import GPT, GPTConfig, MoE, gpt_loss, lm_loss
 from fullshard.testing import run_distributed
-from fullshard.testing.parity import assert_same_weights
+from fullshard.testing.parity import assert_same_weights, full_value
 from test_error_catalogue import matches_documented
 
 # 8 experts, top 2, 3 tokens per rank: an expert gets no token on a rank ~40% of the time
@@ -284,6 +284,40 @@ def _same_weights(model, reference, rtol: float, atol: float | None = None) -> f
             for name, p in module.named_parameters()))
     return assert_same_weights(unwrapped(model), unwrapped(reference), rtol=rtol,
                                atol=atol or rtol / 10)
+
+
+def _against_torch() -> dict:
+    """torch's FSDP2 and fullshard, both with set_reduce_scatter_unused_params(True), on
+    the same model and batches (SGD with momentum: a zero gradient moves the momentum
+    where None would not)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = GPT(MOE)
+    theirs = copy.deepcopy(ours)
+    _unused_as_zeros(ours)
+    for layer in theirs.layers:
+        torch_fully_shard(layer)
+    torch_fully_shard(theirs)
+    theirs.set_reduce_scatter_unused_params(True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    for step in range(STEPS):
+        x = _tokens(step, world)[rank]
+        for model, opt in zip((ours, theirs), opts):
+            gpt_loss(model, x, x).backward()
+        none = [[p.grad is None for p in m.parameters()] for m in (ours, theirs)]
+        assert none[0] == none[1], "fullshard and torch differ in which gradients are None"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(full_value(p.detach()), full_value(q.detach()), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    return {"skipped": set()}
+
+
+def test_unused_as_zeros_trains_as_torch_fsdp2_does():
+    run_distributed(_against_torch, 2)
 
 
 def test_every_combination_trains_like_one_process(tmp_path):
