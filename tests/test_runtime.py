@@ -214,6 +214,52 @@ def test_forward_after_update_uses_new_weights():
     assert run_distributed(_stale_worker, 2) == [True, True]
 
 
+def _abandoned_forward_worker():
+    """A forward with grad whose output is dropped, then a normal step: the dropped
+    graph's watches stop counting, so each block still reduces at its module boundary
+    during backward (one reduction each, none left for the final callback); then two
+    forwards and one backward through both: each block reduces once, both calls in."""
+    from fullshard.core import hooks
+    model = _sharded_gpt(raf=True)
+    x, y = _batch()
+    model(x)  # dropped at once: its graph is freed
+    in_place = []
+    real = hooks._post_backward
+
+    def post_backward(root, group):
+        in_place.append(root.in_backward and not _in_final_callback[0])
+        return real(root, group)
+
+    _in_final_callback = [False]
+    real_final = hooks._final_callback
+
+    def final(root):
+        _in_final_callback[0] = True
+        try:
+            return real_final(root)
+        finally:
+            _in_final_callback[0] = False
+
+    hooks._post_backward, hooks._final_callback = post_backward, final
+    try:
+        lm_loss(model(x), y).backward()
+        first = list(in_place)
+        in_place.clear()
+        with count_collectives() as counts:
+            (lm_loss(model(x), y) + lm_loss(model(_batch(1)[0]), y)).backward()
+    finally:
+        hooks._post_backward, hooks._final_callback = real, real_final
+    return first, in_place, dict(counts)
+
+
+def test_a_dropped_forward_does_not_hold_back_reductions():
+    first, two_forwards, counts = run_distributed(_abandoned_forward_worker, 2)[0]
+    # the three blocks at their boundary, the root (token ids) in the final callback
+    assert first == [True, True, True, False], first
+    assert two_forwards == [True, True, True, False], two_forwards
+    assert counts["reduce_scatter"] == CFG.n_layers + 1, counts
+
+
 def _steady_state_worker(bucket_numel):
     model = _sharded_gpt(raf=True, bucket_numel=bucket_numel)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

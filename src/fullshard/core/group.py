@@ -160,6 +160,7 @@ class ParamGroup:
         self.watches_live = 0
         self.watches_fired = 0
         self.unwatched_calls = 0
+        self.watch_epoch = 0  # bumped when a backward is forgotten: older watches are void
         self.on_backward_done: Callable[[], None] | None = None
         self._all_present: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
@@ -500,6 +501,7 @@ class ParamGroup:
         """Drop this group's gradients not yet reduced and its backward bookkeeping."""
         self.end_backward()
         self.watches_live = 0
+        self.watch_epoch += 1
         self.partial_sum.total = None
         for p in self.params:
             p.accumulated_grad = None

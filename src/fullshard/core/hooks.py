@@ -37,9 +37,11 @@ orders on different ranks.
 A unit whose forward inputs need no gradient (token ids), or that was called once
 without such inputs, has no boundary signal: it is reduced in the final callback, in
 ``root.units`` order on every rank. A watched call whose graph is freed without a
-backward (a forward with grad, then no backward) stops counting then. Reentrant
-activation checkpointing runs the forward without grad and backpropagates through the
-recomputation: the recomputed call is watched instead.
+backward (a forward with grad, then no backward) stops counting then; one whose graph
+is kept alive across the backward of another forward holds its unit's reduction (and
+gathered parameters) to the final callback, as the graph holds its activations.
+Reentrant activation checkpointing runs the forward without grad and backpropagates
+through the recomputation: the recomputed call is watched instead.
 """
 
 from __future__ import annotations
@@ -210,23 +212,29 @@ def _watch(group: ParamGroup, leaves: list) -> bool:
 
 class _Watch:
     """One watched forward call: fires once when its inputs' gradients are computed, or
-    stops counting when its graph is freed without a backward through it."""
+    stops counting when its graph is freed without a backward through it. A watch made
+    before the group forgot its backward (``reset_iter_state``) no longer counts."""
 
-    __slots__ = ("group", "fired")
+    __slots__ = ("group", "fired", "epoch")
 
     def __init__(self, group):
         self.group = group
         self.fired = False
+        self.epoch = getattr(group, "watch_epoch", 0)
         group.watch_started()
 
+    def _counts(self) -> bool:
+        if self.fired:  # a second backward through a retained graph: not counted
+            return False
+        self.fired = True
+        return self.epoch == getattr(self.group, "watch_epoch", 0)
+
     def fire(self) -> None:
-        if not self.fired:  # a second backward through a retained graph: not counted
-            self.fired = True
+        if self._counts():
             self.group.input_grads_ready()
 
     def __del__(self) -> None:
-        if not self.fired:
-            self.fired = True
+        if self._counts():
             self.group.watch_dropped()
 
 
