@@ -38,6 +38,7 @@ SLOW = {
     "tests/test_rank_dependent_paths.py::test_a_rank_that_is_only_slow_is_waited_for",
     "tests/test_train_loop.py::test_moe_preset_trains_like_one_process",
     "tests/test_rank_dependent_paths.py::test_unused_as_zeros_trains_as_torch_fsdp2_does",
+    "tests/test_rank_dependent_paths.py::test_quantized_tensor_subclass_experts_train_like_one_process",
     "tests/test_memory_measured.py::test_mixture_of_experts_estimate_within_10_percent_of_measured_peak",
     "tests/test_quantized_allgather.py::test_int8_subclass_trains_like_one_process_with_its_hooks_on_every_gather",
     "tests/test_quantized_allgather.py::test_nf4_qlora_trains_like_one_process",

@@ -320,6 +320,61 @@ def test_unused_as_zeros_trains_as_torch_fsdp2_does():
     run_distributed(_against_torch, 2)
 
 
+class _QuantizedExperts(nn.Module):
+    """A block of QLoRA experts (frozen int8 tensor-subclass bases gathered in their own
+    form, trainable adapters) behind a softmax router, top-1."""
+
+    def __init__(self):
+        from test_quantized_allgather import D, QLoRALinear
+        super().__init__()
+        self.router = nn.Linear(D, 4)
+        self.experts = nn.ModuleList(QLoRALinear("int8", D, D) for _ in range(4))
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        chosen = probs.argmax(-1)
+        out = torch.zeros_like(x)
+        self.idle = set()
+        for e, expert in enumerate(self.experts):
+            token = torch.where(chosen == e)[0]
+            if token.numel():
+                out = out.index_add(0, token, expert(x[token]) * probs[token, e, None])
+            else:
+                self.idle.add(e)
+        return x + out
+
+
+def _quantized_experts_parity() -> float:
+    from test_quantized_allgather import D
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(_QuantizedExperts(), _QuantizedExperts())
+    reference = copy.deepcopy(model)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    model.set_bucket_numel(0)
+    params = [[p for p in m.parameters() if p.requires_grad] for m in (model, reference)]
+    opt, ref_opt = (torch.optim.SGD(p, lr=0.05, momentum=0.9) for p in params)
+    idle = set()
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        xs = [torch.randn(3, D, generator=gen) for _ in range(world)]
+        model(xs[rank]).square().mean().backward()
+        idle |= {(step, b, e) for b, block in enumerate(model) for e in block.idle}
+        (sum(reference(x).square().mean() for x in xs) / world).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(params[0], params[1]):
+        torch.testing.assert_close(full_value(p.detach()), q.detach(), rtol=1e-5, atol=1e-6)
+    return {"skipped": idle}
+
+
+def test_quantized_tensor_subclass_experts_train_like_one_process():
+    assert _partly_skipped(run_distributed(_quantized_experts_parity, 2))
+
+
 def test_every_combination_trains_like_one_process(tmp_path):
     names = [*COMBOS, "disk offload"]
     results = run_distributed(_combos, 2, names, str(tmp_path), timeout=300)
