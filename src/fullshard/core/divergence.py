@@ -12,9 +12,11 @@ a layer skipped on one rank, a forward on some ranks only (an evaluation under
 
 * Every rank records each unit's forward and each collective fullshard issues for the
   root's units in its ledger (core/ledger.py): host arithmetic, nothing sent.
-* At the end of every root forward and of every backward, before the backward's gradients
-  are finished and handed to the optimizer, the ranks compare (count, digest) in one
-  all-gather of four integers on a gloo group of their own. Equal: go on. Otherwise every
+* At the end of every backward the ranks compare (count, digest) in one all-gather of
+  four integers on a gloo group of their own, started when the last reductions are
+  issued and finished with them, before any gradient is handed out (``settle_gradients``);
+  after a forward without grad (no backward will follow) at once; after a forward with
+  grad on gloo, before the next collective (see below). Equal: go on. Otherwise every
   rank receives every rank's entries since they last agreed and raises the same
   DivergenceError naming the first difference: the step, the unit, what each rank did.
 * A rank that waits in a collective its peers never issue (on gloo, ``wait()`` blocks the
@@ -26,18 +28,19 @@ a layer skipped on one rank, a forward on some ranks only (an evaluation under
   FULLSHARD_ARRIVAL_TIMEOUT (300 s) makes the waiting ranks raise naming where they wait.
 
 On NCCL ``wait()`` does not block the host, it only orders the compute stream after the
-collective: a rank that issued an unmatched collective runs on to its next check, where
-the host-side exchange names the divergence before ``backward()`` returns, so no wrong
-sum reaches the optimizer, whatever the device does (it may stay in the unmatched
-collective until the process ends; NCCL's watchdog aborts it). A host that blocks on the
-device first (``.item()`` inside the model after the mismatch) cannot reach the check;
-NCCL's own timeout bounds that wait. On gloo, a first mismatched pair of *different sizes*
-aborts inside gloo ("Received data size doesn't match expected size") before any check:
-the end-of-forward check exists so that a forward's difference is named before the
-backward's reductions can pair that way.
+collective: a rank that issued an unmatched collective runs on to the end of its
+backward, where the host-side exchange names the divergence before any gradient is
+handed out, so no wrong sum reaches the optimizer, whatever the device does (it may stay
+in the unmatched collective until the process ends; NCCL's watchdog aborts it). A forward
+with grad needs no check of its own there: its entries are in the backward's. A host
+that blocks on the device first (``.item()`` inside the model after the mismatch) cannot
+reach the check; NCCL's own timeout bounds that wait. On gloo a first mismatched pair of
+*different sizes* aborts inside gloo ("Received data size doesn't match expected size")
+before any check: the end-of-forward check exists there so that a forward's difference
+is named before the backward's collectives can pair that way.
 
-Cost: two all-gathers of four integers per training step, on the host (docs/benchmarks.md
-has the figure for W2). With ``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=True)``)
+Cost: one all-gather of four integers per training step on NCCL, two on gloo, on the
+host, each overlapping work that follows it (docs/benchmarks.md has the figure for W2). With ``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=True)``)
 the check runs before every collective instead, so the first mismatch is named before it
 is issued, at one exchange per collective.
 """

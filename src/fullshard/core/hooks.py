@@ -410,9 +410,11 @@ def _final_callback(root: RootState) -> None:
         if u.ran_forward_with_grad or u.recomputed_with_grad or (
                 root.reduce_options(group).unused_as_zeros and group.unsharded is not None):
             _post_backward(root, group)
-    if root.guard is not None:  # Note [ranks agree on every collective]
-        root.guard.check(BACKWARD)
+    if root.guard is not None:  # Note [ranks agree on every collective]: compared when the
+        root.guard.check_soon(BACKWARD)  # gradients are settled, overlapping the last reduction
     if late:
+        if root.guard is not None:
+            root.guard.settle()
         raise DivergenceError(late)
     if root.unit.is_last_backward and not root.unit.manual_backward_finalization:
         root.settle_gradients()

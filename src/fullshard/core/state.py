@@ -253,6 +253,8 @@ class RootState:
         host: afterwards every ``.grad`` holds its final value."""
         self.finish_pending_reduce()
         self.copies.settle()
+        if self.guard is not None:  # the ranks agreed on what they reduced (or it raises)
+            self.guard.settle()
         unknown, self.unknown_presence = self.unknown_presence, []
         for presence in unknown:  # after the copies: offloaded flags are on the host now
             presence.resolve()
