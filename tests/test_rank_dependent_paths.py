@@ -468,19 +468,20 @@ def _drop_layer_on_rank1(at_step: int):
         lm_loss(model(x), x).backward()
 
 
-@pytest.mark.parametrize("at_step", [0, 2], ids=["first step", "later step"])
-def test_a_layer_dropped_on_one_rank_is_named_on_every_rank(at_step):
+@pytest.mark.parametrize("world, at_step", [(2, 0), (2, 2), (3, 2)],
+                         ids=["2 ranks, first step", "2 ranks, later step", "3 ranks"])
+def test_a_layer_dropped_on_one_rank_is_named_on_every_rank(world, at_step):
     started = time.monotonic()
     with pytest.raises(AssertionError) as failure:
-        run_distributed(_drop_layer_on_rank1, 2, at_step, timeout=120)
+        run_distributed(_drop_layer_on_rank1, world, at_step, timeout=120)
     text = str(failure.value)
     assert time.monotonic() - started < 60, text[-2000:]
-    assert "2 of 2 ranks failed" in text, text[-3000:]
-    expected = (f"ranks diverged at step {at_step} (forward, entry #"
-                if at_step else "ranks diverged at step 0 (forward, entry #")
-    assert text.count(expected) == 2, text[-3000:]
-    assert text.count("rank 0 ran the forward of 'layers.1'") == 2, text[-3000:]
-    assert text.count("rank 1 ran the forward of 'layers.2'") == 2, text[-3000:]
+    assert f"{world} of {world} ranks failed" in text, text[-3000:]
+    assert text.count(f"ranks diverged at step {at_step} (forward, entry #") == world, \
+        text[-3000:]
+    others = "rank 0" if world == 2 else "ranks 0, 2"
+    assert text.count(f"{others} ran the forward of 'layers.1'") == world, text[-3000:]
+    assert text.count("rank 1 ran the forward of 'layers.2'") == world, text[-3000:]
     assert matches_documented("E29", _raised(text)), _raised(text)
 
 
