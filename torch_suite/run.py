@@ -29,6 +29,10 @@ sys.path.insert(0, str(HERE))
 import report  # noqa: E402 - found through the path set just above
 
 
+# torch's test bases time out a hung test after 300 s; a whole file gets this long.
+FILE_TIMEOUT_S = 1800
+
+
 def manifest() -> dict[str, tuple[str, str]]:
     """File name -> (sha256, the PyTorch commit it is taken from), from MANIFEST."""
     files = {}
@@ -58,12 +62,18 @@ def run_file(folder: pathlib.Path, name: str, out: pathlib.Path, native: bool) -
                                                         os.environ.get("PYTHONPATH")])))
     if native:
         env["FULLSHARD_TORCH_SUITE_NATIVE"] = "1"
+    stem = pathlib.Path(name).stem
     start = time.monotonic()
-    subprocess.run([sys.executable, "-m", "pytest", str(folder / name), "-q", "-p",
-                    "no:cacheprovider", "-p", "torch_suite_plugin", "--rootdir", str(folder),
-                    "-c", os.devnull, "-o", "junit_family=xunit1",
-                    f"--junitxml={out / (pathlib.Path(name).stem + '.xml')}"],
-                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    with open(out / f"{stem}.log", "w") as log:  # pytest's own output, for the failures
+        try:
+            subprocess.run([sys.executable, "-m", "pytest", str(folder / name), "-q", "-p",
+                            "no:cacheprovider", "-p", "torch_suite_plugin", "--rootdir",
+                            str(folder), "-c", os.devnull, "-o", "junit_family=xunit1",
+                            f"--junitxml={out / (stem + '.xml')}"],
+                           env=env, stdout=log, stderr=subprocess.STDOUT, check=False,
+                           timeout=FILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: stopped after {FILE_TIMEOUT_S} s", file=log)
     return time.monotonic() - start
 
 
@@ -88,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         seconds = run_file(folder, name, out, args.native)
         total += seconds
-        print(f"{name}: {seconds:.0f} s", flush=True)
+        print(f"{name}: {seconds:.0f} s (pytest's output: {out / pathlib.Path(name).stem}.log)",
+              flush=True)
     print(f"wall time: {total:.0f} s ({'torch FSDP2' if args.native else 'fullshard'})")
     failed = report.print_table(out, failures=True)
-    return 1 if failed else 0
+    no_result = [n for n in names if not (out / f"{pathlib.Path(n).stem}.xml").exists()]
+    for name in no_result:
+        print(f"NO RESULT {name}: see {out / pathlib.Path(name).stem}.log")
+    return 1 if failed or no_result else 0
 
 
 if __name__ == "__main__":
