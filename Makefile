@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-multinode test-extended soak test-torch test-gpu test-torchtitan bench bench-projection setup clean
+.PHONY: run test test-fast test-multinode test-extended soak test-torch test-torch-suite test-gpu test-torchtitan bench bench-projection setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,14 @@ test-torch:
 	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH)
 	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -e '.[dev]'
 	OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest tests -m "not multinode and not soak and not extended" -n 2
+
+# PyTorch's own FSDP2 tests (test/distributed/_composable/fsdp/) against fullshard, on CPU
+# ranks over gloo: torch_suite/run.py; docs/conformance.md has the results. The files are
+# PyTorch's, not carried here: it reads them from torch_suite/upstream/ (MANIFEST names
+# each file's commit and SHA-256). expecttest is what torch's test helpers import.
+test-torch-suite: $(STAMP)
+	$(PY) -m pip install -q expecttest
+	OMP_NUM_THREADS=1 $(PY) torch_suite/run.py
 
 # torchtitan's own FSDP code on fullshard. Not a dependency: torchtitan's imports pull
 # triton (~1 GB), so its runtime dependencies are installed here without theirs.

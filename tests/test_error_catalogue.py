@@ -103,6 +103,8 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E09"] = _message(lambda: fully_shard(_mixed()))
     out["E10"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
         "cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))))
+    out["E145"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
+        "cpu", (1, 2))))
     out["E11"] = _message(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
     out["E12"] = _message(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.int8)))

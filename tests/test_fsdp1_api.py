@@ -251,11 +251,16 @@ def _process_group_and_device_mesh():
     torch.manual_seed(0)
     on_mesh = FSDP(GPT(CFG), auto_wrap_policy=POLICY,
                    device_mesh=init_device_mesh("cpu", (4,)))
+    # A 2-D mesh without dimension names, which torch's FSDP1 takes as (replicate, shard).
+    hybrid = FSDP(GPT(CFG), auto_wrap_policy=POLICY, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                  device_mesh=init_device_mesh("cpu", (2, 2)))
     return {
         "sharded_in_pairs": w.to_local().shape[0] == w.shape[0] // 2,
         "pair_agrees": torch.equal(everyone[rank], everyone[rank ^ 1]),
         "pairs_differ": not torch.equal(everyone[0], everyone[2]),
         "mesh_quarters": on_mesh.layers[0].mlp.fc.weight.to_local().shape[0] == w.shape[0] // 4,
+        "unnamed_hybrid_mesh_halves":
+            hybrid.layers[0].mlp.fc.weight.to_local().shape[0] == w.shape[0] // 2,
     }
 
 

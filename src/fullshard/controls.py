@@ -176,14 +176,18 @@ class TorchControls:
         """Call ``hook(reduced)`` on this unit's reduced gradient shard (flat, in the
         reduce dtype) after the reduce-scatter, or after the replica all-reduce under
         hybrid sharding; it may modify it in place (e.g. all-reduce it over another mesh
-        dimension). It runs on the current stream (``stream`` is accepted without
-        hybrid sharding, as torch allows, and not used)."""
+        dimension). It runs on ``stream`` when given (ordered after the work before it;
+        the work after it waits for it), else on the current stream; as in torch,
+        ``stream`` is refused under hybrid sharding."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable, got "
                             f"{type(hook).__name__}")
         group = self._unit.group
         if stream is not None and group is not None and group.replicate_pg is not None:
-            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
+            # torch's message word for word: callers compare str(error) with it.
+            raise ValueError("stream cannot be set when using native HSDP")
+        if stream is not None:
+            hook = _on_stream(hook, stream, torch.get_device_module(self._unit.mesh.device_type))
         self._set_reduce("set_all_reduce_hook", hook=hook)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
@@ -345,3 +349,15 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
 
 
 __all__ = ["GradientReductionHandle", "TorchControls", "share_comm_ctx"]
+
+
+def _on_stream(hook: Callable, stream, device_module) -> Callable:
+    """``hook`` run on ``stream``, which first waits for the current stream; the current
+    stream then waits for it (torch's ``set_all_reduce_hook(hook, stream=...)``)."""
+    def run(output: torch.Tensor) -> None:
+        current = device_module.current_stream()
+        stream.wait_stream(current)
+        with device_module.stream(stream):
+            hook(output)
+        current.wait_stream(stream)
+    return run

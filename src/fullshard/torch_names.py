@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import importlib
 
-# The modules callers import FSDP2's names from (and the one they are defined in).
+# The modules callers import FSDP2's names from, and the one they are defined in (torch's
+# own tests import FSDPModule from there).
 TORCH_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
+                 "torch.distributed.fsdp._fully_shard._fully_shard",
                  "torch.distributed._composable.fsdp",
                  "torch.distributed._composable.fsdp.fully_shard")
 NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",

@@ -137,6 +137,7 @@ def test_accelerate_fsdp2_prepare_model_runs_on_fullshard_unchanged(tied):
 def test_install_and_uninstall_swap_torchs_names():
     import torch.distributed._composable.fsdp as composable
     import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.fsdp._fully_shard import _fully_shard as defining  # torch's tests
 
     import fullshard
 
@@ -146,10 +147,12 @@ def test_install_and_uninstall_swap_torchs_names():
         assert torch_fsdp.fully_shard is fullshard.fully_shard
         assert composable.fully_shard is fullshard.fully_shard
         assert torch_fsdp.FSDPModule is fullshard.FSDPModule
+        assert defining.FSDPModule is fullshard.FSDPModule
         assert torch_fsdp.MixedPrecisionPolicy is not fullshard.MixedPrecisionPolicy  # torch's
     finally:
         fullshard.uninstall()
     assert torch_fsdp.fully_shard is original
+    assert defining.FSDPModule is not fullshard.FSDPModule
 
 
 def test_run_module_installs_before_the_program_imports_torchs_names(tmp_path):

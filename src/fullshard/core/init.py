@@ -26,6 +26,7 @@ from . import arrival, divergence
 from .buckets import merge_small_units
 from .group import GroupState, ParamGroup, outside_inference_mode
 from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
+from .torch_errors import FullyShardArgumentError, torch_first
 from .param import ParamRef, ShardedParam
 from .registry import SHARDED_ORIGINALS, is_sharded_param
 from .schedule import after_forward_rule
@@ -146,13 +147,22 @@ def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
         if placement is None:
             continue
         ndim = p.to_local().dim() if isinstance(p, DTensor) else p.dim()
-        if not isinstance(placement, Shard) or not -ndim <= placement.dim < ndim:
-            raise ValueError(
-                f"fully_shard({label}): shard_placement_fn returned {placement!r} for "
-                f"parameter '{refs[0].fqn}' ({ndim}-D); it must return None or Shard(dim) "
-                f"with -{ndim} <= dim < {ndim}.")
+        if not isinstance(placement, Shard):
+            raise FullyShardArgumentError(torch_first(
+                f"Expected Shard, got {type(placement)}: {placement}",
+                _placement_guidance(label, placement, refs[0].fqn, ndim)))
+        if not -ndim <= placement.dim < ndim:
+            raise FullyShardArgumentError(torch_first(
+                f"Shard dim {placement.dim} is invalid for {ndim}D tensor: {p.shape}",
+                _placement_guidance(label, placement, refs[0].fqn, ndim)))
         dims[p] = placement.dim % ndim
     return dims
+
+
+def _placement_guidance(label: str, placement, fqn: str, ndim: int) -> str:
+    return (f"fully_shard({label}): shard_placement_fn returned {placement!r} for parameter "
+            f"'{fqn}' ({ndim}-D); it must return None or Shard(dim) with -{ndim} <= dim < "
+            f"{ndim}.")
 
 
 def _check_tensor_parallel(label: str, params, post_forward_size: int | None) -> None:
@@ -341,14 +351,19 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
 
 
 def _check_not_meta(group: ParamGroup) -> None:
+    on_meta = []
     for p in group.params:
         ref = p.refs[0]
         current = ref.module._parameters.get(ref.name)
         if current is not None and current.is_meta:
-            raise RuntimeError(
-                f"fullshard: parameter '{p.fqn}' is still on the meta device at the first "
-                "forward. After fully_shard, call model.to_empty(device=...) and then "
-                "initialize it (reset_parameters() / init_weights()) or load a checkpoint.")
+            on_meta.append(p.fqn)
+    if on_meta:
+        raise RuntimeError(torch_first(
+            "FSDP parameters should be materialized from meta device before training, but "
+            f"the following were still on meta device: {on_meta}",
+            f"fullshard: parameter '{on_meta[0]}' is still on the meta device at the first "
+            "forward. After fully_shard, call model.to_empty(device=...) and then "
+            "initialize it (reset_parameters() / init_weights()) or load a checkpoint."))
 
 
 def _readopt_if_replaced(group: ParamGroup) -> None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .tensor_parallel import SpmdDims
+from .torch_errors import FullyShardArgumentError, torch_first
 
 
 def default_process_group_or_raise(what: str) -> None:
@@ -37,10 +38,17 @@ def resolve_mesh(label: str, mesh: DeviceMesh | None) -> DeviceMesh:
         raise TypeError(f"fully_shard({label}): mesh must be a torch DeviceMesh, got "
                         f"{type(mesh).__name__}.")
     if mesh.ndim not in (1, 2):
-        raise ValueError(
+        raise ValueError(torch_first(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}",
             f"fully_shard({label}): mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; "
             "fullshard shards over a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid "
-            "sharding. Pass those dimensions, e.g. mesh['replicate', 'shard'].")
+            "sharding. Pass those dimensions, e.g. mesh['replicate', 'shard']."))
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise FullyShardArgumentError(torch_first(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified",
+            f"fully_shard({label}): a 2-D mesh {tuple(mesh.shape)} is sharded on its second "
+            "dimension and replicated across its first; name them, e.g. init_device_mesh("
+            "device_type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))."))
     if mesh.get_coordinate() is None:
         raise ValueError(
             f"fully_shard({label}): this rank ({dist.get_rank()}) is not in the mesh (ranks "

@@ -81,6 +81,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from . import registry
 from .subclass_params import KeptDtypeShard, SubclassShard, has_all_gather_hooks
 from .tensor_parallel import SpmdDims, local_grad, sharded_layout
+from .torch_errors import torch_first
 
 
 @dataclass(frozen=True)
@@ -165,19 +166,23 @@ class ShardedParam:
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         local = self.local_value(param)
         if local.dim() == 0:
-            raise ValueError(
+            raise ValueError(torch_first(
+                "fully_shard doesn't support scalar parameters. Change "
+                f"{self.fqn} to a 1D tensor with numel equal to 1.",
                 f"fully_shard({unit_label}): parameter '{self.fqn}' is 0-dimensional; "
                 "fullshard shards on dim 0. Reshape it to shape (1,) or pass it in "
-                "ignored_params.")
+                "ignored_params."))
         self.rank = rank
         self.world_size = world_size
         if dim and local.shape[dim] % world_size:
-            raise NotImplementedError(
+            raise NotImplementedError(torch_first(
+                f"FSDP does not support uneven sharding on dim {dim}: {local.shape} "
+                f"(world size: {world_size})",
                 f"fully_shard({unit_label}): shard_placement_fn returned Shard({dim}) for "
                 f"parameter '{self.fqn}' of shape {tuple(local.shape)}, whose dim {dim} "
                 f"({local.shape[dim]}) does not divide evenly over {world_size} ranks; "
                 "dims other than 0 are sharded evenly only (as in torch). Return Shard(0) "
-                "or None for it.")
+                "or None for it."))
         self.layout = ShardLayout.of(local.shape, rank, world_size, dim)
         self.global_shape = param.shape
         self.dp_indices: frozenset[int] = frozenset()

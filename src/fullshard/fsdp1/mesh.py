@@ -41,7 +41,7 @@ def resolve_mesh(strategy: ShardingStrategy, process_group, device_mesh: DeviceM
                 f"{device_mesh.ndim}-D {tuple(device_mesh.shape)}"
                 + (" (replicate, shard)." if hybrid else "; use HYBRID_SHARD for a 2-D mesh."))
         if strategy is not ShardingStrategy.NO_SHARD:
-            return device_mesh
+            return _named(device_mesh) if hybrid else device_mesh
         process_group = device_mesh.get_group(0)
     if isinstance(process_group, tuple):
         if not hybrid:
@@ -94,6 +94,19 @@ def _mesh_from_pair(pair: tuple, device_type: str) -> DeviceMesh:
             "(num_nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard')) instead.")
     _MESHES[key] = DeviceMesh.from_group([inter, intra], device_type, mesh=mesh,
                                          mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
+
+
+def _named(mesh: DeviceMesh) -> DeviceMesh:
+    """A 2-D mesh with its dimensions named (replicate, shard): torch's FSDP1 takes them by
+    position, fully_shard (as torch's) wants them named."""
+    if mesh.mesh_dim_names is not None:
+        return mesh
+    key = (mesh.device_type, "unnamed", tuple(mesh.mesh.flatten().tolist()), mesh.mesh.shape)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group([mesh.get_group(0), mesh.get_group(1)],
+                                             mesh.device_type, mesh=mesh.mesh,
+                                             mesh_dim_names=("replicate", "shard"))
     return _MESHES[key]
 
 
