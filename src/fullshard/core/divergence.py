@@ -83,12 +83,20 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
+def guarded(ranks: list[int]) -> bool:
+    """Whether a root over ``ranks`` gets a guard: more than one rank, each a process of
+    its own talking over a real backend. torch's "fake" process group does not
+    communicate, and its "threaded" one runs ranks as threads of one process (its test
+    harness), which would share this module's process-wide groups."""
+    return len(ranks) > 1 and str(dist.get_backend()) not in ("fake", "threaded")
+
+
 def prepare(mesh) -> None:
     """Make the guard's group for ``mesh``'s ranks, at ``fully_shard`` time: every rank
     shards its model, while a group made at the first forward would wait forever for a
     rank that never runs one."""
     ranks = mesh.mesh.flatten().tolist()
-    if len(ranks) > 1:
+    if guarded(ranks):
         _group_for(ranks)
 
 

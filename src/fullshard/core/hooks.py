@@ -54,7 +54,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .divergence import DivergenceError, Guard, debug_enabled
+from .divergence import DivergenceError, Guard, debug_enabled, guarded
 from .group import GroupState, ParamGroup
 from .init import lazy_init
 from .ledger import BACKWARD, Ledger, unit_code
@@ -113,7 +113,7 @@ def ensure_root(unit: UnitState) -> RootState:
         u.rename(names[u.module])
     root = lazy_init(unit, units, unit.bucket_numel)
     ranks = unit.mesh.mesh.flatten().tolist()
-    if len(ranks) > 1:  # Note [ranks agree on every collective]
+    if guarded(ranks):  # Note [ranks agree on every collective]
         root.guard = Guard(Ledger([u.name for u in root.units]), ranks,
                            debug_enabled(unit.debug), lambda: root.in_backward)
         root.patience = root.guard if unit.mesh.device_type == "cpu" else None
