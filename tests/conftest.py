@@ -172,6 +172,8 @@ MULTINODE_FILES = ("tests/test_multinode.py",)
 # out of `make test`, run by `make test-extended`; CI runs it after the multi-node lane.
 EXTENDED = {
     "tests/test_rank_dependent_paths.py::test_compiled_blocks_with_rank_dependent_experts_train_like_one_process",
+    "tests/test_rank_dependent_paths.py::test_every_combination_at_four_ranks_trains_like_one_process",
+    "tests/test_train_loop.py::test_moe_preset_trains_like_one_process",
 }
 
 
