@@ -20,7 +20,9 @@ def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
     results = json.loads(out.read_text())
     assert set(results) == {"G1/fsdp2", "G1/fullshard", "G3/fsdp2", "G3/fullshard"}
     reference = results["G1/fsdp2"]["losses"]
+    assert reference, "the benchmark recorded no losses"
     for name, r in results.items():
+        assert len(r["losses"]) == len(reference), name
         assert all(abs(a - b) < 1e-4 for a, b in zip(r["losses"], reference)), name
         assert set(r["phases_ms"]) == {"forward", "backward", "clip", "optimizer"}
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0

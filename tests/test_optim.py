@@ -155,3 +155,30 @@ def test_optimizers_without_fullshard_parameters_are_left_alone():
     assert opt.param_groups[0]["params"] is params and all(p is q for p, q in
                                                            zip(params, model.parameters()))
     assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
+
+
+def test_importing_fullshard_installs_no_optimizer_hook_the_first_fully_shard_does():
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from torch.optim import optimizer as o\n"
+        "before = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))\n"
+        "import fullshard\n"
+        "after_import = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))\n"
+        "import torch.distributed as dist, tempfile, os\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0,"
+        " world_size=1)\n"
+        "fullshard.fully_shard(torch.nn.Linear(4, 4))\n"
+        "after_shard = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))\n"
+        "fullshard.fully_shard(torch.nn.Linear(4, 4))\n"
+        "again = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))\n"
+        "print((before, after_import, after_shard, again))\n"
+        "dist.destroy_process_group()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import ast
+    before, after_import, after_shard, again = ast.literal_eval(out.stdout.splitlines()[-1])
+    assert after_import == before
+    assert after_shard == (before[0] + 1, before[1] + 1) == again

@@ -257,9 +257,13 @@ def _as_dtensor_state(p: DTensor, new: dict, old: dict) -> dict:
     return out
 
 
-# Installed once, when fullshard is imported: torch offers per-optimizer hooks only on
-# optimizers we never see being built. Both hooks touch nothing but fullshard's own
-# sharded parameters (those the registry holds); an optimizer with none of them is
-# left exactly as it was, and in a process without any the pre-hook returns at once.
-register_optimizer_step_pre_hook(_pre_step)
-register_optimizer_step_post_hook(_post_step)
+def _install() -> None:
+    register_optimizer_step_pre_hook(_pre_step)
+    register_optimizer_step_post_hook(_post_step)
+
+
+# Installed once, by the first fully_shard (importing fullshard installs nothing): torch
+# offers per-optimizer hooks only on optimizers we never see being built. Both hooks
+# touch nothing but fullshard's own sharded parameters (those the registry holds); an
+# optimizer with none of them is left exactly as it was.
+registry.on_first_track(_install)

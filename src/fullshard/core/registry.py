@@ -29,9 +29,32 @@ class _Tracked(NamedTuple):
 _SHARDED: dict[int, _Tracked] = {}
 
 
+# Called once, when the first sharded parameter is tracked: what must be installed
+# process-wide for fullshard's parameters (the optimizer step hooks of optim.py) is
+# installed then, by the first fully_shard, never by importing fullshard.
+_ON_FIRST_TRACK: list = []
+
+
+def on_first_track(install) -> None:
+    """Run ``install()`` when the first sharded parameter is tracked (at once if one is)."""
+    if _installed:
+        install()
+    else:
+        _ON_FIRST_TRACK.append(install)
+
+
+_installed = False
+
+
 def track(owner) -> None:
     """Register ``owner.sharded_param`` (a ShardedParam's DTensor) for as long as
     ``owner`` lives."""
+    global _installed
+    if not _installed:
+        _installed = True
+        for install in _ON_FIRST_TRACK:
+            install()
+        _ON_FIRST_TRACK.clear()
     key = id(owner.sharded_param)
 
     def forget(ref: weakref.ref) -> None:
