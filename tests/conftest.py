@@ -29,6 +29,11 @@ if not lanes.is_cuda_lane(os.environ):
 
 
 SLOW = {
+    "tests/test_whole_matrix.py::test_muon_steps_sharded_matrices_as_one_process",
+    "tests/test_whole_matrix.py::test_a_muon_checkpoint_resumes_exactly",
+    "tests/test_whole_matrix.py::test_a_registered_whole_matrix_optimizer_steps_as_one_process",
+    "tests/test_whole_matrix.py::test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
+    "tests/test_runtime.py::test_a_dropped_forward_does_not_hold_back_reductions",
     "tests/test_rank_dependent_paths.py::test_experts_without_tokens_on_some_ranks_train_like_one_process",
     "tests/test_rank_dependent_paths.py::test_branches_and_root_parameters_used_on_some_ranks_train_like_one_process",
     "tests/test_rank_dependent_paths.py::test_every_combination_trains_like_one_process",

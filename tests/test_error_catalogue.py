@@ -539,6 +539,8 @@ _TESTED_ELSEWHERE = {
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E130": "tests/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
+    "E151": "tests/test_whole_matrix.py::"
+            "test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
     "E150": "tests/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",

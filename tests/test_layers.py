@@ -16,8 +16,8 @@ LAYERS = [
     {"policies", "gpt"},                                   # plain data and a plain model
     {"core"},                                              # the runtime
     {"controls", "api"},                                   # the FSDP2 front
-    {"optim", "offload", "grad_norm", "wrap", "activation_checkpointing", "checkpoint",
-     "torch_names"},
+    {"optim", "whole_matrix", "offload", "grad_norm", "wrap", "activation_checkpointing",
+     "checkpoint", "torch_names"},
     {"fsdp1"},                                             # the FSDP1 front, on the above
     {"memory", "projection"},                              # estimate, plan, tracker; scale projection
     {"train"},                                             # the trainer

@@ -15,7 +15,8 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
 
 from . import torch_version  # noqa: F401 - first: refuses a torch older than supported
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from . import optim  # noqa: F401 - installs the local-shard optimizer step (optim.py)
+from . import optim  # noqa: F401 - the local-shard optimizer step, installed by a first fully_shard
+from .whole_matrix import register_whole_matrix_optimizer
 from .controls import GradientReductionHandle, share_comm_ctx
 from .grad_norm import clip_grad_norm_
 from .torch_names import install, uninstall
@@ -32,6 +33,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "clip_grad_norm_",
+    "register_whole_matrix_optimizer",
     "install",
     "uninstall",
     "DataParallelMeshDims",

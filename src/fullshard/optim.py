@@ -13,8 +13,11 @@ local gradient and its state for the states' local tensors; right after the
 step everything is swapped back, and states the step created are wrapped as
 DTensors. Outside ``step()`` the optimizer sees DTensors, as in FSDP2.
 
-Optimizers that reduce over a whole parameter (LAMB/LARS trust ratios, Adafactor,
-Shampoo, any subclass) are left alone: they keep the correct DTensor path.
+Optimizers that need whole matrices (``torch.optim.Muon``, or any class declared with
+``register_whole_matrix_optimizer``) step each parameter whole on one rank (Note
+[whole-matrix optimizers] in whole_matrix.py). Other optimizers that reduce over a
+whole parameter (LAMB/LARS trust ratios, any subclass) are left alone: they keep the
+DTensor path.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .core.mapped import page_out
 from .core.state import finish_all_pending_reduces
 from .offload import step_on_disk
 from .policies import DiskOffloadPolicy
+from . import whole_matrix
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -46,6 +50,9 @@ _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.Wea
 # True while a disk step runs the optimizer's own step over one chunk (Note [optimizer
 # states on disk]): the hooks then leave param_groups alone.
 _in_chunk_step = False
+# What a whole-matrix step swapped in (whole_matrix.before), per optimizer, until after it.
+_WHOLE: "weakref.WeakKeyDictionary[torch.optim.Optimizer, whole_matrix.WholeStep]" = \
+    weakref.WeakKeyDictionary()
 # Optimizers already checked against SHARDED_ORIGINALS (the check runs at a first step).
 _CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -98,6 +105,11 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
                for j, p in enumerate(group["params"])]
               for i, group in enumerate(opt.param_groups)]
+    if whole_matrix.needs_whole_matrices(opt) and any(o is not None for g in owners for o in g):
+        replaced = _run_closure_first(args, kwargs)
+        finish_all_pending_reduces()
+        _WHOLE[opt] = whole_matrix.before(opt, owners)
+        return replaced
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
                 and any(o is not None for group in owners for o in group))
     on_disk = [(p, o) for group, group_owners in zip(opt.param_groups, owners)
@@ -184,6 +196,9 @@ def _local_view(p: DTensor) -> torch.Tensor | None:
 
 def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if not _in_chunk_step:
+        whole = _WHOLE.pop(opt, None)
+        if whole is not None:
+            whole_matrix.after(opt, whole)
         _restore(opt)
         _page_out_parameters(opt)
 
@@ -223,6 +238,9 @@ def _refuse_disk_states(opt: torch.optim.Optimizer, owner) -> None:
 
 
 def _restore(opt: torch.optim.Optimizer) -> None:
+    whole = _WHOLE.pop(opt, None)
+    if whole is not None:  # a whole-matrix step that raised: its parameters are as they were
+        whole_matrix.undo(opt, whole)
     swaps = _SWAPPED.pop(opt, None)
     if not swaps:
         return

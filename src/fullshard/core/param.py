@@ -198,7 +198,6 @@ class ShardedParam:
         self.sharded_param: nn.Parameter | None = None
         self.padded_shard: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
-        self.grad_hook = None  # AccumulateGrad hook on unsharded_param, once it requires grad
         self.offload = None  # its unit's CPUOffloadPolicy / DiskOffloadPolicy, set by the group
         self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
         # Note [tensor-subclass parameters]: gathered through the subclass's own hooks, or
@@ -301,7 +300,6 @@ class ShardedParam:
         if self.tp_spec is not None:  # the module sees its TP DTensor again
             value = DTensor(value, self.tp_spec, requires_grad=False)
         self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
-        self.grad_hook = None
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` the value every owning module sees under this parameter's name."""
