@@ -32,7 +32,7 @@ from fullshard.gpt import lm_loss
 from fullshard.testing import free_port
 from fullshard.train.config import get_preset
 from fullshard.train.launch import Worker
-from fullshard.train.loop import Trainer, build_optimizer
+from fullshard.train.loop import Trainer, build_optimizers
 from fullshard.train.model import COMPUTE_DTYPES, build_workload, compile_blocks
 
 
@@ -76,7 +76,7 @@ class PlainLoop:
         self.model = workload.model.to(device)
         if use_compile:
             compile_blocks(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        [self.optimizer] = build_optimizers(self.model, cfg.optim)
         self.sampler_batches = workload
         self.cfg, self.device = cfg, device
         dtype = COMPUTE_DTYPES[cfg.parallel.precision]

@@ -26,7 +26,7 @@ from fullshard.gpt import lm_loss
 from fullshard.testing import free_port
 from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.data import EpochSampler
-from fullshard.train.loop import build_optimizer, learning_rate, set_learning_rate
+from fullshard.train.loop import build_optimizers, learning_rate, set_learning_rate
 from fullshard.train.model import build_model, build_workload
 from faults.sitecustomize import COUNT_COLLECTIVES, KILL_AT_STEP, KILL_RANK, environment
 from test_error_catalogue import matches_documented
@@ -127,7 +127,7 @@ def reference() -> dict:
     workload = build_workload(cfg, rank=0)
     model = workload.model
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = build_optimizer(model, cfg.optim)
+    [optimizer] = build_optimizers(model, cfg.optim)
     sampler = EpochSampler(workload.train_tokens, cfg.batch.seq_len, SEQUENCES, 0, 1, cfg.seed)
     losses, weights = {}, {}
     for step in range(1, steps + 1):

@@ -114,3 +114,30 @@ def test_moe_preset_trains_like_one_process():
     one = run_distributed(_losses, 1, {**small, "batch.grad_accum": 2}, "moe")[0]
     assert len(two) == 6
     assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
+def _muon_resume(out: str) -> dict:
+    """--optim.name muon: 6 steps straight, and 3 steps then a resume to 6 (Muon's momentum
+    buffers through the checkpoint): the same losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, rank, world, torch.device("cpu"))
+    quiet = {**QUIET, "optim.name": "muon", "batch.batch_size": 2}
+    runs = {}
+    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
+        for steps, resume in legs:
+            cfg = apply_overrides(get_preset("debug"), {**quiet, "steps": steps,
+                                                       "checkpoint.every": 3}, "test")
+            trainer = Trainer(cfg, f"{out}/{name}", worker)
+            trainer.run(resume=resume)
+        if trainer.log is not None:
+            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
+    kinds = [type(o).__name__ for o in trainer.optimizers]
+    return {"runs": runs, "optimizers": kinds}
+
+
+def test_muon_trains_and_resumes_exactly(tmp_path):
+    out = run_distributed(_muon_resume, 2, str(tmp_path))[0]
+    assert out["optimizers"] == ["Muon", "AdamW"]
+    straight, resumed = out["runs"]["straight"], out["runs"]["resumed"]
+    assert len(straight) == 6 and straight[-1] < straight[0]
+    assert resumed[-3:] == straight[-3:]

@@ -60,7 +60,8 @@ def _qlora(model_dir: str, data: str, out: str, base: str) -> dict:
               if p.requires_grad}
     trainer.run(resume=False)
     after = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
-    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    optimized = {id(p) for opt in trainer.optimizers for g in opt.param_groups
+                 for p in g["params"]}
     return {
         "adapters": sorted(before),
         "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),

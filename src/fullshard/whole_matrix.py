@@ -188,16 +188,18 @@ def _exchange(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_nu
               dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """All-to-all of ``sends[r]`` (flattened, concatenated) to each rank r; returns what each
     rank sent here, flat."""
-    world = pg.size()
-    flat = [torch.cat([t.reshape(-1).to(device, dtype) for t in pieces]) if pieces else
-            torch.empty(0, dtype=dtype, device=device) for pieces in sends]
-    send = torch.cat(flat)
+    send_numel = [sum(t.numel() for t in pieces) for pieces in sends]
+    send = torch.empty(sum(send_numel), dtype=dtype, device=device)
+    offset = 0
+    for t in (t for pieces in sends for t in pieces):  # one copy in, no intermediate cat
+        send[offset:offset + t.numel()].view_as(t).copy_(t)
+        offset += t.numel()
     received = torch.empty(sum(receive_numel), dtype=dtype, device=device)
-    if world == 1:
+    if pg.size() == 1:
         received.copy_(send)
     else:
-        dist.all_to_all_single(received, send, [n for n in receive_numel],
-                               [t.numel() for t in flat], group=pg)
+        dist.all_to_all_single(received, send, receive_numel, send_numel, group=pg)
+    del send  # freed before the caller assembles whole tensors from what arrived
     return list(torch.split(received, receive_numel))
 
 

@@ -28,7 +28,7 @@ from .weights import WeightBytes, adapt_weights, check_weights
 
 STRATEGIES = ("full_shard", "shard_grad_op", "zero1", "no_shard")
 # State tensors torch's optimizers keep per parameter (SGD: with momentum).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "muon": 1, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                     "rmsprop": 1}
 BASELINE = "process baseline"
 DISK_CHUNK_NUMEL = DiskOffloadPolicy.__dataclass_fields__["chunk_numel"].default
@@ -108,7 +108,9 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             one unit at a time); ``"none"`` (or False): on the device.
         activation_checkpointing: every unit but the root recomputes its forward.
         batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
-        optimizer: adamw, adam, sgd, sgd-momentum, adagrad or rmsprop.
+        optimizer: adamw, adam, muon, sgd, sgd-momentum, adagrad or rmsprop (muon: its one
+            state on every parameter, and the whole matrices its step assembles, Note
+            [whole-matrix optimizers]).
         device: ``cuda`` (NCCL; figures comparable to torch.cuda.max_memory_allocated)
             or ``cpu`` (gloo; figures comparable to peak RSS).
         bucket_numel: fullshard's small-unit merging threshold (set_bucket_numel).
@@ -208,6 +210,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     settings = RunSettings(
         param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
+        whole_matrix=optimizer == "muon",
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload != "none",
         states_on_disk=DISK_CHUNK_NUMEL if offload.startswith("disk") else 0,

@@ -69,6 +69,7 @@ class RunSettings:
     keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
     states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
     params_on_disk: bool = False  # DiskOffloadPolicy(params=True): shards paged in per use
+    whole_matrix: bool = False  # Muon: each matrix stepped whole on one rank
     quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
     quantize_grads: int = 0
 
@@ -528,7 +529,11 @@ class Replay:
         s = self.settings
         shards = [p.shard_numel(g.layout.shard_size) * s.param_dtype.itemsize
                   for g in self.groups for p in g.layout.trainable]
-        if s.offload or not shards or not s.optimizer_states:
+        if s.whole_matrix and shards and not s.offload:
+            # Note [whole-matrix optimizers]: what arrived and the whole tensors assembled
+            # from it, each (1 + 1 + states) shards' worth (a rank owns about 1/N of them)
+            temporaries = 2 * (2 + s.optimizer_states) * sum(shards)
+        elif s.offload or not shards or not s.optimizer_states:
             temporaries = 0  # offloaded: the step runs on the host
         elif s.foreach_optimizer:
             temporaries = sum(shards)      # e.g. _foreach_sqrt of every second moment

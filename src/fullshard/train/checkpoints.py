@@ -86,7 +86,7 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def save(out: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save(out: str, step: int, model: nn.Module, optimizer: list[torch.optim.Optimizer],
          data_position: dict, scaler: Any, device: torch.device, keep: int) -> str:
     """Save step ``step`` on every rank (collective); rank 0 then deletes all but the
     ``keep`` newest."""
@@ -246,7 +246,7 @@ def run_checkpoint(path: str, flag: str, hint: str = "") -> tuple[str, str, Trai
     return found, run, load_toml(TrainConfig(), os.path.join(run, RUN_CONFIG))
 
 
-def load(out: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load(out: str, model: nn.Module, optimizer: list[torch.optim.Optimizer],
          device: torch.device) -> ResumePoint:
     """Load the latest checkpoint of the run in ``out`` into ``model`` and ``optimizer``;
     restore this rank's RNG state when the world size is the one it was saved at."""

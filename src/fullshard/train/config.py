@@ -72,6 +72,7 @@ else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
 Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
 Quantize = Literal["none", "weights", "grads", "weights,grads"]
 Precision = Literal["fp32", "bf16", "fp16"]
+OptimizerName = Literal["adamw", "muon"]
 STRATEGIES = typing.get_args(Strategy)
 PRECISIONS = typing.get_args(Precision)
 WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
@@ -143,8 +144,11 @@ class BatchConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay."""
+    """AdamW (or Muon on the hidden matrices) with linear warmup then cosine decay."""
 
+    name: OptimizerName = "adamw"
+    """adamw, or muon: torch.optim.Muon on the hidden matrices (each stepped whole),
+    AdamW on embeddings, the output head, norms and biases."""
     lr: float = field(default=1e-3, metadata=within(0, 10))
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = field(default=1e-4, metadata=within(0, 10))

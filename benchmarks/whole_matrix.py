@@ -1,0 +1,123 @@
+"""Muon on sharded parameters: the optimizer step's time beside AdamW's, and the bytes it moves.
+
+    OMP_NUM_THREADS=1 python benchmarks/whole_matrix.py --world-size 2
+    OMP_NUM_THREADS=1 python benchmarks/whole_matrix.py --world-size 4 --steps 6
+
+Two copies of the W1 GPT (d=512, 8 layers, vocab 8192, batch 8 x 128 per rank) train side
+by side, steps interleaved: one with AdamW on every parameter, one with torch.optim.Muon on
+the hidden matrices and AdamW on the rest (the embeddings, norms and biases), as the Muon
+recipe does; fullshard steps each Muon matrix whole on one rank (Note [whole-matrix
+optimizers]). Reported: the median ``optimizer.step()`` time of each and their difference,
+the bytes the whole-matrix step sends per step (every rank's all-to-alls, summed) against
+the least a whole-matrix step can move (each matrix's gradient to one rank and its update
+back: 2 x (N-1)/N of the matrices), and the peak RSS of each copy's step phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from fullshard import fully_shard
+from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.testing import run_distributed
+
+W1 = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8)
+
+
+def _hidden_matrices(model) -> tuple[list, list]:
+    embeddings = {id(model.tok_emb.weight), id(model.pos_emb.weight)}
+    matrices = [p for p in model.parameters() if p.ndim == 2 and id(p) not in embeddings]
+    rest = [p for p in model.parameters() if id(p) not in {id(m) for m in matrices}]
+    return matrices, rest
+
+
+def _build(kind: str):
+    torch.manual_seed(0)
+    model = GPT(W1)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if kind == "adamw":
+        return model, [torch.optim.AdamW(model.parameters(), lr=1e-4)]
+    matrices, rest = _hidden_matrices(model)
+    return model, [torch.optim.Muon(matrices, lr=1e-4, adjust_lr_fn="match_rms_adamw"),
+                   torch.optim.AdamW(rest, lr=1e-4)]
+
+
+def _worker(steps: int, warmup: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = {kind: _build(kind) for kind in ("adamw", "muon")}
+    sent = {"bytes": 0}
+    real = dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        sent["bytes"] += input.numel() * input.element_size()
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counted
+    times: dict[str, list[float]] = {kind: [] for kind in runs}
+    sent_per_step = []
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(warmup + steps):
+        x = torch.randint(0, W1.vocab_size, (8, 128), generator=gen)
+        for kind, (model, opts) in runs.items():
+            lm_loss(model(x), torch.roll(x, -1, 1)).backward()
+            dist.barrier()
+            before = sent["bytes"]
+            start = time.perf_counter()
+            for opt in opts:
+                opt.step()
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times[kind].append(elapsed.item())
+                if kind == "muon":
+                    sent_per_step.append(sent["bytes"] - before)
+    dist.all_to_all_single = real
+    matrices, _ = _hidden_matrices(runs["muon"][0])
+    matrix_bytes = sum(p.numel() * p.element_size() for p in matrices)
+    total_sent = torch.tensor(statistics.median(sent_per_step), dtype=torch.float64)
+    dist.all_reduce(total_sent)
+    import resource
+    return {"median_s": {k: statistics.median(v) for k, v in times.items()},
+            "sent_bytes": total_sent.item(), "matrix_bytes": matrix_bytes,
+            "minimum_bytes": 2 * (world - 1) / world * matrix_bytes,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    if not hasattr(torch.optim, "Muon"):
+        sys.exit("torch.optim.Muon needs torch >= 2.9")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = run_distributed(_worker, args.world_size, args.steps, args.warmup, timeout=3600)[0]
+    med = out["median_s"]
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, world {args.world_size}, "
+          f"W1 GPT, command: {' '.join(sys.argv)}\n")
+    print("| optimizer | median step() (ms) |\n|---|---:|")
+    for kind, t in med.items():
+        print(f"| {kind} | {t * 1e3:.1f} |")
+    print(f"\nMuon's step over AdamW's: +{(med['muon'] - med['adamw']) * 1e3:.1f} ms "
+          f"({med['muon'] / med['adamw']:.2f}x)")
+    print(f"bytes sent per step by every rank together: {out['sent_bytes'] / 2**20:.1f} MiB; "
+          f"the least a whole-matrix step moves: {out['minimum_bytes'] / 2**20:.1f} MiB "
+          f"({out['sent_bytes'] / out['minimum_bytes']:.2f}x); hidden matrices "
+          f"{out['matrix_bytes'] / 2**20:.1f} MiB")
+    print(f"peak RSS of rank 0 (both copies): {out['peak_rss_mib']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
