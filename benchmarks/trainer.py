@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -151,6 +152,15 @@ def main() -> None:
     print(f"| fullshard train | {t * 1e3:.1f} | {tokens / t:,.0f} |")
     print(f"| plain loop | {p * 1e3:.1f} | {tokens / p:,.0f} |")
     print(f"trainer / plain tokens/s: {p / t:.3f}")
+    # the trainer's own memory line (its first step): the estimate beside the measured peak
+    estimated, measured = trainer.estimated_peak, trainer.measured_peak
+    print("RESULT " + json.dumps({
+        "preset": preset, "device": where, "torch": torch.__version__,
+        "compile": args.compile, "tokens_per_step": tokens, "trainer_ms": t * 1e3,
+        "plain_ms": p * 1e3, "trainer_over_plain_tokens_per_s": p / t,
+        "estimated_peak_bytes": estimated, "measured_peak_bytes": measured,
+        "estimate_error": (estimated - measured) / measured if estimated and measured
+        else None}), flush=True)
     dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from fullshard import fully_shard
 from fullshard.memory import MemoryTracker, estimate, plan, tune_cpu_allocator
+from fullshard.testing import memory as testing_memory
 from fullshard.testing import run_distributed
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
@@ -49,20 +50,9 @@ def tracked_steps(model, tracker: MemoryTracker, vocab_size: int, batch: int, se
                   loss_of) -> dict:
     """Two AdamW steps over what trains, each phase under ``tracker``: the second
     step's report."""
-    tracker.watch(model)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(2):
-        tokens = torch.randint(0, vocab_size, (batch, seq), generator=gen)
-        with tracker.phase("forward"):
-            loss = loss_of(tokens)
-        with tracker.phase("backward"):
-            loss.backward()
-        with tracker.phase("optimizer"):
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-        report = tracker.step_report()
-    return report
+    batches = ((torch.randint(0, vocab_size, (batch, seq), generator=gen),) for _ in range(2))
+    return testing_memory.tracked_steps(model, tracker, batches, loss_of)
 
 
 @pytest.mark.parametrize("world_size, d_model, n_layers", [

@@ -158,7 +158,7 @@ def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
         if first_on_node:
             print(f"fullshard train: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
-    worker = start_worker()
+    worker = start_worker(offload=cfg.parallel.offload != "none")
     try:
         agree_on_attempt()  # Note [restarts across nodes]
         check_same_run(cfg, resume)

@@ -62,13 +62,14 @@ class PendingReduce:
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
                  options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None,
-                 copies: HostCopies | None = None):
+                 copies: HostCopies | None = None, held: list[torch.Tensor] = ()):
         self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
         self._pool = pool
         self._buffers = buffers  # in use by the collective until it completes
+        self._held = list(held)  # likewise, but not the pool's (a custom comm's buffers)
         self._views = views      # DTensor grads over ``dest``, or None: add to .grad
         self._dest = dest        # where the result lives, in the parameters' dtype
         self._replicate_pg = replicate_pg
@@ -137,7 +138,7 @@ class PendingReduce:
         for buf in self._buffers:
             if buf is not None:
                 self._pool.give(buf)
-        self._buffers = []
+        self._buffers, self._held = [], []
 
 
 class UnknownPresence:

@@ -29,7 +29,10 @@ shard is the whole parameter. Without a cast or offload the unsharded parameters
 are views of ``flat_shard`` itself: nothing is gathered, copied or freed, and
 memory holds each parameter once, as DDP does. Gradients skip the reduce-scatter
 (a copy over one rank) and go straight to one asynchronous all-reduce across
-replicas.
+replicas. At world size 1 the same shortcuts apply: no collective, and with offload or
+a cast the copy-in alone, on the copy stream (a prefetch overlaps compute). Tests and
+benchmarks turn the shortcuts off (``fullshard.testing.collectives_at_one_rank``,
+``collectives.skips_collectives``) so that one GPU runs the path larger worlds take.
 
 Note [custom collectives]
 torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hand a unit an object
@@ -38,7 +41,9 @@ one set, the group allocates that collective's buffers through it (never from th
 pool, so its allocator, e.g. symmetric memory, owns them) and calls it where it would
 issue its own: ``comm(output_tensor=, input_tensor=, group=, async_op=)`` for the
 gather, ``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM)`` for the
-reduce-scatter (fullshard sums and divides afterwards, also under a custom comm).
+reduce-scatter (fullshard sums and divides afterwards, also under a custom comm). The
+reduce-scatter's input is held until its collective has finished (an asynchronous comm
+reads it after the call returns), then dropped, never pooled.
 Inputs and outputs have the layouts of the built-in path: rank-major shards, one flat
 buffer per unit, presence flags included. A unit with a custom collective keeps its
 own group (never merged into a bucket), so the comm sees exactly its parameters.
@@ -73,7 +78,8 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import Pending, all_gather, all_reduce_sum, reduce_scatter_sum
+from .collectives import (Pending, all_gather, all_reduce_sum, reduce_scatter_sum,
+                          skips_collectives)
 from .mapped import mapped_empty, page_out
 from .quantized_collectives import quantized_all_gather, quantized_reduce_scatter_sum
 from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
@@ -353,13 +359,17 @@ class ParamGroup:
                 if not async_op:
                     self.wait_unshard()
                 return
-        if self.world_size == 1:  # Note [shard groups of one rank]: no collective
-            if self.unsharded is not self.flat_shard:
-                self._alloc_unsharded_storage()
-                self._writer.copy_(self.flat_shard, non_blocking=True)  # cast / to device
-            self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
+        if skips_collectives(self.world_size):  # Note [shard groups of one rank]
+            self._gather = Pending(self.unsharded, None)
+            if self.unsharded is not self.flat_shard:  # cast / to the device: the copy
+                self._alloc_unsharded_storage()     # stream, so a prefetch overlaps compute
+                with self.copies.to_device() as ordered, traced("copy_in", self.unit_name):
+                    self._writer.copy_(self.flat_shard, non_blocking=True)
+                    self._gather = ordered(self._gather)
+            self._gather_is_direct = True
             self.state = GroupState.GATHERING
-            self.wait_unshard()
+            if not async_op:
+                self.wait_unshard()
             return
         self._gather_is_direct = False
         dtype, device = self.compute_dtype, self.compute_device
@@ -410,6 +420,7 @@ class ParamGroup:
             with traced("copy_out", self.unit_name):
                 self._copy_out(gathered.view(self.world_size, -1))
             self._give_gathered(gathered)
+            self.copies.reads_done()  # the copy stream's blocks: Note [streams and events]
         if self.subclass is not None:
             self.subclass.finish(self.param_dtype)
         for p in self.params:
@@ -589,7 +600,7 @@ class ParamGroup:
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
         numel = reduce_numel([p.layout.shard_numel for p in trainable])
-        comm = self.reduce_scatter_comm if w > 1 else None
+        comm = None if skips_collectives(w) else self.reduce_scatter_comm
         full = (self.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
                 comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
@@ -617,10 +628,12 @@ class ParamGroup:
             self._record("reduce-scatter", w * numel)
             work = comm(output_tensor=out, input_tensor=full, group=self.pg,
                         op=dist.ReduceOp.SUM)
+            # ``full`` is the comm's (never pooled), but it must live until the collective
+            # has finished: an async comm reads it after this returns
             return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
                                  self.pool, [], views, dest, self.replicate_pg, options,
-                                 self.partial_sum, copies=self.copies)
-        if self.quantize_grads and w > 1:  # Note [quantized communication]
+                                 self.partial_sum, copies=self.copies, held=[full])
+        if self.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
             out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
                 else dest
             self._record("reduce-scatter", w * numel)
@@ -631,7 +644,7 @@ class ParamGroup:
                                  self.partial_sum, copies=self.copies)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
-        if w > 1:
+        if not skips_collectives(w):
             self._record("reduce-scatter", w * numel)
         pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
         return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
