@@ -141,26 +141,31 @@ def receives_into_scratch(backend: str, size: int) -> bool:
 
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                        async_op: bool = False, scratch: torch.Tensor | None = None,
-                       what: str = "a reduce-scatter") -> Pending:
+                       what: str = "a reduce-scatter", inspect=None) -> Pending:
     """Sum ``full`` (rank-major chunks) over ranks; this rank's chunk lands in ``output``.
-    ``scratch`` (``full``-sized, see ``receives_into_scratch``) is used and may be reused after."""
+    ``scratch`` (``full``-sized, see ``receives_into_scratch``) is used and may be reused after.
+    ``inspect(rows)``, where the sum is taken on this rank (gloo), is called with every
+    rank's copy of this rank's chunk (one row each) before they are summed."""
     if skips_collectives(group.size()):
         output.copy_(full)
         return Pending(output, None)
     if dist.get_backend(group) == "gloo":
         received = scratch if scratch is not None else torch.empty_like(full)
-        return _done(_reduce_scatter_by_all_to_all(output, full, received, group), async_op,
-                     what)
+        return _done(_reduce_scatter_by_all_to_all(output, full, received, group, inspect),
+                     async_op, what)
     work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return _done(Pending(output, work), async_op, what)
 
 
 def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
-                                  received: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+                                  received: torch.Tensor, group: dist.ProcessGroup,
+                                  inspect=None) -> Pending:
     """See Note [reduce-scatter on gloo]."""
     work = dist.all_to_all_single(received, full, group=group, async_op=True)
 
     def sum_copies() -> None:
+        if inspect is not None:
+            inspect(received.view(group.size(), -1))
         torch.sum(received.view(group.size(), -1), dim=0, out=output)
 
     return Pending(output, work, sum_copies)

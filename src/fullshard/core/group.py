@@ -86,7 +86,8 @@ from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions
                         take_unsharded_grad)
 from .param import ShardedParam
 from .post_forward import PostForwardShard
-from .schedule import (GatherPlan, backward_is_done, gather_plan, reduce_numel, reduce_plan,
+from .schedule import (DIGEST_NUMEL, GatherPlan, backward_is_done, gather_plan, reduce_numel,
+                       reduce_plan, reduce_tail,
                        shard_device_for)
 from .streams import HostCopies, traced
 from .subclass_params import SubclassGather
@@ -169,6 +170,7 @@ class ParamGroup:
         self.watch_epoch = 0  # bumped when a backward is forgotten: older watches are void
         self.on_backward_done: Callable[[], None] | None = None
         self._all_present: torch.Tensor | None = None
+        self._no_digest: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
         self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
@@ -561,6 +563,17 @@ class ParamGroup:
                 flags[i].fill_(0)  # a fill kernel: no host-to-device copy
         return flags
 
+    def _digest(self, inspected: bool, like: torch.Tensor) -> torch.Tensor:
+        """The ledger's digest as DIGEST_NUMEL elements of 8 bits each (exact in any float
+        dtype), or zeros (cached) where nobody inspects it."""
+        if inspected:
+            return torch.tensor(self.guard.digest_bytes(), dtype=like.dtype, device=like.device)
+        cached = self._no_digest
+        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
+            cached = self._no_digest = torch.zeros(DIGEST_NUMEL, dtype=like.dtype,
+                                                   device=like.device)
+        return cached
+
     def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
         """Start reducing the unsharded gradients (sum, asynchronously) and free them
         (Note [gradient presence flags])."""
@@ -601,31 +614,39 @@ class ParamGroup:
         flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
         numel = reduce_numel([p.layout.shard_numel for p in trainable])
         comm = None if skips_collectives(w) else self.reduce_scatter_comm
+        plan = reduce_plan(shard_size=w, replicated=self.replicate_pg is not None,
+                           backend=dist.get_backend(self.pg), reduce_dtype=reduce_dtype,
+                           compute_device=ref.device, grad_dtype=self.flat_shard.dtype,
+                           grad_device=self.flat_shard.device)
+        if plan.all_reduce and options.all_reduce:
+            self._record("all-reduce", w * numel)
+        elif not skips_collectives(w):
+            self._record("reduce-scatter", w * numel)
+        # Note [ranks agree on every collective]: on gloo the ranks compare the digests
+        # (which include this reduction) before summing; elsewhere the digest is zeros
+        inspected = (not plan.all_reduce and comm is None and not self.quantize_grads
+                     and self.patience is not None and not skips_collectives(w)
+                     and self.replicate_pg is None and w == len(self.guard.ranks))
+        digest = self._digest(inspected, grads[0]).expand(w, -1)
         full = (self.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
                 comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
-        torch._chunk_cat(grads + [flags], dim=0, num_chunks=w, out=full.view(w, numel))
+        torch._chunk_cat(grads + [flags, digest], dim=0, num_chunks=w, out=full.view(w, numel))
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
         dest, views = self._grad_destination(trainable, numel, self.flat_shard)
-        plan = reduce_plan(shard_size=w, replicated=self.replicate_pg is not None,
-                           backend=dist.get_backend(self.pg), reduce_dtype=reduce_dtype,
-                           compute_device=ref.device, grad_dtype=dest.dtype,
-                           grad_device=dest.device)
         if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
                 return PendingReduce(self.unit_name, trainable, had_grad, Pending(full, None),
                                      self.pool, [full], views, dest, self.replicate_pg,
                                      options, self.partial_sum, copies=self.copies)
             self.partial_sum.add_into(full.view(-1))
-            self._record("all-reduce", full.numel())
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                                  [full], views, dest, options=options, copies=self.copies)
         if comm is not None:  # Note [custom collectives]
             out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
-            self._record("reduce-scatter", w * numel)
             work = comm(output_tensor=out, input_tensor=full, group=self.pg,
                         op=dist.ReduceOp.SUM)
             # ``full`` is the comm's (never pooled), but it must live until the collective
@@ -636,17 +657,16 @@ class ParamGroup:
         if self.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
             out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
                 else dest
-            self._record("reduce-scatter", w * numel)
             pending = quantized_reduce_scatter_sum(out, full, self.pg, self.quantize_grads,
-                                                   exact_tail=len(trainable), async_op=True)
+                                                   exact_tail=reduce_tail(len(trainable)),
+                                                   async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                                  [full], views, dest, self.replicate_pg, options,
                                  self.partial_sum, copies=self.copies)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
-        if not skips_collectives(w):
-            self._record("reduce-scatter", w * numel)
-        pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
+        pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch,
+                                     inspect=self.guard.inspector(numel) if inspected else None)
         return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                              [full, scratch], views, dest, self.replicate_pg, options,
                              self.partial_sum, copies=self.copies)
@@ -696,7 +716,8 @@ class ParamGroup:
         key = (tuple(map(id, trainable)), ref.dtype, ref.device)
         if key != self._grad_key:
             buf = self._new_grad_buffer(numel, ref)
-            shards = torch.split(buf, [p.layout.shard_numel for p in trainable] + [len(trainable)])
+            shards = torch.split(buf, [p.layout.shard_numel for p in trainable]
+                                 + [len(trainable), DIGEST_NUMEL])
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key
         return self._grad_buffer, self._grad_views
