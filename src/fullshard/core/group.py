@@ -45,7 +45,7 @@ reduce-scatter (fullshard sums and divides afterwards, also under a custom comm)
 reduce-scatter's input is held until its collective has finished (an asynchronous comm
 reads it after the call returns), then dropped, never pooled.
 Inputs and outputs have the layouts of the built-in path: rank-major shards, one flat
-buffer per unit, presence flags included. A unit with a custom collective keeps its
+buffer per unit, presence flags and the ledger digest included. A unit with a custom collective keeps its
 own group (never merged into a bucket), so the comm sees exactly its parameters.
 
 Note [CPU offload]

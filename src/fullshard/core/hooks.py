@@ -23,7 +23,8 @@ gradients are in: AccumulateGrad nodes run ahead of every other ready node (thei
 sequence number is the largest), and a parameter's gradient is computed no later
 than the gradient of the input it was combined with. A gradient that still arrives
 after its unit was reduced (a parameter also used by a module that runs before the
-unit) is caught at the final callback and named.
+unit: a trait of the model) is looked for at the final callback of the first two
+backward passes and of every 16th, and named.
 
 The signal depends on which modules ran, never on which parameters got gradients,
 so every rank reduces the same units in the same order whatever its data: an expert
