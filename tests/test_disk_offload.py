@@ -296,3 +296,45 @@ def _disk_full(directory):
 
 def test_disk_offload_says_when_the_disk_cannot_take_the_states(tmp_path):
     assert run_distributed(_disk_full, 1, str(tmp_path)) == [[]]
+
+
+def _resume_with_empty_shards(directory):
+    """RowVector's (1, 5) scale leaves every rank but the first an empty shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build(policy):
+        torch.manual_seed(0)
+        model = m.RowVector()
+        fully_shard(model, offload_policy=policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, opt, steps, first=0):
+        for step in range(first, first + steps):
+            x, y = m.float_batch(step, 2 * world, 5, 3)
+            m.mse_loss(model, (x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])).backward()
+            opt.step()
+            opt.zero_grad()
+
+    straight = build(CPUOffloadPolicy(pin_memory=False))
+    train(*straight, 4)
+    out = {}
+    for params in (False, True):
+        policy = DiskOffloadPolicy(path=directory, params=params)
+        ckpt = os.path.join(directory, f"ckpt-{params}")
+        first = build(policy)
+        train(*first, 2)
+        fcp.save(ckpt, *first)
+        resumed = build(policy)
+        fcp.load(ckpt, *resumed)
+        train(*resumed, 2, first=2)
+        out[params] = max(float((a.to_local() - b.to_local()).abs().sum())
+                          for a, b in zip(straight[0].parameters(), resumed[0].parameters()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_disk_offload_resumes_a_model_with_empty_shards(world, tmp_path):
+    """A parameter with fewer rows than ranks: its empty shards step in host memory, so
+    every rank's optimizer state dict holds it and the checkpoint loads on every rank."""
+    for out in run_distributed(_resume_with_empty_shards, world, str(tmp_path)):
+        assert out == {False: 0.0, True: 0.0}, out

@@ -100,11 +100,12 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
               for i, group in enumerate(opt.param_groups)]
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
                 and any(o is not None for group in owners for o in group))
-    on_disk = [(p, o) for group, group_owners in zip(opt.param_groups, owners)
-               for p, o in zip(group["params"], group_owners)
-               if o is not None and isinstance(o.offload, DiskOffloadPolicy)]
-    if on_disk and not swapping:
-        _refuse_disk_states(opt, on_disk[0][1])
+    disk_policy = [(p, o) for group, group_owners in zip(opt.param_groups, owners)
+                   for p, o in zip(group["params"], group_owners)
+                   if o is not None and isinstance(o.offload, DiskOffloadPolicy)]
+    if disk_policy and not swapping:
+        _refuse_disk_states(opt, disk_policy[0][1])
+    on_disk = [(p, o) for p, o in disk_policy if _states_on_disk(o)]
     replaced = _run_closure_first(args, kwargs) if swapping else None
     finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     if not swapping:
@@ -117,7 +118,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
         local_params = []
         swapped = False
         for p, owner in zip(params, group_owners):
-            if owner is not None and isinstance(owner.offload, DiskOffloadPolicy):
+            if _states_on_disk(owner):
                 swapped = True  # stepped above; the ordinary step must not see it
                 continue
             local = _local_view(p) if owner is not None else None
@@ -141,6 +142,15 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if swaps:
         _SWAPPED[opt] = swaps
     return replaced
+
+
+def _states_on_disk(owner) -> bool:
+    """Whether the parameter behind ``owner`` (None: not fullshard's) steps on disk. An
+    empty shard (fewer rows than ranks) has no element to keep there: it steps with the
+    ordinary step, so its states exist (empty) on this rank as on the others and state
+    dicts hold the same keys on every rank."""
+    return (owner is not None and isinstance(owner.offload, DiskOffloadPolicy)
+            and owner.sharded_param._local_tensor.numel() > 0)
 
 
 def _run_closure_first(args, kwargs):
