@@ -231,6 +231,42 @@ def _library_cases(tmp: str) -> dict[str, str]:
         ckpt.load(saved, model, torch.optim.AdamW(model.parameters()))
     out["E39"] = _message(optimizer_does_not_fit)
 
+    def load_fails_on_one_rank():
+        model = fully_shard(nn.Linear(4, 4))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(2, 4)).sum().backward()
+        sgd.step()
+        saved = ckpt.save(os.path.join(tmp, "one_rank", "step_1"), model, sgd)
+        from fullshard.checkpoint import io
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("refused on this rank")
+        adopt = io.set_optimizer_state_dict
+        if dist.get_rank() == 1:
+            io.set_optimizer_state_dict = refuse
+        try:
+            ckpt.load(saved, model, sgd)
+        finally:
+            io.set_optimizer_state_dict = adopt
+    out["E160"] = _message(load_fails_on_one_rank)
+
+    def save_fails_on_one_rank():
+        import resource
+        import signal
+        model = fully_shard(nn.Linear(64, 64))
+        ckpt.save(os.path.join(tmp, "full", "step_1"), model)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if dist.get_rank() == 1:  # a full disk on rank 1's side (EFBIG stands for ENOSPC)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            ckpt.save(os.path.join(tmp, "full", "step_2"), model)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out["E161"] = _message(save_fails_on_one_rank)
+    if dist.get_rank() == 0:
+        assert sorted(os.listdir(os.path.join(tmp, "full"))) == ["latest", "step_1"]
+
     from fullshard import DiskOffloadPolicy
     out["E136"] = _message(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
         path=os.path.join(tmp, "no-such-dir"))))
