@@ -136,3 +136,23 @@ def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path
     assert step == 4 and latest == f"step_{good:06d}"
     assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(1, good + 1)][-2:])
     assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step
+
+
+def test_workers_killed_at_several_points_of_a_disk_offload_run_leave_nothing_on_disk(
+        tmp_path, uninterrupted):
+    """States and parameters on disk (files without names): rank 0 killed inside the save
+    of step 8, then on the restart rank 1 as step 10 starts (step 9's states on disk, the
+    read of step 10's first chunk queued); the restarts resume exactly and nothing is left
+    under the offload path."""
+    out, offload = str(tmp_path / "run"), tmp_path / "offload"
+    offload.mkdir()
+    env = {**environment(KILL_IN_SAVE, 8), **environment(KILL_AT_STEP, "100,10")}
+    run = _fullshard_train(out, "--max-restarts", "2", f"--parallel.offload=disk:{offload}",
+                           "--parallel.offload_params=true", env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"exitcode: -9\) local_rank: 0", run.stderr)
+    assert re.search(r"exitcode: -9\) local_rank: 1", run.stderr)
+    resumed = re.findall(r"resuming at step (\d+),", run.stderr)
+    assert resumed == ["4", "8"], run.stderr[-3000:]
+    _assert_same_result(out, uninterrupted)
+    assert os.listdir(offload) == []
