@@ -230,6 +230,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
         saved = ckpt.save(os.path.join(tmp, "sgd", "step_1"), model, sgd)
         ckpt.load(saved, model, torch.optim.AdamW(model.parameters()))
     out["E39"] = _message(optimizer_does_not_fit)
+    out.update(_install_order_cases())
 
     def load_fails_on_one_rank():
         model = fully_shard(nn.Linear(4, 4))
@@ -311,6 +312,36 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.set_custom_all_gather(Gather())
         model.set_quantized_communication(weights=True)
     out["E142"] = _message(custom_and_quantized)
+    return out
+
+
+def _install_order_cases() -> dict[str, str]:
+    """torch's fully_shard bound before fullshard.install(), then mixed with fullshard's."""
+    import sys
+    import types
+    import warnings
+
+    import fullshard
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    early = types.ModuleType("early_user_code")
+    early.fully_shard = torch_fully_shard
+    sys.modules["early_user_code"] = early
+    out = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fullshard.InstallOrderWarning)
+            out["E164"] = _message(fullshard.install)
+        fullshard.install()
+        torch_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        torch_fully_shard(torch_child[0])
+        out["E162"] = _message(lambda: fullshard.fully_shard(torch_child))
+        ours_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fullshard.fully_shard(ours_child[1])
+        out["E163"] = _message(lambda: torch_fully_shard(ours_child))
+    finally:
+        fullshard.uninstall()
+        del sys.modules["early_user_code"]
     return out
 
 

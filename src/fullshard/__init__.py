@@ -18,7 +18,7 @@ from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_m
 from . import optim  # noqa: F401 - installs the local-shard optimizer step (optim.py)
 from .controls import GradientReductionHandle, share_comm_ctx
 from .grad_norm import clip_grad_norm_
-from .torch_names import install, uninstall
+from .torch_names import InstallOrderWarning, install, uninstall
 from .activation_checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
                     FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
@@ -34,6 +34,7 @@ __all__ = [
     "clip_grad_norm_",
     "install",
     "uninstall",
+    "InstallOrderWarning",
     "DataParallelMeshDims",
     "apply_activation_checkpointing",
     "FSDPModule",
