@@ -553,7 +553,26 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
             ["--world-size", "6", "--reshard-after-forward", "4"]))),
         "E81": _message(lambda: _resolve(parser.parse_args(
             ["--preset", "gpt2-124m", "--world-size", "8", "--seq", "4096"]))),
+        "E165": run_stderr_of("missing.py"),
+        "E166": run_stderr_of("-m", "no_such_module"),
     }
+
+
+def run_stderr_of(*argv: str) -> str:
+    """What ``python -m fullshard.run ARGV`` prints before running anything (in process)."""
+    import contextlib
+    import io
+
+    import fullshard
+    from fullshard.run import main
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+            main(list(argv))
+    finally:
+        fullshard.uninstall()
+    return err.getvalue().strip()
 
 
 @pytest.fixture(scope="module")
