@@ -119,6 +119,12 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.weight = nn.Parameter(torch.zeros(4, 4))
         model(torch.randn(2, 4))
     out["E14"] = _message(plain_over_dtensor)
+
+    def plain_state_dict():
+        torch.manual_seed(0)
+        full = _Pair().state_dict()
+        fully_shard(_Pair()).load_state_dict(full)
+    out["E167"] = _message(plain_state_dict)
     out["E15"] = _message(lambda: fully_shard(nn.Linear(4, 4))(torch.randn(2, 4, device="meta")))
 
     def bucket_after_forward():

@@ -95,9 +95,17 @@ def _bad_modules():
 def _replaced_by_plain_tensor():
     model = nn.Linear(4, 4)
     fully_shard(model)
-    _raises(lambda: model.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)},
-                                          assign=True),
-            TypeError, r"parameter 'weight' was replaced by a plain tensor.*distribute_tensor")
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    for assign in (False, True):  # refused before anything is copied or assigned
+        _raises(lambda: model.load_state_dict({"weight": torch.zeros(4, 4),
+                                               "bias": torch.zeros(4)}, assign=assign),
+                RuntimeError, r"load_state_dict\(Linear\): 'weight' \(and 1 more\) is a plain "
+                r"tensor in the state dict, but a sharded DTensor in the model\. Nothing was "
+                r"loaded\..*full_state_dict=True")
+    assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    model.weight = nn.Parameter(torch.zeros(4, 4))  # assigned by hand: named at the forward
+    _raises(lambda: model(torch.randn(2, 4)), TypeError,
+            r"parameter 'weight' was replaced by a plain tensor.*distribute_tensor")
 
 
 def _bucket_after_first_forward():
