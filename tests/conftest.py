@@ -72,6 +72,8 @@ SLOW = {
     "tests/test_disk_offload.py::test_disk_offload_parity_with_one_process",
     "tests/test_disk_offload.py::test_disk_offload_resumes_from_a_checkpoint_and_a_state_dict",
     "tests/test_disk_offload.py::test_disk_offload_resumes_a_model_with_empty_shards",
+    "tests/test_optim.py::test_rprop_and_asgd_step_on_shards_like_one_process",
+    "tests/test_optim.py::test_optimizers_that_cannot_step_shards_are_refused_at_the_first_step",
     "tests/test_train_reliability.py::test_workers_killed_at_several_points_of_a_disk_offload_run_leave_nothing_on_disk",
     "tests/test_memory.py::test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit",
     "tests/test_benchmarks.py::test_trainer_benchmark_times_the_trainer_beside_a_plain_loop",

@@ -286,6 +286,12 @@ def _library_cases(tmp: str) -> dict[str, str]:
         Lion(model.parameters()).step()
     out["E137"] = _message(not_elementwise)
 
+    def adafactor():
+        model = fully_shard(nn.Linear(4, 4))
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.Adafactor(model.parameters()).step()
+    out["E168"] = _message(adafactor)
+
     def disk_full():
         import resource
         import signal

@@ -13,8 +13,10 @@ local gradient and its state for the states' local tensors; right after the
 step everything is swapped back, and states the step created are wrapped as
 DTensors. Outside ``step()`` the optimizer sees DTensors, as in FSDP2.
 
-Optimizers that reduce over a whole parameter (LAMB/LARS trust ratios, Adafactor,
-Shampoo, any subclass) are left alone: they keep the correct DTensor path.
+Optimizers that reduce over a whole parameter (LAMB/LARS trust ratios, Shampoo, any
+subclass) are left alone: they keep the correct DTensor path. torch optimizers whose
+implementation fails on DTensor shards (Adafactor, SparseAdam, LBFGS over an unevenly
+sharded parameter) are refused at their first step, naming the ones that work.
 """
 
 from __future__ import annotations
@@ -35,8 +37,16 @@ from .policies import DiskOffloadPolicy
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.Adadelta,
+    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
 )
+
+# torch optimizers that cannot step sharded parameters, and why: refused at their first
+# step, naming the optimizers that can (the others run on the DTensors, as in FSDP2).
+_CANNOT_STEP_SHARDS: dict[str, str] = {
+    "Adafactor": "it factors each matrix's second moment over whole rows and columns, "
+                 "which torch's Adafactor cannot compute on DTensor shards",
+    "SparseAdam": "it needs sparse gradients, and sharded gradients are dense DTensors",
+}
 
 # The process-wide switch behind set_local_step (a debugging aid: the DTensor path).
 _enabled = True
@@ -94,6 +104,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
+        _check_can_step_shards(opt)
         _CHECKED.add(opt)
     owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
                for j, p in enumerate(group["params"])]
@@ -182,6 +193,36 @@ def _check_not_built_before_sharding(opt: torch.optim.Optimizer) -> None:
                     "sharded DTensor: the optimizer was created before fully_shard and would "
                     "update a tensor the model no longer uses. Create the optimizer after "
                     "sharding: fully_shard(...) first, then torch.optim.X(model.parameters()).")
+
+
+def _check_can_step_shards(opt: torch.optim.Optimizer) -> None:
+    """Refuse, at the first step, a torch optimizer that fails on sharded parameters
+    (inside torch, with a DTensor error that names neither the optimizer nor a remedy)."""
+    params = [p for group in opt.param_groups for p in group["params"]
+              if registry.owner_of(p) is not None]
+    if not params:
+        return
+    name = next((t.__name__ for t in type(opt).__mro__ if t.__name__ in _CANNOT_STEP_SHARDS
+                 and t.__module__.startswith("torch.optim")), None)
+    why = _CANNOT_STEP_SHARDS.get(name)
+    if name is None and isinstance(opt, torch.optim.LBFGS):
+        uneven = next((registry.owner_of(p) for p in params
+                       if any(getattr(pl, "dim", None) is not None
+                              and p.shape[pl.dim] % p.device_mesh.size() != 0
+                              for pl in p.placements)), None)
+        if uneven is not None:
+            name, why = "LBFGS", (
+                f"it flattens every parameter into one vector, which DTensor allows only "
+                f"for evenly sharded ones, and '{uneven.fqn}' {tuple(uneven.sharded_param.shape)} "
+                f"splits unevenly over {uneven.sharded_param.device_mesh.size()} ranks")
+    if why is None:
+        return
+    local = ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS)
+    raise RuntimeError(
+        f"fullshard: {type(opt).__name__} cannot step sharded parameters: {why}. fullshard "
+        f"steps {local} on each rank's shard; other optimizers run on the DTensor "
+        "parameters, as in torch's FSDP2, where their implementation supports DTensors. "
+        "Use one of those.")
 
 
 def _local_view(p: DTensor) -> torch.Tensor | None:
