@@ -631,6 +631,8 @@ def test_each_message_is_the_documented_text(produced):
 
 # Entries whose scenario needs its own run; each names the test that checks its text.
 _TESTED_ELSEWHERE = {
+    "E169": "tests/test_checkpoint_verify.py::"
+            "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
     "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E130": "tests/test_divergence.py::"
