@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
 from ..core.arrival import every_rank_arrives
+from ..core.at_exit import note_collective
 from ..core.native_state_dict import native_state_dict
 from . import background, checksums, manifest as manifests, torch_dcp
 from .agreement import dcp_failures, failed_ranks, on_every_rank
@@ -128,6 +129,7 @@ def _write_and_commit(path: str, state: dict[str, Any], extra: Any, meta: dict,
             _commit(tmp, path)
             _write_atomic(os.path.join(parent, LATEST), name)
     _save_step(commit, path, tmp, group)
+    note_collective()  # DCP's and the gathers' collectives: Note [collectives settle before exit]
     return path
 
 
@@ -204,6 +206,7 @@ def load(path: str | os.PathLike, model: nn.Module,
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, optim_state)
     _load_step(adopt, path, "after reading (the model and optimizer may hold part of it)")
+    note_collective()  # Note [collectives settle before exit]
     return read_extra(checkpoint)
 
 
