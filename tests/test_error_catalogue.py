@@ -473,7 +473,26 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E31": _message(lambda: resolve("--batch.val_fraction", "1.5")),
         "E32": _message(lambda: resolve("--parallel.strategy", "zero3")),
         "E33": _message(lambda: resolve("--resume", "--out", os.path.join(tmp, "empty"))),
+        "E170": _message(lambda: resolve("--model", f"hf:{_model_folder(tmp)}", "--lora.rank",
+                                         "4", "--parallel.strategy", "no_shard")),
+        "E172": _message(_one_rank_shard_groups_quantized),
     }
+
+
+def _model_folder(tmp: str) -> str:
+    """A folder that passes as a Hugging Face model (its config names a model_type)."""
+    folder = os.path.join(tmp, "hf-model")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write('{"model_type": "llama"}')
+    return folder
+
+
+def _one_rank_shard_groups_quantized():
+    from fullshard.train.config import ParallelConfig
+    from fullshard.train.model import build_mesh
+    build_mesh(ParallelConfig(strategy="hybrid_shard", replicas=2, quantize="weights,grads"),
+               "cpu", 2, 2)
 
 
 def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
@@ -631,6 +650,8 @@ def test_each_message_is_the_documented_text(produced):
 
 # Entries whose scenario needs its own run; each names the test that checks its text.
 _TESTED_ELSEWHERE = {
+    "E171": "tests/test_train_qlora.py::"
+            "test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run",
     "E169": "tests/test_checkpoint_verify.py::"
             "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
     "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",

@@ -247,12 +247,21 @@ def run_checkpoint(path: str, flag: str, hint: str = "") -> tuple[str, str, Trai
 
 
 def load(out: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-         device: torch.device) -> ResumePoint:
+         device: torch.device, nf4_bases: bool = False) -> ResumePoint:
     """Load the latest checkpoint of the run in ``out`` into ``model`` and ``optimizer``;
-    restore this rank's RNG state when the world size is the one it was saved at."""
+    restore this rank's RNG state when the world size is the one it was saved at.
+    ``nf4_bases``: the model's frozen bases are NF4, whose shards load only at the world
+    size they were saved at (their quantization blocks are chosen per world size)."""
     if not has_checkpoint(out):
         raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run without "
                           "--resume to start there")
+    saved_world = (checkpoint.read_manifest(checkpoint_dir(out)) or {}).get("world_size")
+    if nf4_bases and saved_world not in (None, dist.get_world_size()):
+        raise ConfigError(
+            f"--resume: the checkpoint in {checkpoint_dir(out)} holds NF4 base weights "
+            f"(lora.base nf4) sharded over {saved_world} ranks, whose quantization blocks "
+            f"depend on the world size; resume it on {saved_world} ranks (--nproc "
+            f"{saved_world}), or train with lora.base fp32 to resume at any world size")
     extra = checkpoint.load(checkpoint_dir(out), model, optimizer)
     rng_states = extra["rng"]
     if len(rng_states) == dist.get_world_size():
