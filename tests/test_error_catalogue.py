@@ -271,6 +271,16 @@ def _library_cases(tmp: str) -> dict[str, str]:
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     out["E161"] = _message(save_fails_on_one_rank)
+
+    def checkpoints_not_a_directory():
+        from fullshard.train.checkpoints import check_shared
+        run = os.path.join(tmp, "out-with-a-file")
+        if dist.get_rank() == 0:
+            os.makedirs(run, exist_ok=True)
+            open(os.path.join(run, "checkpoints"), "w").close()
+        dist.barrier()
+        check_shared(run)
+    out["E173"] = _message(checkpoints_not_a_directory)
     if dist.get_rank() == 0:
         assert sorted(os.listdir(os.path.join(tmp, "full"))) == ["latest", "step_1"]
 

@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
+from ..checkpoint.agreement import on_every_rank
 from ..checkpoint.verify import verified_extra
 from .agreement import counted
 from .config import ConfigError, TrainConfig, load_toml
@@ -150,11 +151,17 @@ def check_shared(out: str) -> None:
     name = [f".shared-{uuid.uuid4().hex}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name)
     probe = os.path.join(directory, name[0])
-    if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(name[0])
-    dist.barrier()
+
+    def write_probe() -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write(name[0])
+    _, failed, _ = on_every_rank(write_probe)  # every rank hears of rank 0's failure
+    if failed:
+        raise ConfigError(
+            f"--out {out}: cannot write in {directory} ({failed[0][1]}); checkpoints are "
+            "saved there: make it a writable directory with free space, or give another --out")
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, _appears(probe, name[0]))
     if dist.get_rank() == 0:  # every rank has looked
