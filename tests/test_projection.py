@@ -207,6 +207,36 @@ def test_plan_says_when_nothing_fits(capsys):
     assert "nothing fits" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [
+    ["plan", "--gpus", "8", "--model", "debug", "--seq", "100000", "--plot", ""],
+    ["project", "--model", "debug", "--seq", "33"],
+    ["project", "--calibrate", "--preset", "debug", "--gpus", "1", "--seq", "4096"],
+])
+def test_a_sequence_longer_than_a_preset_model_is_refused_before_anything_runs(argv, capsys):
+    """What the trainer would refuse (--batch.seq-len beyond the GPT's positions) is
+    neither planned nor timed: one line, before calibration starts a process."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert matches_documented("E81", "ConfigError: " + err.split(": ", 1)[1]), err
+
+
+def test_a_preset_model_projects_within_its_positions_by_default(capsys):
+    """The default --seq (4096) becomes a preset GPT's positions; with --calibrate, the
+    length the preset trains with."""
+    from fullshard.cli.project import _sequence
+    from fullshard.projection import shape_of
+    from fullshard.train.config import get_preset
+
+    assert main(["plan", "--gpus", "8", "--model", "debug", "--plot", ""]) == 0
+    flags = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("fullshard train")]
+    assert "--batch.seq_len 32" in flags[0], flags
+    debug = get_preset("debug")
+    assert _sequence(None, shape_of(debug.gpt, "debug"), debug.batch.seq_len) == 32
+    assert _sequence(None, shape_named("llama3-8b")) == 4096
+
+
 @pytest.mark.parametrize("argv,code", [
     (["project", "--gpu", "x100"], "E125"),
     (["project", "--gpus", "12", "--nodes-of", "8"], "E126"),

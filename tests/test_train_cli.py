@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -116,6 +117,29 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert f"stopped at step {stopped} on request" in stderr
     assert _checkpoint_step(out) == stopped
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("flags", [
+    ["--preset", "debug", "--model", "hf:{llama}"],
+    ["--preset", "debug", "--model", "hf:{llama}", "--lora.rank", "4"],
+    ["--preset", "debug", "--gpt.n-layers", "1"],
+], ids=["hf", "lora", "gpt-flags"])
+def test_the_same_command_plus_resume_resumes(tmp_path, flags):
+    """The README's recipe: the command that started a run, plus --resume, continues it;
+    a --preset is compared as that command configures it, not as the bare preset."""
+    from fullshard.cli.train import build_parser, resolve_config
+    from fullshard.train.config import to_toml
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text('{"model_type": "llama"}')
+    flags = [f.format(llama=llama) for f in flags] + ["--out", str(tmp_path / "run")]
+    started, out = resolve_config(build_parser().parse_args(flags))
+    os.makedirs(out)
+    with open(os.path.join(out, "config.toml"), "w") as f:  # as the run writes it
+        f.write(to_toml(started))
+    resumed, _ = resolve_config(build_parser().parse_args(flags + ["--resume"]))
+    assert resumed == started
 
 
 def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):

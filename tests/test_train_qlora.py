@@ -161,6 +161,25 @@ def _run(model_dir: str, data: str, out: str, steps: int, resume: bool) -> list 
     return [(r["step"], r["loss"]) for r in trainer.log.records if "loss" in r]
 
 
+def _refused(model_dir: str, data: str, out: str) -> str:
+    from fullshard.train.config import ConfigError
+    try:
+        _run(model_dir, data, out, 6, True)
+    except ConfigError as err:
+        return f"ConfigError: {err}"
+    return "NO ERROR RAISED"
+
+
+def test_nf4_block_sizes_fall_back_to_the_whole_weight_so_fully_shard_names_it():
+    """A weight no NF4 block size splits over the ranks still quantizes (then E107
+    names it at fully_shard) instead of failing inside torchao."""
+    from fullshard.train.lora import nf4_block_sizes
+    assert nf4_block_sizes(32 * 32, 2) == (64, 8)
+    assert nf4_block_sizes(32 * 32, 3) == (64, 16)  # 3 ranks: none; sizes for the whole
+    to_nf4 = pytest.importorskip("torchao.quantization").to_nf4
+    to_nf4(torch.randn(32, 32), *nf4_block_sizes(32 * 32, 3))
+
+
 def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(tmp_path):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")
@@ -174,3 +193,8 @@ def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(t
     # the log holds the first run's steps 1-2 and the resumed 3-4: bit for bit the
     # straight run's (adapters, optimizer, NF4 base and data position restored)
     assert resumed == straight
+    # at another world size the NF4 shards (their blocks chosen per world size) cannot
+    # load: one line naming the world size it resumes at, before anything is read
+    refused = run_distributed(_refused, 1, *args, str(tmp_path / "resumed"), timeout=240)[0]
+    from test_error_catalogue import matches_documented
+    assert matches_documented("E171", refused), refused

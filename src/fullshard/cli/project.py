@@ -21,9 +21,10 @@ from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
 from ..train.bounds import Bounds, flag_type
 from ..train.errors import ConfigError
-from .parsing import OneLineParser
+from .parsing import OneLineParser, check_seq
 
 GiB = 2**30
+DEFAULT_SEQ = 4096
 # The bounds of every number these commands read (checked by train/bounds.py).
 GPUS = Bounds(1, 2 ** 20)
 PER_NODE = flag_type(int, Bounds(1, 1024))
@@ -57,7 +58,9 @@ def _arguments(parser: argparse.ArgumentParser, *, planning: bool) -> None:
                         help="GPUs per node (default 8)")
     parser.add_argument("--batch", type=BATCH, default=1,
                         help="sequences per GPU per optimizer step (default 1)")
-    parser.add_argument("--seq", type=SEQ, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--seq", type=SEQ, help=f"sequence length (default {DEFAULT_SEQ}, or "
+                        "what a preset's model has if fewer; with --calibrate, the length "
+                        "the preset trains with)")
     if not planning:
         parser.add_argument("--strategy", choices=STRATEGIES,
                             help="one strategy (default: each)")
@@ -80,6 +83,16 @@ def _device(args: argparse.Namespace) -> Device:
                                                         dev.intra.latency),
         inter=None if args.inter_gbps is None else Link(args.inter_gbps * 1e9,
                                                         dev.inter.latency))
+
+
+def _sequence(seq: int | None, shape, default: int = DEFAULT_SEQ) -> int:
+    """``--seq`` as given, checked against the positions of a preset's GPT (which the
+    trainer would refuse beyond), or the default within them."""
+    if shape.learned_positions:
+        if seq is not None:
+            check_seq(seq, shape.learned_positions, shape.name)
+        default = min(default, shape.learned_positions)
+    return default if seq is None else seq
 
 
 def _table(rows: list) -> str:
@@ -107,6 +120,7 @@ def _calibrate(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, De
     from ..train.config import get_preset
 
     cfg = get_preset(args.preset)
+    args.seq = _sequence(args.seq, shape_of(cfg.gpt, args.preset), cfg.batch.seq_len)
     flops = run_distributed(achieved_flops, 1, cfg.gpt, args.batch, args.seq)[0]
     bandwidth = memory_bandwidth()
     devices = {}
@@ -137,6 +151,7 @@ def project_main(argv: list[str]) -> int:
             clusters = [Cluster(devices[ws], ws, ws) for ws in sizes]  # one machine
         else:
             device, shape = _device(args), shape_named(args.model)
+            args.seq = _sequence(args.seq, shape)
             clusters = [Cluster(device, ws, min(args.nodes_of, ws)) for ws in sizes]
         strategies = [args.strategy] if args.strategy else list(STRATEGIES)
         rows = []
@@ -175,6 +190,7 @@ def plan_main(argv: list[str]) -> int:
         if len(sizes) != 1:
             raise ProjectionError("plan takes one GPU count (--gpus 64); project takes several")
         device, shape = _device(args), shape_named(args.model)
+        args.seq = _sequence(args.seq, shape)
         gpus = sizes[0]
         cluster = Cluster(device, gpus, min(args.nodes_of, gpus))
         fits, over = rank_configurations(

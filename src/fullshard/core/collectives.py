@@ -23,6 +23,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .at_exit import note_collective
+
 # torch >= 2.10 names the flat collectives *_single; older releases only have
 # the *_into_tensor / *_tensor spellings (same semantics).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -92,6 +94,7 @@ class Pending(NamedTuple):
                 self.work.wait()
             except RuntimeError as err:
                 raise _failure(what, err) from err
+            note_collective()  # Note [collectives settle before exit]
         if self.finish is not None:
             self.finish()
         return self.output
@@ -117,6 +120,7 @@ _NO_FINITE_WAIT = re.compile(r"finite timeout not implemented", re.IGNORECASE)
 
 
 def _done(pending: Pending, async_op: bool, what: str, patience=None) -> Pending:
+    note_collective()  # issued: Note [collectives settle before exit]
     return pending if async_op else Pending(pending.wait(what, patience), None)
 
 

@@ -99,7 +99,9 @@ class Trainer:
 
     def run(self, resume: bool) -> None:
         if resume:
-            point = checkpoints.load(self.out, self.model, self.optimizers, self.worker.device)
+            point = checkpoints.load(self.out, self.model, self.optimizers, self.worker.device,
+                                     nf4_bases=bool(self.cfg.lora.rank)
+                                     and self.cfg.lora.base == "nf4")
             self.step = point.step
             if self.step > self.cfg.steps:  # never silently train nothing, or go back
                 raise ConfigError(
