@@ -200,3 +200,25 @@ def test_what_cannot_be_stepped_whole_is_refused_at_the_first_step(tmp_path):
         assert "optimizer states on disk" in out["states on disk"], out
         for text in out.values():
             assert matches_documented("E151", f"RuntimeError: {text}"), text
+
+
+def _adafactor() -> float:
+    """torch.optim.Adafactor factors each matrix's second moment over whole rows and
+    columns: stepped whole, exactly the stock step on the same gradients; its factored
+    states are replicated on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, same_grads = _shard(_model()), _model()
+    opts = [torch.optim.Adafactor(m.parameters(), lr=0.01) for m in (model, same_grads)]
+    for step in range(STEPS):
+        _train(model, [], 1, rank, world, first=step)
+        for p, q in zip(model.parameters(), same_grads.parameters()):
+            q.grad = full_value(p.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return _max_diff(model, same_grads)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
+def test_adafactor_steps_whole_matrices_exactly():
+    assert run_distributed(_adafactor, 3) == [0.0, 0.0, 0.0]

@@ -17,9 +17,9 @@ Optimizers that need whole matrices (``torch.optim.Muon``, or any class declared
 ``register_whole_matrix_optimizer``) step each parameter whole on one rank (Note
 [whole-matrix optimizers] in whole_matrix.py). Other optimizers that reduce over a
 whole parameter (LAMB/LARS trust ratios, any subclass) are left alone: they keep the
-DTensor path. torch optimizers whose implementation fails on DTensor shards (Adafactor,
-SparseAdam, LBFGS over an unevenly sharded parameter) are refused at their first step,
-naming the ones that work.
+DTensor path. torch optimizers whose implementation fails on DTensor shards (SparseAdam,
+LBFGS over an unevenly sharded parameter) are refused at their first step, naming the
+ones that work.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 # torch optimizers that cannot step sharded parameters, and why: refused at their first
 # step, naming the optimizers that can (the others run on the DTensors, as in FSDP2).
 _CANNOT_STEP_SHARDS: dict[str, str] = {
-    "Adafactor": "it factors each matrix's second moment over whole rows and columns, "
-                 "which torch's Adafactor cannot compute on DTensor shards",
     "SparseAdam": "it needs sparse gradients, and sharded gradients are dense DTensors",
 }
 

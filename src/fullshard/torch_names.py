@@ -28,6 +28,11 @@ TORCH_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard"
 NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
          "share_comm_ctx", "GradientReductionHandle")
 
+# Names left to torch where they are defined: torch's own fully_shard looks itself up
+# there (``fully_shard.state(module)``), so a torch fully_shard bound before install()
+# keeps working on the models it shards.
+KEPT = {("torch.distributed.fsdp._fully_shard._fully_shard", "fully_shard")}
+
 # How torch's fully_shard finds the modules it will manage, and the modules that call it
 # by that name (which one calls it differs between torch versions): while installed, a
 # guard there refuses a model with fullshard units in it (a torch fully_shard bound
@@ -64,6 +69,8 @@ def install() -> None:
         for name in NAMES:
             if not hasattr(module, name):
                 continue  # an older torch without it (GradientReductionHandle before 2.15)
+            if (module_name, name) in KEPT:
+                continue
             _SAVED.setdefault((module_name, name), getattr(module, name))
             setattr(module, name, ours[name])
     _guard_torch_fully_shard()
