@@ -28,6 +28,7 @@ class ModelShape:
     tied: bool
     gated_mlp: bool           # SwiGLU: three matrices; GELU MLP: two
     learned_positions: int = 0  # rows of a learned position table (GPT-2), 0 for RoPE
+    head_dim: int = 0           # 0: d_model / n_heads (a few models, Gemma, choose another)
 
     def __post_init__(self) -> None:
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
@@ -35,19 +36,30 @@ class ModelShape:
             if getattr(self, field) < 1:
                 raise ProjectionError(f"model shape {self.name!r}: {field} must be positive, "
                                       f"got {getattr(self, field)}")
-        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ProjectionError(f"model shape {self.name!r}: n_heads must divide d_model "
-                                  "and n_kv_heads must divide n_heads")
+        if (not self.head_dim and self.d_model % self.n_heads) \
+                or self.n_heads % self.n_kv_heads:
+            raise ProjectionError(
+                f"model shape {self.name!r}: {self.n_heads} heads must divide d_model "
+                f"{self.d_model} and be a multiple of the {self.n_kv_heads} key/value heads")
 
     # -- parameters ----------------------------------------------------------------------
     @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def q_width(self) -> int:
+        """The width of the queries (and of attention's output): heads x head dimension."""
+        return self.head_width * self.n_heads
+
+    @property
     def kv_width(self) -> int:
-        return self.d_model // self.n_heads * self.n_kv_heads
+        return self.head_width * self.n_kv_heads
 
     @property
     def block_matrix_params(self) -> int:
         d, f = self.d_model, self.ffn_hidden
-        attention = 2 * d * d + 2 * d * self.kv_width
+        attention = 2 * d * self.q_width + 2 * d * self.kv_width
         return attention + (3 if self.gated_mlp else 2) * d * f
 
     @property
@@ -69,7 +81,7 @@ class ModelShape:
 
     # -- FLOPs per token -----------------------------------------------------------------
     def block_forward_flops(self, seq: int) -> float:
-        return 2 * self.block_matrix_params + 4 * seq * self.d_model
+        return 2 * self.block_matrix_params + 4 * seq * self.q_width
 
     @property
     def head_forward_flops(self) -> float:
@@ -106,3 +118,4 @@ def shape_named(name: str) -> ModelShape:
 def shape_of(cfg: GPTConfig, name: str = "gpt") -> ModelShape:
     """The shape of a fullshard GPT (``fullshard.gpt.GPTConfig``)."""
     return _from_gpt(name, cfg)
+
