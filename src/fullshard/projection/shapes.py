@@ -119,3 +119,47 @@ def shape_of(cfg: GPTConfig, name: str = "gpt") -> ModelShape:
     """The shape of a fullshard GPT (``fullshard.gpt.GPTConfig``)."""
     return _from_gpt(name, cfg)
 
+
+# Hugging Face config.json keys of each dimension, by family (the first present is read)
+_HF_KEYS = {
+    "d_model": ("hidden_size", "n_embd", "d_model"),
+    "n_layers": ("num_hidden_layers", "n_layer", "n_layers"),
+    "n_heads": ("num_attention_heads", "n_head", "n_heads"),
+    "n_kv_heads": ("num_key_value_heads",),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+    "head_dim": ("head_dim",),
+}
+# families whose MLP is not gated (GELU), and those that tie the output head by default
+_UNGATED = {"gpt2", "gpt_neox", "gptj", "mpt", "opt", "bloom", "falcon", "gpt_bigcode", "phi"}
+_TIED = {"gpt2", "mpt", "gemma", "gemma2", "gemma3_text", "gpt_bigcode"}
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def hf_shape_fields(config: dict, where: str) -> dict:
+    """The ModelShape fields a Hugging Face ``config.json`` gives (a field it lacks is left
+    out: the caller names the flag that supplies it)."""
+    for key in _EXPERTS:
+        if config.get(key):
+            raise ProjectionError(f"{where} is a mixture-of-experts model ({key} "
+                                  f"{config[key]}): the projection models dense blocks only")
+    kind = str(config.get("model_type", ""))
+    out = {}
+    for field, keys in _HF_KEYS.items():
+        found = [config[k] for k in keys if isinstance(config.get(k), int)]
+        if found:
+            out[field] = found[0]
+    if "ffn_hidden" not in out and "d_model" in out:
+        if isinstance(config.get("expansion_ratio"), (int, float)):  # MPT
+            out["ffn_hidden"] = int(config["expansion_ratio"] * out["d_model"])
+        elif kind in _UNGATED:
+            out["ffn_hidden"] = 4 * out["d_model"]
+    if "n_kv_heads" not in out and "n_heads" in out:
+        out["n_kv_heads"] = 1 if config.get("multi_query") else out["n_heads"]
+    out["gated_mlp"] = kind not in _UNGATED
+    out["tied"] = bool(config.get("tie_word_embeddings", kind in _TIED))
+    if kind == "gpt2":
+        out["learned_positions"] = int(config.get("n_positions", 1024))
+    elif kind == "mpt" and not (config.get("attn_config") or {}).get("alibi"):
+        out["learned_positions"] = int(config.get("max_seq_len", 2048))
+    return out
