@@ -39,7 +39,7 @@ docs/projection.md for the values and the error on the held-out half).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .shapes import ModelShape
 
@@ -50,21 +50,20 @@ BF16 = 2
 class KernelConstants:
     """The compute model's fitted constants (Note [the compute model])."""
 
-    matmul: dict[str, float] = field(default_factory=dict)     # per architecture
-    attention: dict[str, float] = field(default_factory=dict)  # per architecture
+    matmul: dict[str, float]        # per architecture: fraction of peak of a large GEMM
+    attention: dict[str, float]     # per architecture: fraction of peak of flash attention
+    # bf16 passes over a token's d + f activations per block forward, per kind of block
+    elementwise: dict[str, float]
+    loss_bytes: float               # bytes per token and vocabulary entry, whole step
+    unit_overhead: float            # seconds per unit per forward (twice per backward)
     # achieved fraction of the datasheet memory bandwidth: assumed, not fitted (the fit
     # cannot tell it from elementwise: both scale bytes per token over bandwidth)
     memory: float = 0.9
-    # bf16 passes over a token's d + f activations per block forward, per kind of block
-    elementwise: dict[str, float] = field(default_factory=dict)
-    loss_bytes: float = 24.0        # bytes per token and vocabulary entry, whole step
-    unit_overhead: float = 50e-6    # seconds per unit per forward (twice per backward)
 
     def as_vector(self) -> list[float]:
         """The fitted constants, in order (``memory`` is not one)."""
         return [*self.matmul.values(), *self.attention.values(), *self.elementwise.values(),
-                self.loss_bytes,
-                self.unit_overhead]
+                self.loss_bytes, self.unit_overhead]
 
     def from_vector(self, values: list[float]) -> "KernelConstants":
         values = list(values)
@@ -136,7 +135,8 @@ def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
 
 
 def head_seconds(shape: ModelShape, tokens: int, rates: Rates, c: KernelConstants) -> PassSeconds:
-    """The output projection and the loss over the vocabulary (with the final norm)."""
+    """The output projection and the loss over the vocabulary, with the final norm (a
+    quarter of a block's elementwise passes, over d only)."""
     d, v = shape.d_model, shape.vocab_size
     loss = tokens * v * c.loss_bytes / rates.bandwidth
     norm = tokens * BF16 * c.elementwise[block_kind(shape)] / 4 * d / rates.bandwidth

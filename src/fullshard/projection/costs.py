@@ -33,11 +33,12 @@ def unit_params(shape: ModelShape) -> list[int]:
 
 
 def _flat(shape: ModelShape, cluster: Cluster, s: Settings) -> list[PassSeconds]:
-    """Executed FLOPs at one achieved fraction of peak (``Device.efficiency``): what a
-    calibrated CPU measures, and what ``--efficiency`` asks for."""
+    """Executed FLOPs at one achieved fraction of peak (``Device.efficiency``; a device
+    without fitted constants, 1): what a calibrated CPU measures, and what
+    ``--efficiency`` asks for."""
     dev = cluster.device
     tokens = s.batch * s.seq
-    rate = dev.peak_flops * dev.efficiency
+    rate = dev.peak_flops * (1.0 if dev.efficiency is None else dev.efficiency)
     if dev.cores:  # CPU ranks beyond the cores share them
         rate /= max(1.0, min(cluster.per_node, cluster.world_size) / dev.cores)
     block = shape.block_forward_flops(s.seq)
@@ -55,7 +56,7 @@ def compute_seconds(shape: ModelShape, cluster: Cluster, s: Settings,
                     constants: KernelConstants = FITTED) -> list[PassSeconds]:
     """Each unit's compute in one micro-batch (Note [the compute model])."""
     dev = cluster.device
-    if dev.efficiency is not None:
+    if dev.efficiency is not None or dev.arch not in constants.matmul:
         return _flat(shape, cluster, s)
     rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch, constants)
     tokens = s.batch * s.seq

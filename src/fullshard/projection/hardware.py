@@ -43,8 +43,9 @@ class Device:
     peak_flops: float          # FLOP/s, dense, in the training's compute dtype (datasheet)
     memory_bytes: int          # usable device memory
     memory_bandwidth: float    # bytes/s (datasheet)
-    arch: str = "cpu"          # which fitted kernel constants apply (compute.py)
-    efficiency: float | None = None  # set: one achieved fraction of peak for all compute
+    arch: str = "cpu"          # which fitted kernel constants apply (compute.py); none for a CPU
+    # set (or an arch without constants): one achieved fraction of peak for all compute (1)
+    efficiency: float | None = None
     # GPUs run collectives beside kernels (NCCL on its own streams): communication can hide
     # under compute. A CPU rank whose cores are all busy computing cannot: it serializes.
     overlaps_comm: bool = True
