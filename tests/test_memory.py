@@ -106,6 +106,23 @@ def test_plan_takes_the_cheapest_configuration_that_fits(capsys):
     assert "fullshard train --preset debug --parallel.strategy" in capsys.readouterr().out
 
 
+def test_plan_keeps_the_batch_and_counts_what_accumulation_keeps():
+    # Note [how plans are ranked]: micro-batches divide the batch, and one below it keeps
+    # every unsharded gradient (fp32) until the last micro-batch reduces
+    from fullshard.memory.plan import _with_accumulators, candidates
+    assert {c.micro_batch for c in candidates(6, False)} == {6, 3, 1}
+    assert {c.micro_batch for c in candidates(5, False)} == {5, 1}
+    assert all(c.micro_batch * c.grad_accum == 5 for c in candidates(5, False))
+    est = estimate(SMALL, world_size=2, batch_size=1, seq_len=256, device="cpu",
+                   process_baseline=0)
+    whole, split = (next(c for c in candidates(4, False)
+                         if c.strategy == "full_shard" and c.micro_batch == mb)
+                    for mb in (4, 1))
+    assert _with_accumulators(est, whole) is est
+    grown = _with_accumulators(est, split)
+    assert grown.total - est.total == 4 * est.trainable_params
+
+
 def test_tune_cpu_allocator_refuses_a_threshold_that_is_not_a_positive_int():
     from fullshard.memory import tune_cpu_allocator
 
