@@ -4,6 +4,7 @@ reduce-scatter's input kept alive until its collective finishes (Note [custom
 collectives]). What only a GPU shows (the copies overlapping compute, no block reused
 under a read) stays for the CUDA lane."""
 
+import pytest
 import contextlib
 import weakref
 
@@ -212,5 +213,6 @@ def _custom_reduce_scatter_keeps_its_input():
     return sum(c.freed_early for c in comms)
 
 
+@pytest.mark.slow
 def test_a_custom_reduce_scatters_input_lives_until_its_collective_finishes():
     assert run_distributed(_custom_reduce_scatter_keeps_its_input, 2) == [0, 0]

@@ -152,6 +152,7 @@ def _parameters_on_disk(directory):
     return out
 
 
+@pytest.mark.slow
 def test_parameters_on_disk_train_exactly_and_give_their_pages_back(tmp_path):
     """DiskOffloadPolicy(params=True): the flat shards are mappings of files without a
     name (as are the states' files: nothing in the folder but the checkpoint), paged out
@@ -169,6 +170,7 @@ def _same_as_cpu_offload_each(directory):
             for kind in ("adamw", "fused_adamw", "sgd")}
 
 
+@pytest.mark.slow
 def test_disk_offload_steps_exactly_as_cpu_offload(tmp_path):
     for per_kind in run_distributed(_same_as_cpu_offload_each, 2, str(tmp_path)):
         for kind, out in per_kind.items():
@@ -207,6 +209,7 @@ def _parity_with_one_process(directory, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.slow
 def test_disk_offload_parity_with_one_process(optimizer, tmp_path):
     run_distributed(_parity_with_one_process, 2, str(tmp_path), optimizer)
 
@@ -239,6 +242,7 @@ def _resume(directory, ckpt, chunk=CHUNK):
     return _max_diff(straight[0], resumed[0]), _max_diff(straight[0], rewound[0])
 
 
+@pytest.mark.slow
 def test_disk_offload_resumes_from_a_checkpoint_and_a_state_dict(tmp_path):
     ckpt = str(tmp_path / "ckpt" / "step3")
     states = tmp_path / "states"
@@ -344,6 +348,7 @@ def _resume_with_empty_shards(directory):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_disk_offload_resumes_a_model_with_empty_shards(world, tmp_path):
     """A parameter with fewer rows than ranks: its empty shards step in host memory, so
     every rank's optimizer state dict holds it and the checkpoint loads on every rank."""

@@ -1,6 +1,7 @@
 """`make gpu-check`'s script, end to end on CPU with tiny shapes (its --dry-run), so the
 one command a GPU window runs cannot rot between windows."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_the_gpu_check_runs_every_step_on_cpu(tmp_path):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run",

@@ -3,6 +3,7 @@ under offload, clipping offloaded gradients, micro-batches through pinned memory
 the background save's thread on the caller's GPU. Running them on a GPU is the CUDA
 lane's (tests/gpu) and `make gpu-check`'s."""
 
+import pytest
 import threading
 
 import torch
@@ -45,6 +46,7 @@ def _clip_offloaded():
     return float(norm)
 
 
+@pytest.mark.slow
 def test_clipping_offloaded_gradients_matches_one_process():
     """What the trainer calls (fullshard.clip_grad_norm_: the norm is reduced on the mesh's
     device whatever device the gradients live on)."""

@@ -174,6 +174,7 @@ def full_shard(tmp_path_factory) -> tuple[str, dict]:
     return out, _collectives(str(counted))
 
 
+@pytest.mark.slow
 def test_full_shard_over_two_nodes_matches_one_process(full_shard, reference):
     out, counts = full_shard
     _assert_matches_reference(out, reference, range(1, STEPS + 1), STEPS)
@@ -190,6 +191,7 @@ def _slurm_step(node: int) -> dict[str, str]:
             "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "127.0.0.[1-2]"}
 
 
+@pytest.mark.slow
 def test_hybrid_shard_under_slurm_shards_in_a_node_and_replicates_across(
         tmp_path, full_shard, reference):
     """Launched as an sbatch script's ``srun`` does (no --nnodes, --node-rank or
@@ -248,6 +250,7 @@ def _collectives_of_full_shard(counts: dict[int, dict]) -> dict[int, dict[str, i
 # -- resuming on another number of nodes -----------------------------------------------
 
 @pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.slow
 def test_resume_on_one_node_continues_a_two_node_run(tmp_path, full_shard, reference, nproc):
     """2 x 2 -> 1 x nproc, the global batch kept (batch size per rank scaled)."""
     out = str(tmp_path / "run")
@@ -264,6 +267,7 @@ def test_resume_on_one_node_continues_a_two_node_run(tmp_path, full_shard, refer
 
 # -- restarts --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_worker_killed_on_the_second_node_restarts_both_from_the_checkpoint(
         tmp_path, full_shard):
     """Rank 3 (node 1) dies as step 3 starts; both nodes restart from step 2's checkpoint
@@ -299,6 +303,7 @@ def _one_error_line(node: Node) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_nodes_that_never_meet_give_up_after_the_join_timeout(tmp_path):
     """Three rendezvous that cannot complete, side by side: node 0 alone; node 1 alone
     (its node 0 never hosts); two nodes started with different --nnodes. Each launcher
@@ -341,6 +346,7 @@ def test_nodes_that_never_meet_give_up_after_the_join_timeout(tmp_path):
                    for name in os.listdir(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_node_with_another_config_is_named_on_every_node(tmp_path):
     """Node 1 differs in two fields and a launch flag: the workers compare before they
     build anything."""
@@ -363,6 +369,7 @@ def test_a_node_with_another_config_is_named_on_every_node(tmp_path):
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+@pytest.mark.slow
 def test_an_out_that_only_its_own_node_sees_stops_at_the_first_save(tmp_path):
     """The same relative --out from two working directories: each node sees only its
     own files, as with a local disk on each machine."""
@@ -387,6 +394,7 @@ def test_an_out_that_only_its_own_node_sees_stops_at_the_first_save(tmp_path):
 
 # -- Kubernetes: a launcher that sets torch.distributed's environment ------------------
 
+@pytest.mark.slow
 def test_pods_of_a_pytorchjob_are_workers(tmp_path, reference):
     """What a PyTorchJob with 2 pods (nprocPerNode "1") sets in each pod's container."""
     out, port = str(tmp_path / "run"), str(free_port())

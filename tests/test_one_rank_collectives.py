@@ -3,6 +3,7 @@ world-size-1 shortcuts (Note [shard groups of one rank]) so that a one-GPU machi
 the gathers, reductions, copy stream and pooled buffers the CUDA lane is there to check.
 Here on one gloo rank: the same training as one process, with collectives issued."""
 
+import pytest
 import torch
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -42,6 +43,7 @@ def _trains_like_one_process(options: dict, shortcuts: bool):
     return dict(counts), group.aliases_shard, skips_collectives(1)
 
 
+@pytest.mark.slow
 def test_one_rank_issues_its_collectives_and_trains_like_one_process():
     variants = [{}, {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
                 {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,

@@ -73,6 +73,7 @@ def _local_vs_dtensor_worker(opt_name):
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd", "rmsprop", "subclass"])
+@pytest.mark.slow
 def test_local_step_matches_dtensor_step_bitwise(opt_name):
     run_distributed(_local_vs_dtensor_worker, 2, opt_name)
 
@@ -198,6 +199,7 @@ def _rprop_and_asgd_like_one_process():
     return True
 
 
+@pytest.mark.slow
 def test_rprop_and_asgd_step_on_shards_like_one_process():
     """Both are elementwise: stepped on each rank's shard (Rprop fails on DTensors)."""
     assert all(run_distributed(_rprop_and_asgd_like_one_process, 2))
@@ -225,6 +227,7 @@ def _optimizers_that_cannot_step_shards():
     return refused
 
 
+@pytest.mark.slow
 def test_optimizers_that_cannot_step_shards_are_refused_at_the_first_step():
     for refused in run_distributed(_optimizers_that_cannot_step_shards, 2):
         for name, message in refused.items():

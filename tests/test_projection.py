@@ -285,6 +285,7 @@ def test_library_errors():
 
 
 # -- this machine ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_calibrated_projection_of_this_machine(capsys):
     assert main(["project", "--calibrate", "--preset", "debug", "--gpus", "1,2",
                  "--strategy", "full_shard", "--batch", "4", "--seq", "32"]) == 0
@@ -293,6 +294,7 @@ def test_calibrated_projection_of_this_machine(capsys):
     assert "cpu (calibrated)" in out
 
 
+@pytest.mark.slow
 def test_projection_compares_with_fullshard_runs_on_this_cpu():
     # benchmarks/projection_cpu.py calibrates on a plain step and a collective sweep, then
     # trains fullshard at each world size and compares step times. Its 15% check is a

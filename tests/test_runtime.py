@@ -175,6 +175,7 @@ def _batch_for_rank(rank):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.slow
 def test_clip_grad_norm_and_state_dict(world_size):
     assert all(run_distributed(_ecosystem_worker, world_size))
 
@@ -252,6 +253,7 @@ def _abandoned_forward_worker():
     return first, in_place, dict(counts)
 
 
+@pytest.mark.slow
 def test_a_dropped_forward_does_not_hold_back_reductions():
     first, two_forwards, counts = run_distributed(_abandoned_forward_worker, 2)[0]
     # the three blocks at their boundary, the root (token ids) in the final callback
@@ -271,6 +273,7 @@ def _steady_state_worker(bucket_numel):
 
 
 @pytest.mark.parametrize("bucket_numel", [0, 1 << 20], ids=["per_unit", "merged"])
+@pytest.mark.slow
 def test_steady_state_allocates_no_communication_buffers(bucket_numel):
     allocations, counts = run_distributed(_steady_state_worker, 2, bucket_numel)[0]
     # the first step fills the pool; the second is the first with a recorded order

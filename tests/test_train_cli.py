@@ -31,6 +31,7 @@ def _checkpoint_step(out) -> int:
     return torch.load(os.path.join(checkpoints, latest, "extra.pt"), weights_only=False)["step"]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
     # The first leg under an outside torchrun: the entry point must not launch again.
@@ -70,6 +71,7 @@ def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     assert "--- sample after 60 steps ---" in reference.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     """Also: a second job started on the same --out while this one trains is refused at
     once, names the job that holds it and writes nothing; the lock goes with the job."""
@@ -142,6 +144,7 @@ def test_the_same_command_plus_resume_resumes(tmp_path, flags):
     assert resumed == started
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):
     """--resume continues the run's own config.toml: a --preset naming another model, or
     --steps below the checkpoint's step, is refused instead of ignored."""

@@ -77,6 +77,7 @@ def _qlora(model_dir: str, data: str, out: str, base: str) -> dict:
 
 
 @pytest.mark.parametrize("base", ["nf4", "fp32"])
+@pytest.mark.slow
 def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")
@@ -123,6 +124,7 @@ def _composed(model_dir: str, data: str) -> dict | None:
             for name, extra in variants.items()}
 
 
+@pytest.mark.slow
 def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
     # On a CPU-only machine host and device are one: offload runs its copies, not a
     # transfer between devices
@@ -138,6 +140,7 @@ def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("base", ["nf4", "fp32"])
+@pytest.mark.slow
 def test_qlora_at_two_ranks_trains_as_one_process_on_the_same_batches(tmp_path, base):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")
@@ -180,6 +183,7 @@ def test_nf4_block_sizes_fall_back_to_the_whole_weight_so_fully_shard_names_it()
     to_nf4(torch.randn(32, 32), *nf4_block_sizes(32 * 32, 3))
 
 
+@pytest.mark.slow
 def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(tmp_path):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")

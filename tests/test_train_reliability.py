@@ -83,6 +83,7 @@ def _assert_same_result(out: str, uninterrupted) -> None:
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.slow
 def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     out = str(tmp_path / "run")
     # No restarts: look at the debris.
@@ -102,6 +103,7 @@ def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, un
     assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
 
 
+@pytest.mark.slow
 def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
     """A weight turned NaN on one rank at step 4 makes that step's gradients non-finite on
     every rank: the run stops at that step, before its optimizer step could write
@@ -127,6 +129,7 @@ def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path
     assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step
 
 
+@pytest.mark.slow
 def test_workers_killed_mid_step_and_in_a_save_restart_and_leave_nothing_on_disk(
         tmp_path, uninterrupted):
     """Rank 0 killed inside the save of step 8, then, on the restart, rank 1 as step 10
