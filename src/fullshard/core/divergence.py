@@ -99,6 +99,10 @@ def guarded(ranks: list[int]) -> bool:
     return len(ranks) > 1 and str(dist.get_backend()) not in ("fake", "threaded")
 
 
+# the guard's groups' description: what tools that count collectives tell them apart by
+GROUP_DESC = "fullshard_guard"
+
+
 def prepare(mesh) -> None:
     """Make the guard's group for ``mesh``'s ranks, at ``fully_shard`` time: every rank
     shards its model, while a group made at the first forward would wait forever for a
@@ -115,7 +119,7 @@ def _group_for(ranks: list[int]) -> dist.ProcessGroup:
         # pending (a wait(timeout=) would leave the all-gather running)
         _GROUPS[key] = dist.new_group(
             ranks, backend="gloo", use_local_synchronization=True,
-            timeout=datetime.timedelta(seconds=arrival.timeout_s()))
+            timeout=datetime.timedelta(seconds=arrival.timeout_s()), group_desc=GROUP_DESC)
     return _GROUPS[key]
 
 
