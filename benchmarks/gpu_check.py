@@ -230,7 +230,7 @@ def main() -> int:
                 continue
             remaining = args.budget_s - (time.monotonic() - started)
             outcomes[step.name] = run_step(step, remaining, log)
-            if step.name == "install" and outcomes[step.name].status == "ok":
+            if step.name.startswith("install") and outcomes[step.name].status == "ok":
                 env_lines = environment()  # what is there now
             print(f"gpu-check: {step.name}: {outcomes[step.name].status}", flush=True)
             report(path, args, env_lines, outcomes, started)
