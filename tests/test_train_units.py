@@ -13,7 +13,7 @@ from fullshard.cli import train as train_cli
 from fullshard.train.config import (PRESETS, ConfigError, OptimConfig, apply_overrides,
                                     get_preset, load_toml, to_toml, validate)
 from fullshard.train.data import EpochSampler, validation_batches
-from fullshard.train.loop import learning_rate
+from fullshard.train.loop import learning_rate, step_or_skip
 from fullshard.train.metrics import expected_memory_line
 from fullshard.train.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
 from fullshard.train.progress import ProgressLine
@@ -226,3 +226,26 @@ def test_gpu_presets_print_their_estimated_memory_before_launching(monkeypatch, 
     assert launched and "expected peak memory" in capsys.readouterr().err
     assert train_cli.main(["--preset", "debug"]) == 0  # not a GPU preset: no estimate
     assert "expected peak memory" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_with_a_non_finite_gradient_norm_leaves_weights_and_states_alone(fused):
+    """The trainer's step_or_skip: a fused AdamW skips on the device (no host read of the
+    norm), any other optimizer after reading it; a finite norm steps."""
+    weight = torch.nn.Parameter(torch.ones(8))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused, foreach=None if fused else False)
+    weight.grad = torch.full((8,), 0.5)
+    step_or_skip(optimizer, torch.tensor(1.0))
+    after_one = weight.detach().clone()
+    assert not torch.equal(after_one, torch.ones(8))
+    states = {k: v.clone() for k, v in optimizer.state[weight].items()}
+    for bad in (float("nan"), float("inf")):
+        weight.grad = torch.full((8,), bad)
+        step_or_skip(optimizer, torch.tensor(bad))
+        assert torch.equal(weight.detach(), after_one)
+        for k, v in optimizer.state[weight].items():
+            assert torch.equal(v, states[k]), k  # the step count too
+    weight.grad = torch.full((8,), 0.5)
+    step_or_skip(optimizer, torch.tensor(1.0))
+    assert float(optimizer.state[weight]["step"]) == 2.0
+    assert not torch.equal(weight.detach(), after_one)

@@ -55,6 +55,20 @@ class Diverged(RuntimeError):
     """The loss (mean over ranks) is not finite; raised on every rank at the same step."""
 
 
+def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """Step, unless the gradient norm is not finite. The norm is global, so every rank
+    skips the same step, and the trainer raises before anything saves: no non-finite
+    weights, no checkpoint of them. A fused optimizer skips on the device (its
+    ``found_inf``, as a gradient scaler drives it), so a step's only host
+    synchronization stays the statistics' at its end; any other reads the norm first."""
+    if optimizer.defaults.get("fused") and getattr(optimizer, "_step_supports_amp_scaling",
+                                                   False):
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        optimizer.step()
+    elif math.isfinite(float(grad_norm)):
+        optimizer.step()
+
+
 class Trainer:
     """One run on one rank. ``step`` counts the optimizer steps done."""
 
@@ -172,8 +186,12 @@ class Trainer:
                 set_learning_rate(optimizer, lr)
             started = time.perf_counter()
             loss, grad_norm = self._train_step()
-            stats = self._gather_stats(loss)
+            stats = self._gather_stats(loss, grad_norm)
             seconds = time.perf_counter() - started
+            grad_norm = float(stats[0, -1])  # global: the same on every rank
+            if not math.isfinite(grad_norm) and self.scaler is None:
+                # the optimizers skipped this step (step_or_skip)
+                raise self._diverged("the gradient norm", grad_norm)
             loss = float(stats[:, 0].mean())
             if not math.isfinite(loss):
                 raise self._diverged("the loss", loss)
@@ -191,9 +209,9 @@ class Trainer:
                 return
         self._print_sample()  # not after a stop: Ctrl-C asks to be done quickly
 
-    def _train_step(self) -> tuple[torch.Tensor, float]:
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean
-        loss and the global gradient norm (before clipping)."""
+        loss and the global gradient norm (before clipping), both on the device."""
         accum = self.cfg.batch.grad_accum
         total = torch.zeros((), device=self.worker.device)
         for micro in range(accum):
@@ -213,36 +231,34 @@ class Trainer:
                 for optimizer in self.optimizers:
                     self.scaler.unscale_(optimizer)
             grad_norm = self._clip_gradients()
-            if self.scaler is None and not math.isfinite(grad_norm):
-                # The norm is global, so every rank stops here, before the step that would
-                # write non-finite weights (and a checkpoint of them); fp16's scaler instead
-                # skips such steps by design.
-                raise self._diverged("the gradient norm", grad_norm)
             for optimizer in self.optimizers:
                 if self.scaler is not None:
                     self.scaler.step(optimizer)
                 else:
-                    optimizer.step()
+                    step_or_skip(optimizer, grad_norm)
                 optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.update()
         return total, grad_norm
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> torch.Tensor:
         clip = self.cfg.optim.grad_clip
         # fullshard's: it reduces the norm on the mesh's device, also when offloaded
         # gradients live on the host (torch's would send host tensors through NCCL)
-        norm = clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        return float(norm)
+        return clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
 
-    def _gather_stats(self, loss: torch.Tensor) -> torch.Tensor:
-        """One collective a step: every rank's loss, stop request and memory ``FIGURES``
-        (float64 holds byte counts exactly up to 8 PiB)."""
-        mine = torch.tensor([float(loss), float(self.stop.requested),
-                             *map(float, self.memory.step_figures())],
-                            dtype=torch.float64, device=self.worker.device)
+    def _gather_stats(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """One collective and one host synchronization a step: every rank's loss, stop
+        request, memory ``FIGURES`` and the gradient norm (float64 holds byte counts
+        exactly up to 8 PiB)."""
+        device = self.worker.device
+        host = torch.tensor([float(self.stop.requested), *map(float, self.memory.step_figures())],
+                            dtype=torch.float64)
+        mine = torch.cat([loss.detach().to(torch.float64).view(1),
+                          host.to(device, non_blocking=True),
+                          grad_norm.detach().to(device, torch.float64).view(1)])
         everyone = torch.empty(self.worker.world * mine.numel(), dtype=torch.float64,
-                               device=self.worker.device)
+                               device=device)
         _all_gather_single(everyone, mine)
         return everyone.view(self.worker.world, mine.numel()).cpu()
 
