@@ -38,15 +38,20 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         parameters = [parameters]
     grads = [t.grad for t in parameters if t.grad is not None]
     sharded: dict[tuple, list[torch.Tensor]] = {}
+    groups_of: dict[tuple, tuple] = {}  # (mesh, placements) -> the groups sharded over
     local: list[torch.Tensor] = []
     device = torch.device("cpu")
     for g in grads:
         if isinstance(g, DTensor):
-            mesh = g.device_mesh
-            groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements)
-                           if isinstance(pl, (Shard, _StridedShard)))
+            key = (g.device_mesh, g.placements)
+            groups = groups_of.get(key)
+            if groups is None:
+                mesh = g.device_mesh
+                groups = groups_of[key] = tuple(
+                    mesh.get_group(d) for d, pl in enumerate(g.placements)
+                    if isinstance(pl, (Shard, _StridedShard)))
+                device = mesh_device(mesh)  # where the all-reduce runs (CPU shards under offload)
             sharded.setdefault(groups, []).append(g.to_local())
-            device = mesh_device(mesh)  # where the all-reduce runs (CPU shards under offload)
         else:
             local.append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -59,34 +64,32 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     total = _combine([total] + _parts_on(local, p, device), p, device)
     norm = total if math.isinf(p) else total ** (1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    coefs: dict[tuple, torch.Tensor] = {}  # one copy per device and dtype, not per gradient
     with torch.no_grad():
-        for g in grads:
-            target = g.to_local() if isinstance(g, DTensor) else g
-            key = (target.device, target.dtype)
-            if key not in coefs:
-                coefs[key] = coef.to(target.device, target.dtype)
-            target.mul_(coefs[key])
+        targets = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        for (where, dtype), tensors in _by_device_and_dtype(targets).items():
+            # one kernel per device and dtype, and one copy of the coefficient
+            torch._foreach_mul_(tensors, coef.to(where, dtype))
     return norm
 
 
-def _parts_on(tensors: list[torch.Tensor], p: float, device: torch.device) -> list[torch.Tensor]:
-    """The norm parts of ``tensors``, combined where they live (offloaded gradients: on
-    the host) and moved to ``device`` once per device rather than once per tensor."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+def _by_device_and_dtype(tensors: list[torch.Tensor]
+                         ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        by_device.setdefault(t.device, []).append(_norm_part(t, p))
-    return [_combine(parts, p, where).to(device) for where, parts in by_device.items()]
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
 
 
-def _norm_part(t: torch.Tensor, p: float) -> torch.Tensor:
-    """``max |t|`` for the inf-norm, else ``sum |t|^p``, as a float32 scalar."""
-    t = t.detach().float()
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=t.device)
-    if math.isinf(p):
-        return t.abs().max()
-    return torch.linalg.vector_norm(t, p) ** p
+def _parts_on(tensors: list[torch.Tensor], p: float, device: torch.device) -> list[torch.Tensor]:
+    """The norm parts (``max |t|`` for the inf-norm, else ``sum |t|^p``, float32) of
+    ``tensors``: one foreach kernel per device and dtype, combined where the tensors live
+    (offloaded gradients: on the host) and moved to ``device`` once per device."""
+    parts: list[torch.Tensor] = []
+    for (where, _), group in _by_device_and_dtype(
+            [t.detach() for t in tensors if t.numel() > 0]).items():
+        norms = torch.stack(torch._foreach_norm(group, p, dtype=torch.float32))
+        parts.append((norms.max() if math.isinf(p) else norms.pow(p).sum()).to(device))
+    return parts
 
 
 def _combine(parts: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
