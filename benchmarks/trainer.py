@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/trainer.py                    # CPU: shakespeare preset
     python benchmarks/trainer.py --preset gpt2-124m --batch-size 8     # one GPU
     python benchmarks/trainer.py --compile                              # both compiled
+    python benchmarks/trainer.py --profile 5       # and where 5 steps of each spend their time
 
 One process, world size 1. The trainer is ``fullshard.train.Trainer`` itself, with
 evaluation, checkpoints and the final sample switched off, so what is timed is what
@@ -101,6 +102,22 @@ class PlainLoop:
         return (time.perf_counter() - start) / steps
 
 
+def _profile(name: str, run, cuda: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        run()
+        wall = time.perf_counter() - started
+    table = prof.key_averages()
+    if cuda:  # how much of the wall time the device computed (streams summed)
+        busy = sum(e.self_device_time_total for e in table) / 1e6
+        print(f"-- {name}: device busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms wall")
+    for key in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        print(f"-- {name}: top operators by {key}")
+        print(table.table(sort_by=key, row_limit=15, max_name_column_width=48))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None,
@@ -109,6 +126,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compile each block (both)")
     parser.add_argument("--block", type=int, default=5, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=5, help="blocks of each, alternating")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="then profile STEPS steps of each (torch.profiler): the top "
+                             "operators by self device time and by self host time")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -145,6 +165,9 @@ def main() -> None:
         for _ in range(args.rounds):
             trainer_times.append(trainer_block(trainer, args.block))
             plain_times.append(plain.block(trainer.sampler, args.block))
+        if args.profile:
+            _profile("fullshard train", lambda: trainer_block(trainer, args.profile), cuda)
+            _profile("plain loop", lambda: plain.block(trainer.sampler, args.profile), cuda)
         trainer.log.close()
     tokens = batch.batch_size * batch.seq_len
     t, p = statistics.median(trainer_times), statistics.median(plain_times)
