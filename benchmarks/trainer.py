@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -110,12 +111,14 @@ def _profile(name: str, run, cuda: bool) -> None:
         run()
         wall = time.perf_counter() - started
     table = prof.key_averages()
-    if cuda:  # how much of the wall time the device computed (streams summed)
-        busy = sum(e.self_device_time_total for e in table) / 1e6
-        print(f"-- {name}: device busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms wall")
     for key in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:
-        print(f"-- {name}: top operators by {key}")
-        print(table.table(sort_by=key, row_limit=15, max_name_column_width=48))
+        text = table.table(sort_by=key, row_limit=15, max_name_column_width=48)
+        print(f"-- {name}: top operators by {key}\n{text}")
+    # the footer's total of kernel time (streams summed) against the wall time
+    found = re.search(r"Self (?:CUDA|device) time total: ([\d.]+)(us|ms|s)\b", text)
+    if cuda and found:
+        busy = float(found[1]) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[found[2]]
+        print(f"-- {name}: device busy {busy:.1f} ms of {wall * 1e3:.1f} ms wall")
 
 
 def main() -> None:
