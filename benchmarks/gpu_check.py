@@ -11,7 +11,6 @@ Steps, in order, each a process of its own with a time limit inside one budget
                 tyro and tomli-w, then torchao (fails alone), then fullshard itself
                 editable and without dependencies, against the box's torch
   cuda-lane     tests/gpu on NCCL (make test-gpu)
-  gpu-bench     benchmarks/gpu.py --quick: G1-G4 x {fullshard, FSDP2, plain loop}
   trainer       benchmarks/trainer.py: `fullshard train` steps against a plain loop,
                 gpt2-124m at batch 8, eager, with the trainer's memory estimate beside
                 its measured CUDA peak
@@ -19,6 +18,8 @@ Steps, in order, each a process of its own with a time limit inside one budget
   memory        benchmarks/gpu_memory.py: the estimate against the measured peak under a
                 24 GiB cap: plain, QLoRA (NF4 + LoRA) and float8 (skipped, with a line
                 saying so, where torchao or peft is missing)
+  gpu-bench     benchmarks/gpu.py --quick: G1-G4 x {fullshard, FSDP2, plain loop}, last,
+                so that it has whatever the budget has left (about 290 s on an H200)
 
 DIR gets gpu-check.md (the report, rewritten after every step, so a window that ends
 early still brings back what ran), gpu-check.log (every step's output) and the JSON
@@ -117,11 +118,12 @@ def steps(args: argparse.Namespace) -> list[Step]:
             pip + ["tyro", "tomli-w"], pip + ["--no-deps", "-e", ROOT], listed], 90),
         Step("install-torchao", [] if dry or not wheels else [pip + ["torchao"]], 30),
         Step("cuda-lane", [lane], 150, lane_env, _pytest_summary),
-        Step("gpu-bench", [bench], 270, {}, _bench_summary),
         Step("trainer", [trainer], 60, {}, _trainer_summary),
         Step("trainer-compiled", [] if dry else [trainer + ["--compile"]], 90, {},
              _trainer_summary),
         Step("memory", [memory], 90, {}, _memory_summary),
+        # last, with what the budget has left: eleven runs of ~25 s on an H200
+        Step("gpu-bench", [bench], 360, {}, _bench_summary),
     ]
 
 
@@ -214,8 +216,8 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for the report and logs")
     parser.add_argument("--wheels", help="folder of wheels to install first (make gpu-wheels)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no install")
-    parser.add_argument("--budget-s", type=int, default=500,
-                        help="seconds for every step together (default 500)")
+    parser.add_argument("--budget-s", type=int, default=530,
+                        help="seconds for every step together (default 530)")
     parser.add_argument("--only", help="comma-separated step names (default: all)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
