@@ -11,7 +11,11 @@ Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused Ad
   G4 G1 with per-block activation checkpointing and per-block torch.compile
 
 Each (implementation, workload) runs in its own set of processes (world size = every
-visible GPU), so memory figures start clean. Per run: median step time over the timed
+visible GPU), so memory figures start clean. On one GPU fullshard runs its collectives
+on the one rank as FSDP2 does (``fullshard.testing.collectives_at_one_rank``: gathers,
+reductions, the copy stream and pooled buffers), not its one-rank shortcuts. G3 joins
+gloo beside NCCL ("cpu:gloo,cuda:nccl"): clipping reduces the offloaded (host) gradients
+through the mesh's group. Per run: median step time over the timed
 steps (no synchronization inside a step), tokens/s, MFU (against --peak-tflops), peak
 allocated and reserved memory, and a per-phase split (forward, backward, clip,
 optimizer) from separate steps synchronized at each phase boundary. The table gives
@@ -95,6 +99,10 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
         return model.to(device)
     if impl == "fullshard":
         from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from fullshard.testing import collectives_at_one_rank
+        # one GPU: gather and reduce as FSDP2 does at world size 1 (its collectives run on
+        # one rank), not fullshard's one-rank shortcuts: the path larger worlds take
+        collectives_at_one_rank()
     else:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from torch.distributed.device_mesh import init_device_mesh
@@ -196,9 +204,15 @@ def _device_name(device: torch.device) -> str:
 
 def worker(args: argparse.Namespace) -> None:
     device = _device()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    w = WORKLOADS[args.workload]
+    # offloaded gradients are host tensors on the CUDA mesh: clipping reduces them through
+    # the mesh's group, which then needs gloo beside NCCL (as torchtitan initializes it)
+    backend = "gloo" if device.type != "cuda" else "cpu:gloo,cuda:nccl" if w.offload else "nccl"
+    dist.init_process_group(backend)
     try:
-        w = WORKLOADS[args.workload]
+        if args.quick:
+            w = Workload(w.cfg, w.batch, w.seq, w.offload, w.compile_and_checkpoint,
+                         warmup=2, steps=min(w.steps, 5))
         result = run(args.impl, tiny(w) if args.tiny else w, args.peak_tflops)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
@@ -214,10 +228,17 @@ def launch(impl: str, workload: str, args: argparse.Namespace) -> dict | None:
            "--impl", impl, "--workload", workload, "--peak-tflops", str(args.peak_tflops)]
     if args.tiny:
         cmd.append("--tiny")
+    if args.quick:
+        cmd.append("--quick")
     env = dict(os.environ, BENCH_DEVICE=args.device, OMP_NUM_THREADS=os.environ.get(
         "OMP_NUM_THREADS", "1"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{impl} on {workload}: no result within --timeout {args.timeout:.0f} s",
+              file=sys.stderr)
+        return None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -253,6 +274,8 @@ def main() -> None:
                         choices=["cuda", "cpu"])
     parser.add_argument("--nproc", type=int, help="processes (default: every visible GPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a quick check)")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 warm-up and at most 5 timed steps (a short GPU window)")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                         help="the device's dense bf16 peak, for MFU (default: H100 SXM)")
     parser.add_argument("--timeout", type=float, default=900)
@@ -274,13 +297,13 @@ def main() -> None:
                 results[(workload, impl)] = r
                 print(f"{workload} {impl}: {r['step_ms']:.1f} ms/step", file=sys.stderr,
                       flush=True)
+            if args.json:  # after every run: a window that ends early keeps what ran
+                with open(args.json, "w") as f:
+                    json.dump({f"{w}/{i}": r for (w, i), r in results.items()}, f, indent=1)
     if results:
         first = next(iter(results.values()))
         print(f"device: {first['device']} x {first['world']}, torch {first['torch']}")
         print(table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({f"{w}/{i}": r for (w, i), r in results.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

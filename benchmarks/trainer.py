@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -133,6 +134,9 @@ def main() -> None:
         trainer = StepsOnly(cfg, out, worker)
         trainer._start_reporting(resume=False)
         trainer._train()  # the first step: lazy init, optimizer states
+        # the trainer's own memory line (its first step), read before the plain loop's
+        # model and optimizer states share the device: the estimate beside its measured peak
+        estimated, measured = trainer.estimated_peak, trainer.measured_peak
         trainer.progress.close()  # its line counts to the run's last step, not the blocks'
         trainer.progress = None
         plain = PlainLoop(cfg, device, args.compile)
@@ -151,6 +155,13 @@ def main() -> None:
     print(f"| fullshard train | {t * 1e3:.1f} | {tokens / t:,.0f} |")
     print(f"| plain loop | {p * 1e3:.1f} | {tokens / p:,.0f} |")
     print(f"trainer / plain tokens/s: {p / t:.3f}")
+    print("RESULT " + json.dumps({
+        "preset": preset, "device": where, "torch": torch.__version__,
+        "compile": args.compile, "tokens_per_step": tokens, "trainer_ms": t * 1e3,
+        "plain_ms": p * 1e3, "trainer_over_plain_tokens_per_s": p / t,
+        "estimated_peak_bytes": estimated, "measured_peak_bytes": measured,
+        "estimate_error": (estimated - measured) / measured if estimated and measured
+        else None}), flush=True)
     dist.destroy_process_group()
 
 

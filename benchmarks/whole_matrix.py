@@ -8,9 +8,12 @@ by side, steps interleaved: one with AdamW on every parameter, one with torch.op
 the hidden matrices and AdamW on the rest (the embeddings, norms and biases), as the Muon
 recipe does; fullshard steps each Muon matrix whole on one rank (Note [whole-matrix
 optimizers]). Reported: the median ``optimizer.step()`` time of each and their difference,
-the bytes the whole-matrix step sends per step (every rank's all-to-alls, summed) against
-the least a whole-matrix step can move (each matrix's gradient to one rank and its update
-back: 2 x (N-1)/N of the matrices), and the peak RSS of each copy's step phase.
+split into the whole-matrix exchange (fullshard's two all-to-alls and the assembling of
+whole tensors) and the rest (the stock step: Newton-Schulz in bf16, which a CPU computes
+slowly whatever the sharding), the bytes the whole-matrix step sends per step (every
+rank's all-to-alls, summed) against the least a whole-matrix step can move (each matrix's
+gradient to one rank and its update back: 2 x (N-1)/N of the matrices), and rank 0's peak
+RSS.
 """
 
 from __future__ import annotations
@@ -52,7 +55,19 @@ def _build(kind: str):
 
 
 def _worker(steps: int, warmup: int) -> dict:
+    from fullshard import whole_matrix
     rank, world = dist.get_rank(), dist.get_world_size()
+    exchange = {"s": 0.0}
+    for name in ("before", "after"):
+        real_fn = getattr(whole_matrix, name)
+
+        def timed(*a, _real=real_fn, **k):
+            start = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                exchange["s"] += time.perf_counter() - start
+        setattr(whole_matrix, name, timed)
     runs = {kind: _build(kind) for kind in ("adamw", "muon")}
     sent = {"bytes": 0}
     real = dist.all_to_all_single
@@ -63,14 +78,14 @@ def _worker(steps: int, warmup: int) -> dict:
 
     dist.all_to_all_single = counted
     times: dict[str, list[float]] = {kind: [] for kind in runs}
-    sent_per_step = []
+    sent_per_step, exchange_per_step = [], []
     gen = torch.Generator().manual_seed(rank)
     for step in range(warmup + steps):
         x = torch.randint(0, W1.vocab_size, (8, 128), generator=gen)
         for kind, (model, opts) in runs.items():
             lm_loss(model(x), torch.roll(x, -1, 1)).backward()
             dist.barrier()
-            before = sent["bytes"]
+            before, exchanged = sent["bytes"], exchange["s"]
             start = time.perf_counter()
             for opt in opts:
                 opt.step()
@@ -82,6 +97,7 @@ def _worker(steps: int, warmup: int) -> dict:
                 times[kind].append(elapsed.item())
                 if kind == "muon":
                     sent_per_step.append(sent["bytes"] - before)
+                    exchange_per_step.append(exchange["s"] - exchanged)
     dist.all_to_all_single = real
     matrices, _ = _hidden_matrices(runs["muon"][0])
     matrix_bytes = sum(p.numel() * p.element_size() for p in matrices)
@@ -89,6 +105,7 @@ def _worker(steps: int, warmup: int) -> dict:
     dist.all_reduce(total_sent)
     import resource
     return {"median_s": {k: statistics.median(v) for k, v in times.items()},
+            "exchange_s": statistics.median(exchange_per_step),
             "sent_bytes": total_sent.item(), "matrix_bytes": matrix_bytes,
             "minimum_bytes": 2 * (world - 1) / world * matrix_bytes,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -98,7 +115,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args(argv)
     if not hasattr(torch.optim, "Muon"):
         sys.exit("torch.optim.Muon needs torch >= 2.9")
@@ -111,7 +128,8 @@ def main(argv=None) -> None:
     for kind, t in med.items():
         print(f"| {kind} | {t * 1e3:.1f} |")
     print(f"\nMuon's step over AdamW's: +{(med['muon'] - med['adamw']) * 1e3:.1f} ms "
-          f"({med['muon'] / med['adamw']:.2f}x)")
+          f"({med['muon'] / med['adamw']:.2f}x), of which the whole-matrix exchange (rank 0) "
+          f"{out['exchange_s'] * 1e3:.1f} ms and the stock step the rest")
     print(f"bytes sent per step by every rank together: {out['sent_bytes'] / 2**20:.1f} MiB; "
           f"the least a whole-matrix step moves: {out['minimum_bytes'] / 2**20:.1f} MiB "
           f"({out['sent_bytes'] / out['minimum_bytes']:.2f}x); hidden matrices "

@@ -53,6 +53,7 @@ def _parity(order, raf):
 
 @pytest.mark.parametrize("raf", [True, False], ids=["zero3", "zero2"])
 @pytest.mark.parametrize("order", ["ac_first", "shard_first", "fsdp1_torch_style"])
+@pytest.mark.slow
 def test_checkpointing_composes_with_sharding(order, raf):
     run_distributed(_parity, 2, order, raf)
 

@@ -83,6 +83,7 @@ def _resume(path, steps, layout="layers"):
     return extra, losses, _full(model)
 
 
+@pytest.mark.slow
 def test_exact_resume_in_fresh_processes(tmp_path):
     straight, final = run_distributed(_train_and_save, 2, str(tmp_path / "a"), 10)[0]
     first, _ = run_distributed(_train_and_save, 2, str(tmp_path / "b"), 5, 5)[0]
@@ -109,6 +110,7 @@ def _load_full(path, layout, with_optim=False):
 @pytest.mark.parametrize("save_ws,load_ws,layout", [
     (2, 1, "layers"), (2, 3, "layers"), (4, 2, "layers"), (2, 2, "root_only"),
     (2, 2, "root_zero2")])
+@pytest.mark.slow
 def test_load_at_another_world_size_or_layout(tmp_path, save_ws, load_ws, layout):
     _, saved, saved_optim = run_distributed(_train_and_save, save_ws, str(tmp_path), 2, 2,
                                             True)[0]
@@ -118,6 +120,7 @@ def test_load_at_another_world_size_or_layout(tmp_path, save_ws, load_ws, layout
     _assert_same_optim(saved_optim, loaded_optim)
 
 
+@pytest.mark.slow
 def test_load_into_plain_module_on_one_process(tmp_path):
     _, saved, saved_optim = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2, True)[0]
     assert not dist.is_initialized()
@@ -150,6 +153,7 @@ def _load_step(path):
     return ckpt.load(path, model)["step"]
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_previous_checkpoint_in_use(tmp_path):
     with pytest.raises(AssertionError, match="exited with code 1"):
         run_distributed(_die_during_second_save, 2, str(tmp_path), timeout=60)
@@ -160,6 +164,7 @@ def test_killed_save_leaves_previous_checkpoint_in_use(tmp_path):
         run_distributed(_load_step, 2, str(tmp_path / ".step_2.tmp"))
 
 
+@pytest.mark.slow
 def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
     run_distributed(_train_and_save, 2, str(tmp_path), 1, 1)
     step = tmp_path / "step_1"
@@ -214,6 +219,7 @@ def _state_dict_functions():
     return True
 
 
+@pytest.mark.slow
 def test_state_dict_functions_full_sharded_broadcast():
     assert all(run_distributed(_state_dict_functions, 2))
 
@@ -237,6 +243,7 @@ def _load_with_torch_fsdp2(path):
     return _full(model)
 
 
+@pytest.mark.slow
 def test_torch_dcp_loads_the_checkpoint_into_fsdp2(tmp_path):
     _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
     loaded = run_distributed(_load_with_torch_fsdp2, 2, str(tmp_path))[0]
@@ -261,6 +268,7 @@ def _async_save_then_keep_training(path):
     return snapshot
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_state_at_the_call(tmp_path):
     snapshot = run_distributed(_async_save_then_keep_training, 2, str(tmp_path))[0]
     loaded = run_distributed(_load_full, 2, str(tmp_path / "step_2"), "layers")[0]
@@ -270,6 +278,7 @@ def test_async_save_writes_the_state_at_the_call(tmp_path):
     assert ckpt.read_manifest(str(tmp_path / "step_5"))["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_cli_inspect_and_streamed_safetensors_export(tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -168,6 +168,7 @@ def _damage(step: str, files: list[str], faults) -> list[str]:
     return done
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_refused_by_name_or_read_exactly(saved):
     run, intact, files, world = saved
     outcomes: Counter = Counter()
@@ -201,6 +202,7 @@ def test_damaged_checkpoints_are_refused_by_name_or_read_exactly(saved):
     assert sum(v for k, v in outcomes.items() if k.endswith("refused")) > 0
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_leaves_the_latest_checkpoint_loadable(tmp_path):
     tests = Path(__file__).parent
     sys.path.insert(0, str(tests))

@@ -1,6 +1,7 @@
 """Checkpoints torch's DCP wrote load into fullshard models (unverified, with a warning),
 and train on as the model that saved them would; fullshard's load with torch alone."""
 
+import pytest
 import os
 import warnings
 
@@ -56,12 +57,14 @@ def _assert_trains_on_alike(source, resumed):
         torch.testing.assert_close(weights[k], source_weights[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_torch_fsdp2_checkpoint_resumes_in_fullshard_as_in_torch(tmp_path):
     path = str(tmp_path / "torch_fsdp2")
     source = run_distributed(_train_save_and_continue, 2, path, True, "model")[0]
     _assert_trains_on_alike(source, run_distributed(_resume_unverified, 2, path)[0])
 
 
+@pytest.mark.slow
 def test_a_plain_module_checkpoint_resumes_in_fullshard_as_in_one_process(tmp_path):
     path = str(tmp_path / "plain")
     source = run_distributed(_train_save_and_continue, 1, path, False, "app")[0]
@@ -76,6 +79,7 @@ def _load_model_alone(path):
     return _full(model)
 
 
+@pytest.mark.slow
 def test_a_bare_state_dict_saved_by_torch_loads_at_another_world_size(tmp_path):
     torch.manual_seed(3)
     source = GPT(CFG)
@@ -87,6 +91,7 @@ def test_a_bare_state_dict_saved_by_torch_loads_at_another_world_size(tmp_path):
         assert torch.equal(loaded[k], v), k
 
 
+@pytest.mark.slow
 def test_torch_dcp_alone_loads_a_fullshard_checkpoint_into_a_plain_module(tmp_path):
     _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
     model = GPT(CFG)

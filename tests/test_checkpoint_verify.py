@@ -139,6 +139,28 @@ def test_an_unverified_checkpoint_that_cannot_be_read_is_one_line(tmp_path):
     _one_line(err)
 
 
+@pytest.mark.parametrize("kind", ["fullshard", "torch"])
+def test_inspect_of_a_damaged_checkpoint_says_so_after_its_table(kind, tmp_path, capsys):
+    """The table, then one line on stderr and exit code 1; a torch DCP checkpoint (no
+    checksums) is read back tensor by tensor, which finds a file cut short."""
+    from test_error_catalogue import matches_documented
+
+    path = (fullshard_checkpoint(str(tmp_path), small_model()) if kind == "fullshard"
+            else torch_checkpoint(str(tmp_path / "torch")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedCheckpointWarning)
+        assert main(["ckpt", "inspect", path]) == 0
+        assert "read back" in capsys.readouterr().out or kind == "fullshard"
+        truncate(shard_file(path), 0.1)
+        assert main(["ckpt", "inspect", path]) == 1
+    out, err = capsys.readouterr()
+    assert "0.weight" in out and "failed verification" not in out.splitlines()[-1]
+    (line,) = err.strip().splitlines()
+    source = "metadata" if kind == "torch" else "manifest"
+    assert f"the table above is from its {source}" in line, line
+    assert matches_documented("E169", line.replace("its metadata", "its manifest")), line
+
+
 def test_the_trainer_reads_which_job_saved_through_the_verification(tmp_path):
     from fullshard.train.checkpoints import saved_job
 

@@ -120,7 +120,7 @@ def test_help_lists_every_field_with_its_docstring_and_the_launch_flags(capsys):
             assert f"--{prefix}{f.name.replace('_', '-')} " in text, f.name
             assert docs[f.name] in flat, (f.name, docs[f.name])
             listed += 1
-    assert listed == 47
+    assert listed == 48
     assert not re.search(r"^\s*-h, --help", text.split("configuration fields")[1], re.M)
 
 
@@ -193,3 +193,28 @@ def test_a_refusal_the_hook_does_not_word_still_comes_out_as_one_line(monkeypatc
     message = str(err.value)
     assert "\n" not in message and message.startswith("command line: ")
     assert "--steps" in message and "'ten'" in message and "─" not in message
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["missing.py"], "E165"), (["-m", "no_such_module"], "E166"), (["-m", "json"], None)])
+def test_fullshard_run_names_a_program_it_cannot_open_in_one_line(argv, code, tmp_path,
+                                                                  monkeypatch):
+    """As `python missing.py` does: one line, exit code 2, no traceback; `-m json` (a
+    package without __main__) is named as such."""
+    from fullshard.run import main
+    from test_error_catalogue import matches_documented, run_stderr_of
+
+    monkeypatch.chdir(tmp_path)
+    line = run_stderr_of(*argv)
+    assert "\n" not in line and "Traceback" not in line, line
+    if code:
+        assert matches_documented(code, line), line
+    else:
+        assert "'json' is a package without a __main__ module" in line, line
+    import fullshard
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+    finally:
+        fullshard.uninstall()
+    assert exit_.value.code == 2

@@ -84,6 +84,7 @@ def _count(command: str, accepted: bool) -> None:
 
 @_settings(130)
 @given(flags=_flags(TRAIN_NUMBERS))
+@pytest.mark.slow
 def test_train_numbers_are_accepted_or_refused_in_one_line(flags, tmp_path_factory):
     launches = []
     out = str(tmp_path_factory.getbasetemp() / "train_numbers")
@@ -108,6 +109,7 @@ def test_train_numbers_are_accepted_or_refused_in_one_line(flags, tmp_path_facto
 
 @_settings(80)
 @given(flags=_flags(ESTIMATE_NUMBERS))
+@pytest.mark.slow
 def test_estimate_numbers_are_accepted_or_refused_in_one_line(flags):
     argv = ["estimate", "--preset", "debug", "--world-size", "4", *flags]
     if any(f.startswith("--params=") for f in flags):
@@ -124,6 +126,7 @@ def test_estimate_numbers_are_accepted_or_refused_in_one_line(flags):
 
 @_settings(45)
 @given(flags=_flags(PLAN_NUMBERS))
+@pytest.mark.slow
 def test_plan_numbers_are_accepted_or_refused_in_one_line(flags):
     argv = ["plan", "--preset", "debug", "--world-size", "4", "--budget-gib", "1", *flags]
     code, out, err = _run(argv)

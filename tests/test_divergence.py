@@ -121,6 +121,7 @@ def _peer_never_arrives():
     lm_loss(model(x), y).backward()
 
 
+@pytest.mark.slow
 def test_without_debug_a_timed_out_collective_names_the_unit():
     text = _failure_report(_peer_never_arrives)
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]

@@ -121,6 +121,12 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.weight = nn.Parameter(torch.zeros(4, 4))
         model(torch.randn(2, 4))
     out["E14"] = _message(plain_over_dtensor)
+
+    def plain_state_dict():
+        torch.manual_seed(0)
+        full = _Pair().state_dict()
+        fully_shard(_Pair()).load_state_dict(full)
+    out["E167"] = _message(plain_state_dict)
     out["E15"] = _message(lambda: fully_shard(nn.Linear(4, 4))(torch.randn(2, 4, device="meta")))
 
     def bucket_after_forward():
@@ -232,6 +238,53 @@ def _library_cases(tmp: str) -> dict[str, str]:
         saved = ckpt.save(os.path.join(tmp, "sgd", "step_1"), model, sgd)
         ckpt.load(saved, model, torch.optim.AdamW(model.parameters()))
     out["E39"] = _message(optimizer_does_not_fit)
+    out.update(_install_order_cases())
+
+    def load_fails_on_one_rank():
+        model = fully_shard(nn.Linear(4, 4))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(2, 4)).sum().backward()
+        sgd.step()
+        saved = ckpt.save(os.path.join(tmp, "one_rank", "step_1"), model, sgd)
+        from fullshard.checkpoint import io
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("refused on this rank")
+        adopt = io.set_optimizer_state_dict
+        if dist.get_rank() == 1:
+            io.set_optimizer_state_dict = refuse
+        try:
+            ckpt.load(saved, model, sgd)
+        finally:
+            io.set_optimizer_state_dict = adopt
+    out["E160"] = _message(load_fails_on_one_rank)
+
+    def save_fails_on_one_rank():
+        import resource
+        import signal
+        model = fully_shard(nn.Linear(64, 64))
+        ckpt.save(os.path.join(tmp, "full", "step_1"), model)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if dist.get_rank() == 1:  # a full disk on rank 1's side (EFBIG stands for ENOSPC)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            ckpt.save(os.path.join(tmp, "full", "step_2"), model)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out["E161"] = _message(save_fails_on_one_rank)
+
+    def checkpoints_not_a_directory():
+        from fullshard.train.checkpoints import check_shared
+        run = os.path.join(tmp, "out-with-a-file")
+        if dist.get_rank() == 0:
+            os.makedirs(run, exist_ok=True)
+            open(os.path.join(run, "checkpoints"), "w").close()
+        dist.barrier()
+        check_shared(run)
+    out["E173"] = _message(checkpoints_not_a_directory)
+    if dist.get_rank() == 0:
+        assert sorted(os.listdir(os.path.join(tmp, "full"))) == ["latest", "step_1"]
 
     from fullshard import DiskOffloadPolicy
     out["E136"] = _message(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
@@ -244,6 +297,12 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model(torch.randn(2, 4)).sum().backward()
         Lion(model.parameters()).step()
     out["E137"] = _message(not_elementwise)
+
+    def sparse_adam():
+        model = fully_shard(nn.Linear(4, 4))
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.SparseAdam(model.parameters()).step()
+    out["E168"] = _message(sparse_adam)
 
     def disk_full():
         import resource
@@ -277,6 +336,36 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.set_custom_all_gather(Gather())
         model.set_quantized_communication(weights=True)
     out["E142"] = _message(custom_and_quantized)
+    return out
+
+
+def _install_order_cases() -> dict[str, str]:
+    """torch's fully_shard bound before fullshard.install(), then mixed with fullshard's."""
+    import sys
+    import types
+    import warnings
+
+    import fullshard
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    early = types.ModuleType("early_user_code")
+    early.fully_shard = torch_fully_shard
+    sys.modules["early_user_code"] = early
+    out = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fullshard.InstallOrderWarning)
+            out["E164"] = _message(fullshard.install)
+        fullshard.install()
+        torch_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        torch_fully_shard(torch_child[0])
+        out["E162"] = _message(lambda: fullshard.fully_shard(torch_child))
+        ours_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fullshard.fully_shard(ours_child[1])
+        out["E163"] = _message(lambda: torch_fully_shard(ours_child))
+    finally:
+        fullshard.uninstall()
+        del sys.modules["early_user_code"]
     return out
 
 
@@ -396,7 +485,26 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E31": _message(lambda: resolve("--batch.val_fraction", "1.5")),
         "E32": _message(lambda: resolve("--parallel.strategy", "zero3")),
         "E33": _message(lambda: resolve("--resume", "--out", os.path.join(tmp, "empty"))),
+        "E170": _message(lambda: resolve("--model", f"hf:{_model_folder(tmp)}", "--lora.rank",
+                                         "4", "--parallel.strategy", "no_shard")),
+        "E172": _message(_one_rank_shard_groups_quantized),
     }
+
+
+def _model_folder(tmp: str) -> str:
+    """A folder that passes as a Hugging Face model (its config names a model_type)."""
+    folder = os.path.join(tmp, "hf-model")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write('{"model_type": "llama"}')
+    return folder
+
+
+def _one_rank_shard_groups_quantized():
+    from fullshard.train.config import ParallelConfig
+    from fullshard.train.model import build_mesh
+    build_mesh(ParallelConfig(strategy="hybrid_shard", replicas=2, quantize="weights,grads"),
+               "cpu", 2, 2)
 
 
 def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
@@ -488,7 +596,26 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
             ["--world-size", "6", "--reshard-after-forward", "4"]))),
         "E81": _message(lambda: _resolve(parser.parse_args(
             ["--preset", "gpt2-124m", "--world-size", "8", "--seq", "4096"]))),
+        "E165": run_stderr_of("missing.py"),
+        "E166": run_stderr_of("-m", "no_such_module"),
     }
+
+
+def run_stderr_of(*argv: str) -> str:
+    """What ``python -m fullshard.run ARGV`` prints before running anything (in process)."""
+    import contextlib
+    import io
+
+    import fullshard
+    from fullshard.run import main
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+            main(list(argv))
+    finally:
+        fullshard.uninstall()
+    return err.getvalue().strip()
 
 
 @pytest.fixture(scope="module")
@@ -535,6 +662,10 @@ def test_each_message_is_the_documented_text(produced):
 
 # Entries whose scenario needs its own run; each names the test that checks its text.
 _TESTED_ELSEWHERE = {
+    "E171": "tests/test_train_qlora.py::"
+            "test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run",
+    "E169": "tests/test_checkpoint_verify.py::"
+            "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
     "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E130": "tests/test_divergence.py::"
@@ -573,7 +704,7 @@ _TESTED_ELSEWHERE = {
     "E67": "tests/test_launch_flags.py::test_srun_with_several_tasks_per_node_is_refused",
     "E68": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
     "E69": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
-    **{code: "tests/test_projection.py::test_bad_input_is_one_line_naming_it"
-       for code in ("E125", "E126", "E128", "E129")},
+    **{code: "tests/test_projection_cli.py::test_bad_input_is_one_line_naming_it"
+       for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189")},
     "E127": "tests/test_projection.py::test_library_sizes_must_be_positive",
 }

@@ -95,9 +95,17 @@ def _bad_modules():
 def _replaced_by_plain_tensor():
     model = nn.Linear(4, 4)
     fully_shard(model)
-    _raises(lambda: model.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)},
-                                          assign=True),
-            TypeError, r"parameter 'weight' was replaced by a plain tensor.*distribute_tensor")
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    for assign in (False, True):  # refused before anything is copied or assigned
+        _raises(lambda: model.load_state_dict({"weight": torch.zeros(4, 4),
+                                               "bias": torch.zeros(4)}, assign=assign),
+                RuntimeError, r"load_state_dict\(Linear\): 'weight' \(and 1 more\) is a plain "
+                r"tensor in the state dict, but a sharded DTensor in the model\. Nothing was "
+                r"loaded\..*full_state_dict=True")
+    assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    model.weight = nn.Parameter(torch.zeros(4, 4))  # assigned by hand: named at the forward
+    _raises(lambda: model(torch.randn(2, 4)), TypeError,
+            r"parameter 'weight' was replaced by a plain tensor.*distribute_tensor")
 
 
 def _bucket_after_first_forward():
@@ -133,7 +141,43 @@ def _bad_toggles():
             r"set_reshard_after_backward: expected a bool, got NoneType")
 
 
+def _torch_and_fullshard_mixed():
+    """Code that bound torch's fully_shard before fullshard.install() and mixes the two
+    names: install() names the binding, and each mix is refused naming the submodule."""
+    import sys
+    import types
+    import warnings
+
+    import fullshard
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    early = types.ModuleType("early_user_code")  # it imported torch's name before install()
+    early.fully_shard = torch_fully_shard
+    sys.modules["early_user_code"] = early
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fullshard.install()
+        assert any(issubclass(w.category, fullshard.InstallOrderWarning)
+                   and "early_user_code.fully_shard (torch's fully_shard)" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]
+        torch_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        early.fully_shard(torch_child[0])
+        _raises(lambda: fully_shard(torch_child), ValueError,
+                r"fully_shard\(Sequential\): submodule '0' was sharded by torch's fully_shard "
+                r".*call install\(\) before that import")
+        fullshard_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(fullshard_child[1])
+        _raises(lambda: early.fully_shard(fullshard_child), ValueError,
+                r"torch's fully_shard\(Sequential\): submodule '1' is sharded by fullshard's "
+                r"fully_shard, not torch's")
+    finally:
+        fullshard.uninstall()
+        del sys.modules["early_user_code"]
+
+
 CHECKS = {f.__name__: f for f in (
+    _torch_and_fullshard_mixed,
     _dtype_the_device_cannot_compute_in, _bad_toggles, _bucket_after_first_forward, _twice, _shared_across_units, _wrong_mesh, _meta_at_forward,
     _unsupported_options, _bad_modules, _replaced_by_plain_tensor)}
 

@@ -264,6 +264,7 @@ def _process_group_and_device_mesh():
     }
 
 
+@pytest.mark.slow
 def test_process_group_and_device_mesh_arguments():
     for out in run_distributed(_process_group_and_device_mesh, 4):
         assert all(out.values()), out
@@ -341,6 +342,7 @@ def _hybrid_from_process_group_pair():
             "parity": report.max_weight_diff < 1e-5}
 
 
+@pytest.mark.slow
 def test_hybrid_shard_from_an_intra_inter_process_group_pair():
     for out in run_distributed(_hybrid_from_process_group_pair, 4):
         assert out["placements"] == ["Replicate", "Shard"] and out["halves"] and out["parity"]

@@ -45,6 +45,7 @@ def _parity(strategy_name, kwargs):
 @pytest.mark.parametrize("strategy,world", [
     ("FULL_SHARD", 2), ("SHARD_GRAD_OP", 2), ("ZERO1", 2), ("NO_SHARD", 2),
     ("HYBRID_SHARD", 4), ("_HYBRID_SHARD_ZERO2", 4)])
+@pytest.mark.slow
 def test_strategy_parity(strategy, world):
     run_distributed(_parity, world, strategy, {})
 
@@ -54,6 +55,7 @@ def test_strategy_parity(strategy, world):
     {"backward_prefetch": BackwardPrefetch.BACKWARD_POST},
     {"backward_prefetch": None, "limit_all_gathers": False, "use_orig_params": True}],
     ids=["forward_prefetch", "backward_post", "no_prefetch"])
+@pytest.mark.slow
 def test_prefetch_options_parity(kwargs):
     run_distributed(_parity, 2, "FULL_SHARD", kwargs)
 
@@ -90,6 +92,7 @@ def test_full_shard_gathers_in_forward_and_backward():
     assert r["bwd"]["reduce_scatter"] == r["units"] and "all_reduce" not in r["bwd"]
 
 
+@pytest.mark.slow
 def test_shard_grad_op_does_not_gather_in_backward():
     r = run_distributed(_promises, 2, "SHARD_GRAD_OP")[0]
     assert r["local_rows"] == r["rows"] // 2
@@ -104,6 +107,7 @@ def test_no_shard_holds_full_parameters_and_only_all_reduces():
     assert r["fwd"] == {} and r["bwd"] == {"all_reduce": r["units"]}
 
 
+@pytest.mark.slow
 def test_hybrid_shards_within_node_and_all_reduces_across():
     r = run_distributed(_promises, 4, "HYBRID_SHARD")[0]
     assert r["local_rows"] == r["rows"] // 2  # 2 ranks per "node"

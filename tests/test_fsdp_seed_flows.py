@@ -100,6 +100,7 @@ def _tutorial_setup_and_loop(checkpoint_dir):
     }
 
 
+@pytest.mark.slow
 def test_tutorial_fsdp1_flow(tmp_path):
     from fullshard.testing import run_distributed
 
@@ -169,6 +170,7 @@ def _opt_fine_tuning():
             "per_epoch": seen}
 
 
+@pytest.mark.slow
 def test_hf_opt_fine_tuning_flow():
     pytest.importorskip("transformers")
     from fullshard.testing import run_distributed

@@ -14,6 +14,7 @@ def _segfault_on_rank_one():
     return dist.get_rank()
 
 
+@pytest.mark.slow
 def test_a_segfaulting_rank_reports_where_it_died():
     with pytest.raises(AssertionError) as info:
         run_distributed(_segfault_on_rank_one, 2, timeout=30)

@@ -50,6 +50,7 @@ def _parity(case, raf):
 
 @pytest.mark.parametrize("raf", [True, False], ids=["zero3", "zero2"])
 @pytest.mark.parametrize("case", ["gpt", "mlp"])
+@pytest.mark.slow
 def test_hybrid_parity_2x2(case, raf):
     run_distributed(_parity, 4, case, raf)
 
@@ -84,6 +85,7 @@ def _load_1d(path):
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_hybrid_state_dicts_and_checkpoints(tmp_path):
     saved = run_distributed(_layout_and_checkpoint, 4, str(tmp_path))[0]
     loaded = run_distributed(_load_1d, 2, str(tmp_path))[0]
@@ -110,6 +112,7 @@ def _hpz_parity(case):
 
 
 @pytest.mark.parametrize("case", ["gpt", "mlp"])
+@pytest.mark.slow
 def test_reshard_after_forward_int_parity(case):
     run_distributed(_hpz_parity, 4, case)
 
@@ -142,6 +145,7 @@ def _hpz_collective_sizes():
     return seen
 
 
+@pytest.mark.slow
 def test_reshard_after_forward_int_gathers_within_the_smaller_group():
     """Forward gathers over all 4 ranks; backward re-gathers each layer from 2 ranks."""
     seen = run_distributed(_hpz_collective_sizes, 4)[0]

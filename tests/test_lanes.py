@@ -49,6 +49,7 @@ def _what_a_rank_sees():
 
 
 @pytest.mark.skipif(not CPU_LANE, reason="checks the CPU lane")
+@pytest.mark.slow
 def test_the_cpu_lane_hides_cuda_from_tests_ranks_and_subprocesses():
     from fullshard.fsdp1.mesh import ranks_per_node
     from fullshard.memory.tracker import MemoryTracker

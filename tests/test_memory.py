@@ -43,6 +43,7 @@ def test_estimate_allocates_nothing_and_its_lines_add_up():
     assert est.phase_peaks[est.peak_phase] == est.total
 
 
+@pytest.mark.slow
 def test_strategies_checkpointing_and_world_size_order_the_peaks():
     def total(**kw):
         return estimate(SMALL, batch_size=4, seq_len=256, **kw).total
@@ -91,6 +92,7 @@ def test_cli_estimate_sweep_and_zero_table(capsys):
     assert "31.406" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_takes_the_cheapest_configuration_that_fits(capsys):
     kwargs = dict(world_size=4, batch_size=4, seq_len=256, device="cpu", process_baseline=0)
     by_strategy = {s: estimate(SMALL, strategy=s, **kwargs).total
@@ -104,6 +106,23 @@ def test_plan_takes_the_cheapest_configuration_that_fits(capsys):
     assert plan(SMALL, budget_bytes=1, **kwargs).choice is None
     assert plan_main(["--preset", "debug", "--world-size", "2", "--budget-gib", "1"]) == 0
     assert "fullshard train --preset debug --parallel.strategy" in capsys.readouterr().out
+
+
+def test_plan_keeps_the_batch_and_counts_what_accumulation_keeps():
+    # Note [how plans are ranked]: micro-batches divide the batch, and one below it keeps
+    # every unsharded gradient (fp32) until the last micro-batch reduces
+    from fullshard.memory.plan import _with_accumulators, candidates
+    assert {c.micro_batch for c in candidates(6, False)} == {6, 3, 1}
+    assert {c.micro_batch for c in candidates(5, False)} == {5, 1}
+    assert all(c.micro_batch * c.grad_accum == 5 for c in candidates(5, False))
+    est = estimate(SMALL, world_size=2, batch_size=1, seq_len=256, device="cpu",
+                   process_baseline=0)
+    whole, split = (next(c for c in candidates(4, False)
+                         if c.strategy == "full_shard" and c.micro_batch == mb)
+                    for mb in (4, 1))
+    assert _with_accumulators(est, whole) is est
+    grown = _with_accumulators(est, split)
+    assert grown.total - est.total == 4 * est.trainable_params
 
 
 def test_tune_cpu_allocator_refuses_a_threshold_that_is_not_a_positive_int():
@@ -121,6 +140,7 @@ LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 143
             "rope_theta": 500000.0, "tie_word_embeddings": False}
 
 
+@pytest.mark.slow
 def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path):
     """Llama 3 8B full fine-tune on two 24 GB GPUs with 40 GiB of host memory per rank:
     CPU offload fits the GPUs but not its host side (fp32 shards, gradients and AdamW
@@ -159,6 +179,7 @@ def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path)
     assert "states and parameters on disk" in est.table()
 
 
+@pytest.mark.slow
 def test_estimate_and_plan_with_int8_communication():
     """int8 reduce-scatters replace gloo's full-size receive buffer by int8 ones (lower);
     no_shard has nothing to quantize (refused by estimate, skipped by plan); the plan's

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from fullshard import fully_shard
 from fullshard.memory import MemoryTracker, estimate, plan, tune_cpu_allocator
+from fullshard.testing import memory as testing_memory
 from fullshard.testing import run_distributed
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
@@ -49,20 +50,9 @@ def tracked_steps(model, tracker: MemoryTracker, vocab_size: int, batch: int, se
                   loss_of) -> dict:
     """Two AdamW steps over what trains, each phase under ``tracker``: the second
     step's report."""
-    tracker.watch(model)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(2):
-        tokens = torch.randint(0, vocab_size, (batch, seq), generator=gen)
-        with tracker.phase("forward"):
-            loss = loss_of(tokens)
-        with tracker.phase("backward"):
-            loss.backward()
-        with tracker.phase("optimizer"):
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-        report = tracker.step_report()
-    return report
+    batches = ((torch.randint(0, vocab_size, (batch, seq), generator=gen),) for _ in range(2))
+    return testing_memory.tracked_steps(model, tracker, batches, loss_of)
 
 
 @pytest.mark.parametrize("world_size, d_model, n_layers", [
@@ -70,6 +60,7 @@ def tracked_steps(model, tracker: MemoryTracker, vocab_size: int, batch: int, se
     (2, 768, 8),   # 81M
     (4, 640, 8),   # 60M
 ])
+@pytest.mark.slow
 def test_estimate_within_10_percent_of_measured_peak(world_size, d_model, n_layers):
     cfg = GPTConfig(vocab_size=32000, seq_len=SEQ, d_model=d_model, n_layers=n_layers,
                     n_heads=d_model // 64)
@@ -87,6 +78,7 @@ def test_estimate_within_10_percent_of_measured_peak(world_size, d_model, n_laye
         assert abs(error) <= 0.10, (rank, measured / MIB, est.table())
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_estimate_within_10_percent_of_measured_peak():
     """8 experts per block, top-2: every expert's weights are sharded, gathered and
     reduced with its block; the trace routes tokens evenly (real routing varies per
@@ -105,6 +97,7 @@ def test_mixture_of_experts_estimate_within_10_percent_of_measured_peak():
         assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
 
 
+@pytest.mark.slow
 def test_bf16_estimate_counts_the_fp32_loss():
     """Under bf16 the loss runs over an fp32 copy of the logits (as trainers compute it):
     with a large vocabulary those are the step's largest tensors."""
@@ -122,6 +115,7 @@ def _mib(phases: dict) -> dict:
     return {p: round(v["peak_bytes"] / MIB) for p, v in phases.items()}
 
 
+@pytest.mark.slow
 def test_planned_configuration_runs_under_its_budget():
     """A budget below shard_grad_op's estimate: the plan has to reshard after forward or
     checkpoint activations, and the run it prescribes must stay under the budget."""
@@ -147,6 +141,7 @@ def _baseline() -> int:
     return MemoryTracker(warm_up=True).baseline_bytes
 
 
+@pytest.mark.slow
 def test_quantized_communication_estimate_within_10_percent_of_measured_peak():
     """int8 gathers and reductions: their send and receive buffers and the fp32 passes that
     dequantize are in the estimate (Note [quantized communication])."""

@@ -54,6 +54,7 @@ def _meta_worker():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.slow
 def test_meta_init_then_train(world_size):
     locals_ = run_distributed(_meta_worker, world_size)
     assert len(locals_) == world_size

@@ -105,6 +105,7 @@ def _versus_fsdp2(kind):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "bf16_reduce_bf16", "first_fp32"])
+@pytest.mark.slow
 def test_losses_match_fsdp2_with_the_same_policy(kind):
     run_distributed(_versus_fsdp2, 2, kind)
 
@@ -183,6 +184,7 @@ def _no_sync_in_reduce_dtype(kind):
     return sorted(map(str, dtypes))
 
 
+@pytest.mark.slow
 def test_accumulation_without_sync_in_reduce_dtype():
     assert run_distributed(_no_sync_in_reduce_dtype, 2, "bf16")[0] == ["torch.float32"]
 

@@ -98,5 +98,6 @@ def _parity_fsdp1_offload(strategy_name):
 
 @pytest.mark.parametrize("strategy,world", [("NO_SHARD", 2), ("SHARD_GRAD_OP", 2),
                                             ("HYBRID_SHARD", 4)])
+@pytest.mark.slow
 def test_offload_with_each_strategy_parity(strategy, world):
     run_distributed(_parity_fsdp1_offload, world, strategy)

@@ -73,6 +73,7 @@ def _local_vs_dtensor_worker(opt_name):
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd", "rmsprop", "subclass"])
+@pytest.mark.slow
 def test_local_step_matches_dtensor_step_bitwise(opt_name):
     run_distributed(_local_vs_dtensor_worker, 2, opt_name)
 
@@ -182,3 +183,54 @@ def test_importing_fullshard_installs_no_optimizer_hook_the_first_fully_shard_do
     before, after_import, after_shard, again = ast.literal_eval(out.stdout.splitlines()[-1])
     assert after_import == before
     assert after_shard == (before[0] + 1, before[1] + 1) == again
+
+
+def _rprop_and_asgd_like_one_process():
+    from fullshard.testing import models as m
+    from fullshard.testing.parity import check_parity
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    for name, lr in (("Rprop", 1e-2), ("ASGD", 0.05)):
+        check_parity(m.OddMLP, shard, lambda s: m.float_batch(s, 8, 7, 3), m.mse_loss,
+                     steps=5, optimizer=name, lr=lr)
+    return True
+
+
+@pytest.mark.slow
+def test_rprop_and_asgd_step_on_shards_like_one_process():
+    """Both are elementwise: stepped on each rank's shard (Rprop fails on DTensors)."""
+    assert all(run_distributed(_rprop_and_asgd_like_one_process, 2))
+
+
+def _optimizers_that_cannot_step_shards():
+    def first_step(make, shape=(3, 6)):
+        model = nn.Sequential(nn.Linear(8, 6), nn.Linear(shape[1], shape[0]))
+        fully_shard(model)
+        opt = make(model.parameters())
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8)).sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    refused = {}
+    for name, make in (("SparseAdam", torch.optim.SparseAdam),
+                       ("LBFGS", torch.optim.LBFGS)):
+        with pytest.raises(RuntimeError) as err:
+            first_step(make)
+        refused[name] = str(err.value)
+    first_step(torch.optim.LBFGS, shape=(4, 6))  # evenly sharded: DTensor's path takes it
+    return refused
+
+
+@pytest.mark.slow
+def test_optimizers_that_cannot_step_shards_are_refused_at_the_first_step():
+    for refused in run_distributed(_optimizers_that_cannot_step_shards, 2):
+        for name, message in refused.items():
+            assert message.startswith(f"fullshard: {name} cannot step sharded parameters: "), message
+            assert "Rprop, ASGD on each rank's shard" in message, message
+        assert "'1.weight' (3, 6) splits unevenly over 2 ranks" in refused["LBFGS"]

@@ -79,6 +79,7 @@ def _parity_worker(case, raf, micro_batches=1, bucket_numel=None):
 @pytest.mark.parametrize("raf", [True, False], ids=["zero3", "zero2"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_parity(case, world_size, raf):
     losses = run_distributed(_parity_worker, world_size, case, raf)[0]
     assert len(losses) == 5

@@ -59,6 +59,7 @@ def _tutorial_prefetch(explicit):
     return counts, max(depth[-len(model.layers):])
 
 
+@pytest.mark.slow
 def test_seed_explicit_prefetch_example():
     counts, explicit_depth = run_distributed(_tutorial_prefetch, 2, True)[0]
     _, implicit_depth = run_distributed(_tutorial_prefetch, 2, False)[0]

@@ -318,6 +318,7 @@ def expected_ratio(kind: str, world: int) -> float:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.slow
 def test_int8_subclass_trains_like_one_process_with_its_hooks_on_every_gather(world):
     out = run_distributed(_parity_worker, world, "int8")[0]
     assert out["shard_types"] == {"Int8Rows", "Tensor"}
@@ -337,6 +338,7 @@ def test_int8_subclass_trains_like_one_process_with_its_hooks_on_every_gather(wo
 
 
 @pytest.mark.parametrize("kind", ["nf4", "float8"])
+@pytest.mark.slow
 def test_quantized_weights_with_cpu_offload_train_like_one_process(kind):
     # On a CPU-only machine the host and the compute device are one, so this runs the
     # offload path's copies and host gradients, not a transfer between devices
@@ -347,6 +349,7 @@ def test_quantized_weights_with_cpu_offload_train_like_one_process(kind):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.slow
 def test_nf4_qlora_trains_like_one_process(world):
     pytest.importorskip("torchao")
     out = run_distributed(_parity_worker, world, "nf4")[0]
@@ -359,6 +362,7 @@ def test_nf4_qlora_trains_like_one_process(world):
 
 @pytest.mark.parametrize("precompute_scales", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.slow
 def test_float8_weights_gather_in_float8_and_train_like_one_process(world, precompute_scales):
     pytest.importorskip("torchao")
     out = run_distributed(_parity_worker, world, "float8", precompute_scales)[0]
@@ -396,6 +400,7 @@ def _against_torch_worker(kind: str) -> dict:
 # Not float8: torch's FSDP2 sends float8 tensors to gloo as they are, and gloo refuses
 # them ("Invalid scalar type"), so torch cannot run that script on CPU ranks.
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.slow
 def test_losses_and_bytes_match_torch_fsdp2_on_the_same_script(kind):
     if kind == "nf4":
         pytest.importorskip("torchao")
@@ -459,6 +464,7 @@ def _resume_worker(kind: str, path: str) -> dict:
 # need, not the ones DCP's load goes through (torch's FSDP2 + DCP leaves its values
 # unloaded too).
 @pytest.mark.parametrize("kind", ["nf4", "float8"])
+@pytest.mark.slow
 def test_a_checkpoint_with_quantized_shards_resumes_where_it_left_off(kind, tmp_path):
     pytest.importorskip("torchao")
     out = run_distributed(_resume_worker, 2, kind, str(tmp_path / "ckpt"))[0]
@@ -526,6 +532,7 @@ def _misuse_worker() -> dict:
 MISUSE = ["E105", "E106", "E107", "E108", "E109", "E110", "E111"]
 
 
+@pytest.mark.slow
 def test_misuse_is_one_line_naming_the_parameter_on_every_rank():
     pytest.importorskip("torchao")
     ranks = run_distributed(_misuse_worker, 2)
@@ -567,6 +574,7 @@ def _accumulation_worker(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "float8"])
+@pytest.mark.slow
 def test_no_sync_accumulation_and_kept_gathers_match_one_process(kind):
     if kind == "float8":
         pytest.importorskip("torchao")
@@ -596,6 +604,7 @@ def _module_api_worker(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.slow
 def test_to_loads_and_explicit_unshard_keep_the_quantized_model(kind):
     if kind == "nf4":
         pytest.importorskip("torchao")

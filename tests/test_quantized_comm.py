@@ -80,6 +80,7 @@ def _bytes_and_losses(dtype_name):
 
 
 @pytest.mark.parametrize("dtype_name, ratio", [("bf16", 0.5), ("fp32", 0.25)])
+@pytest.mark.slow
 def test_quantized_collectives_send_a_byte_per_element_and_train_alike(dtype_name, ratio):
     out = run_distributed(_bytes_and_losses, 2, dtype_name)[0]
     plain = out["plain"]["bytes"]
@@ -111,6 +112,7 @@ def _resume(ckpt):
     return diff, losses[3:], after
 
 
+@pytest.mark.slow
 def test_quantized_communication_resumes_exactly(tmp_path):
     for diff, straight, resumed in run_distributed(_resume, 2, str(tmp_path / "ckpt")):
         assert diff == 0.0 and straight == resumed

@@ -118,6 +118,7 @@ def _partly_skipped(results: list[dict]) -> set:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.slow
 def test_experts_without_tokens_on_some_ranks_train_like_one_process(world):
     results = run_distributed(_moe_parity, world)
     assert _partly_skipped(results), "no expert was left without tokens on one rank only"
@@ -169,6 +170,7 @@ def _branch_parity() -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_branches_and_root_parameters_used_on_some_ranks_train_like_one_process(world):
     run_distributed(_branch_parity, world)
 
@@ -316,6 +318,7 @@ def _against_torch() -> dict:
     return {"skipped": set()}
 
 
+@pytest.mark.slow
 def test_unused_as_zeros_trains_as_torch_fsdp2_does():
     run_distributed(_against_torch, 2)
 
@@ -371,10 +374,12 @@ def _quantized_experts_parity() -> float:
     return {"skipped": idle}
 
 
+@pytest.mark.slow
 def test_quantized_tensor_subclass_experts_train_like_one_process():
     assert _partly_skipped(run_distributed(_quantized_experts_parity, 2))
 
 
+@pytest.mark.slow
 def test_every_combination_trains_like_one_process(tmp_path):
     names = [*COMBOS, "disk offload"]
     results = run_distributed(_combos, 2, names, str(tmp_path), timeout=300)
@@ -393,6 +398,7 @@ def _compiled_parity() -> dict:
     return _train(GPT(MOE), _compiled)
 
 
+@pytest.mark.extended
 def test_compiled_blocks_with_rank_dependent_experts_train_like_one_process():
     results = run_distributed(_compiled_parity, 2, timeout=600)
     assert _partly_skipped(results)
@@ -439,6 +445,8 @@ def _combos_4() -> dict:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_every_combination_at_four_ranks_trains_like_one_process():
     results = run_distributed(_combos_4, 4, timeout=300)
     for name in COMBOS_4:  # the weights were compared on every rank, inside
@@ -470,6 +478,7 @@ def _drop_layer_on_rank1(at_step: int):
 
 @pytest.mark.parametrize("world, at_step", [(2, 0), (2, 2), (3, 2)],
                          ids=["2 ranks, first step", "2 ranks, later step", "3 ranks"])
+@pytest.mark.slow
 def test_a_layer_dropped_on_one_rank_is_named_on_every_rank(world, at_step):
     started = time.monotonic()
     with pytest.raises(AssertionError) as failure:
@@ -515,6 +524,7 @@ def _output_unused_on_rank1():
     model(idx, use).square().mean().backward()
 
 
+@pytest.mark.slow
 def test_reductions_in_different_orders_are_named_before_the_optimizer_sees_them():
     with pytest.raises(AssertionError) as failure:
         run_distributed(_output_unused_on_rank1, 2, timeout=120)
@@ -539,6 +549,7 @@ def _slow_rank_1():
     return True
 
 
+@pytest.mark.slow
 def test_a_rank_that_is_only_slow_is_waited_for():
     assert run_distributed(_slow_rank_1, 2, timeout=120) == [True, True]
 

@@ -197,10 +197,12 @@ def _resume_live(setting: str, tmp: str, local_step: bool = True) -> None:
     ("merged", 1), ("merged", 2), ("merged", 4), ("unmerged", 2), ("offload", 2),
     ("mixed_precision", 2), ("reshard_after_forward_false", 2), ("zero1", 2),
     ("reshard_after_forward_2", 4), ("hybrid_shard", 4), ("no_shard", 2)])
+@pytest.mark.slow
 def test_load_into_the_live_model_trains_on_exactly(setting, world, tmp_path):
     run_distributed(_resume_live, world, setting, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_load_into_the_live_model_without_the_local_step(tmp_path):
     run_distributed(_resume_live, 2, "merged", str(tmp_path), local_step=False)
 
@@ -234,6 +236,7 @@ def _resume_live_fsdp1(state_dict_type: str, strategy: str) -> None:
 
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "ZERO1"])
+@pytest.mark.slow
 def test_fsdp1_load_into_the_live_model_trains_on_exactly(state_dict_type, strategy):
     run_distributed(_resume_live_fsdp1, 2, state_dict_type, strategy)
 
@@ -287,6 +290,7 @@ def _plain(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+@pytest.mark.slow
 def test_guard_and_loads_that_do_not_fit(tmp_path):
     messages = run_distributed(_guard_and_failed_loads, 2, str(tmp_path))[0]
     assert "parameter 'layers.1.attn.qkv.weight'" in messages["local tensor replaced"]
@@ -330,5 +334,6 @@ def _apply_after_training() -> None:
                          {k: v.detach().float() for k, v in ref.state_dict().items()})
 
 
+@pytest.mark.slow
 def test_apply_after_training_keeps_one_storage():
     run_distributed(_apply_after_training, 2)

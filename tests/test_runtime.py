@@ -175,6 +175,7 @@ def _batch_for_rank(rank):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.slow
 def test_clip_grad_norm_and_state_dict(world_size):
     assert all(run_distributed(_ecosystem_worker, world_size))
 
@@ -252,6 +253,7 @@ def _abandoned_forward_worker():
     return first, in_place, dict(counts)
 
 
+@pytest.mark.slow
 def test_a_dropped_forward_does_not_hold_back_reductions():
     first, two_forwards, counts = run_distributed(_abandoned_forward_worker, 2)[0]
     # the three blocks at their boundary, the root (token ids) in the final callback
@@ -271,6 +273,7 @@ def _steady_state_worker(bucket_numel):
 
 
 @pytest.mark.parametrize("bucket_numel", [0, 1 << 20], ids=["per_unit", "merged"])
+@pytest.mark.slow
 def test_steady_state_allocates_no_communication_buffers(bucket_numel):
     allocations, counts = run_distributed(_steady_state_worker, 2, bucket_numel)[0]
     # the first step fills the pool; the second is the first with a recorded order
@@ -409,3 +412,26 @@ def test_an_inference_mode_forward_then_training_matches_one_process(bucket_nume
     # torch's FSDP2 raises "Inplace update to inference tensor outside InferenceMode" here:
     # the buffers its first gather made under inference mode cannot be written later
     assert run_distributed(_inference_then_train_worker, 2, bucket_numel, raf) == [True, True]
+
+
+def _exit_waits_for_the_last_collective():
+    import time
+
+    import torch.nn as nn
+
+    from fullshard.core import at_exit
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    model[0](torch.randn(2, 4))  # a child's forward first, then the program would end
+    waited = at_exit.settle()  # what the exit handler does
+    time.sleep(at_exit.GRACE_S)
+    return at_exit._registered, 0 < waited <= at_exit.GRACE_S, at_exit.settle() == 0.0
+
+
+def test_exit_waits_until_the_collective_threads_let_go_of_their_tensors():
+    """Note [collectives settle before exit]: a program that ends right after a
+    collective waits (at most GRACE_S) before the interpreter finalizes; one that ends
+    later does not wait."""
+    assert run_distributed(_exit_waits_for_the_last_collective, 2) == [(True, True, True)] * 2

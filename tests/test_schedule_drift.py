@@ -202,6 +202,7 @@ def _first_difference(a: list, b: list) -> str:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_replay_makes_the_runtime_schedule(case, monkeypatch):
     cfg, world, kwargs = CASES[case]
     runtime = run_distributed(_train_and_record, world, cfg, kwargs, timeout=300)

@@ -27,6 +27,8 @@ def _changed(name: str, what: str) -> str:
     ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
     ("torch.autograd.profiler", "_is_profiler_enabled"),
     ("torch", "_chunk_cat"),
+    ("torch.distributed._composable.contract", "_get_registry"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_init", "_get_managed_modules"),
 ])
 def test_private_names_exist(module, name):
     assert hasattr(importlib.import_module(module), name), _changed(

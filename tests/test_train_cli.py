@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -30,6 +31,7 @@ def _checkpoint_step(out) -> int:
     return torch.load(os.path.join(checkpoints, latest, "extra.pt"), weights_only=False)["step"]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
     # The first leg under an outside torchrun: the entry point must not launch again.
@@ -69,6 +71,7 @@ def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     assert "--- sample after 60 steps ---" in reference.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     """Also: a second job started on the same --out while this one trains is refused at
     once, names the job that holds it and writes nothing; the lock goes with the job."""
@@ -118,6 +121,30 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("flags", [
+    ["--preset", "debug", "--model", "hf:{llama}"],
+    ["--preset", "debug", "--model", "hf:{llama}", "--lora.rank", "4"],
+    ["--preset", "debug", "--gpt.n-layers", "1"],
+], ids=["hf", "lora", "gpt-flags"])
+def test_the_same_command_plus_resume_resumes(tmp_path, flags):
+    """The README's recipe: the command that started a run, plus --resume, continues it;
+    a --preset is compared as that command configures it, not as the bare preset."""
+    from fullshard.cli.train import build_parser, resolve_config
+    from fullshard.train.config import to_toml
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text('{"model_type": "llama"}')
+    flags = [f.format(llama=llama) for f in flags] + ["--out", str(tmp_path / "run")]
+    started, out = resolve_config(build_parser().parse_args(flags))
+    os.makedirs(out)
+    with open(os.path.join(out, "config.toml"), "w") as f:  # as the run writes it
+        f.write(to_toml(started))
+    resumed, _ = resolve_config(build_parser().parse_args(flags + ["--resume"]))
+    assert resumed == started
+
+
+@pytest.mark.slow
 def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):
     """--resume continues the run's own config.toml: a --preset naming another model, or
     --steps below the checkpoint's step, is refused instead of ignored."""

@@ -120,6 +120,7 @@ def _jsonl(path) -> None:
             f.write(json.dumps({"text": paragraph}) + "\n")
 
 
+@pytest.mark.slow
 def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
     _save_llama(str(tmp_path / "llama"))
     _save_gpt2_with_tokenizer(str(tmp_path / "gpt2"))
@@ -152,6 +153,7 @@ def _fullshard(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers(tmp_path):
     """The whole flow as a person runs it: a Llama folder with a tokenizer, fullshard
     train on JSONL over 2 ranks, export, transformers loads and generates."""

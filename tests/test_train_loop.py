@@ -33,6 +33,7 @@ def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
     return {name: _losses(overrides) for name, overrides in variants.items()}
 
 
+@pytest.mark.slow
 def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path):
     """Every strategy computes the same averaged gradient; 2 micro-batches of 2 are the
     4 sequences of one batch of 4; recomputed activations are the stored ones; CPU
@@ -60,6 +61,7 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path
         assert got == pytest.approx(reference, rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_the_eager_model():
     """--parallel.compile: each block one inductor graph between the hooks; the losses
     are the eager ones up to the compiler's reassociation."""
@@ -68,6 +70,7 @@ def test_compiled_blocks_train_the_eager_model():
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_train_close_to_fp32():
     variants = {p: {"parallel.precision": p, "steps": 6} for p in ("fp32", "bf16", "fp16")}
     losses = run_distributed(_variants, 2, variants)[0]
@@ -84,6 +87,7 @@ def _config_error(overrides: dict) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_data_dependent_errors_name_the_field():
     errors = run_distributed(_config_error, 2, {"gpt.vocab_size": 40})
     assert errors[0] == errors[1]
@@ -94,6 +98,7 @@ def test_data_dependent_errors_name_the_field():
 
 
 
+@pytest.mark.slow
 def test_quantized_communication_trains_within_a_percent_of_full_precision():
     """--parallel.quantize weights,grads: int8 all-gathers and reduce-scatters; the
     debug preset's losses stay within 1% of the full-precision run's at every step."""
@@ -104,6 +109,8 @@ def test_quantized_communication_trains_within_a_percent_of_full_precision():
         assert a == pytest.approx(b, rel=1e-2), (losses["int8"], losses["full"])
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_moe_preset_trains_like_one_process():
     """--preset moe (expert MLPs in a ModuleList, top-2 routing, a load-balancing loss): 2
     ranks of one 4-token sequence each are one process accumulating the same 2 micro-
@@ -135,6 +142,7 @@ def _muon_resume(out: str) -> dict:
     return {"runs": runs, "optimizers": kinds}
 
 
+@pytest.mark.slow
 def test_muon_trains_and_resumes_exactly(tmp_path):
     out = run_distributed(_muon_resume, 2, str(tmp_path))[0]
     assert out["optimizers"] == ["Muon", "AdamW"]

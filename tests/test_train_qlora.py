@@ -77,6 +77,7 @@ def _qlora(model_dir: str, data: str, out: str, base: str) -> dict:
 
 
 @pytest.mark.parametrize("base", ["nf4", "fp32"])
+@pytest.mark.slow
 def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")
@@ -123,6 +124,7 @@ def _composed(model_dir: str, data: str) -> dict | None:
             for name, extra in variants.items()}
 
 
+@pytest.mark.slow
 def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
     # On a CPU-only machine host and device are one: offload runs its copies, not a
     # transfer between devices
@@ -138,6 +140,7 @@ def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("base", ["nf4", "fp32"])
+@pytest.mark.slow
 def test_qlora_at_two_ranks_trains_as_one_process_on_the_same_batches(tmp_path, base):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")
@@ -161,6 +164,26 @@ def _run(model_dir: str, data: str, out: str, steps: int, resume: bool) -> list 
     return [(r["step"], r["loss"]) for r in trainer.log.records if "loss" in r]
 
 
+def _refused(model_dir: str, data: str, out: str) -> str:
+    from fullshard.train.config import ConfigError
+    try:
+        _run(model_dir, data, out, 6, True)
+    except ConfigError as err:
+        return f"ConfigError: {err}"
+    return "NO ERROR RAISED"
+
+
+def test_nf4_block_sizes_fall_back_to_the_whole_weight_so_fully_shard_names_it():
+    """A weight no NF4 block size splits over the ranks still quantizes (then E107
+    names it at fully_shard) instead of failing inside torchao."""
+    from fullshard.train.lora import nf4_block_sizes
+    assert nf4_block_sizes(32 * 32, 2) == (64, 8)
+    assert nf4_block_sizes(32 * 32, 3) == (64, 16)  # 3 ranks: none; sizes for the whole
+    to_nf4 = pytest.importorskip("torchao.quantization").to_nf4
+    to_nf4(torch.randn(32, 32), *nf4_block_sizes(32 * 32, 3))
+
+
+@pytest.mark.slow
 def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(tmp_path):
     _save_llama(str(tmp_path / "llama"))
     _jsonl(tmp_path / "data.jsonl")
@@ -174,3 +197,8 @@ def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(t
     # the log holds the first run's steps 1-2 and the resumed 3-4: bit for bit the
     # straight run's (adapters, optimizer, NF4 base and data position restored)
     assert resumed == straight
+    # at another world size the NF4 shards (their blocks chosen per world size) cannot
+    # load: one line naming the world size it resumes at, before anything is read
+    refused = run_distributed(_refused, 1, *args, str(tmp_path / "resumed"), timeout=240)[0]
+    from test_error_catalogue import matches_documented
+    assert matches_documented("E171", refused), refused

@@ -83,17 +83,7 @@ def _assert_same_result(out: str, uninterrupted) -> None:
         assert torch.equal(got[name], tensor), name
 
 
-def test_worker_killed_mid_step_restarts_from_the_last_checkpoint(tmp_path, uninterrupted):
-    out = str(tmp_path / "run")
-    run = _fullshard_train(out, "--max-restarts", "1", env=environment(KILL_AT_STEP, 6))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert re.search(r"exitcode: -9\) local_rank: 1", run.stderr)  # torchrun saw the kill
-    assert run.stderr.count("resuming at step 4,") == 1
-    assert "memory: estimated peak" in run.stderr
-    _assert_same_result(out, uninterrupted)
-    assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
-
-
+@pytest.mark.slow
 def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     out = str(tmp_path / "run")
     # No restarts: look at the debris.
@@ -113,6 +103,7 @@ def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, un
     assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
 
 
+@pytest.mark.slow
 def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
     """A weight turned NaN on one rank at step 4 makes that step's gradients non-finite on
     every rank: the run stops at that step, before its optimizer step could write
@@ -136,3 +127,26 @@ def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path
     assert step == 4 and latest == f"step_{good:06d}"
     assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(1, good + 1)][-2:])
     assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step
+
+
+@pytest.mark.slow
+def test_workers_killed_mid_step_and_in_a_save_restart_and_leave_nothing_on_disk(
+        tmp_path, uninterrupted):
+    """Rank 0 killed inside the save of step 8, then, on the restart, rank 1 as step 10
+    starts (step 9's optimizer states on disk, the read of step 10's first chunk queued):
+    each restart resumes from the job's last committed checkpoint, the run ends with the
+    uninterrupted run's losses and weights, and nothing is left under the offload path
+    (states and parameters are kept in files without names)."""
+    out, offload = str(tmp_path / "run"), tmp_path / "offload"
+    offload.mkdir()
+    env = {**environment(KILL_IN_SAVE, 8), **environment(KILL_AT_STEP, "100,10")}
+    run = _fullshard_train(out, "--max-restarts", "2", f"--parallel.offload=disk:{offload}",
+                           "--parallel.offload_params=true", env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"exitcode: -9\) local_rank: 0", run.stderr)  # torchrun saw the kills
+    assert re.search(r"exitcode: -9\) local_rank: 1", run.stderr)
+    assert re.findall(r"resuming at step (\d+),", run.stderr) == ["4", "8"], run.stderr[-3000:]
+    assert "memory: estimated peak" in run.stderr
+    _assert_same_result(out, uninterrupted)
+    assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
+    assert os.listdir(offload) == []

@@ -1,5 +1,6 @@
 """A long run of small steps: memory stays flat after warm-up and every checkpoint loads."""
 
+import pytest
 import os
 
 import torch
@@ -36,6 +37,7 @@ def _window_peak(records: list[dict], last_step: int, rank: int, width: int = 10
                if last_step - width < r.get("step", -1) <= last_step and "loss" in r)
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_and_every_checkpoint_loads(tmp_path):
     out = str(tmp_path / "soak")
     records = run_distributed(_soak, 2, out, timeout=240)[0]

@@ -140,6 +140,7 @@ def _rgb_pixels(path):
     return image.size, set(image.convert("RGB").getdata())
 
 
+@pytest.mark.slow
 def test_loss_plot_is_a_png_of_the_asked_size_with_both_curves(tmp_path):
     pytest.importorskip("matplotlib")
     train = [(s, 4.0 * math.exp(-s / 50) + 1.5) for s in range(1, 201)]

@@ -101,6 +101,7 @@ def _cases() -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_muon_steps_sharded_matrices_as_one_process(world):
     for name, diff in run_distributed(_cases, world)[0].items():
         assert diff["step"] == 0.0, (name, diff)
@@ -132,6 +133,7 @@ def _resume(directory: str) -> float:
                for a, b in zip(resumed.parameters(), straight.parameters()))
 
 
+@pytest.mark.slow
 def test_a_muon_checkpoint_resumes_exactly(tmp_path):
     for diff in run_distributed(_resume, 2, str(tmp_path / "ckpt")):
         assert diff == 0.0, diff
@@ -167,6 +169,7 @@ def _registered() -> float:
     return _max_diff(model, reference)
 
 
+@pytest.mark.slow
 def test_a_registered_whole_matrix_optimizer_steps_as_one_process():
     for diff in run_distributed(_registered, 3):
         assert diff < 1e-6, diff
@@ -192,6 +195,7 @@ def _misuse(directory: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_what_cannot_be_stepped_whole_is_refused_at_the_first_step(tmp_path):
     for out in run_distributed(_misuse, 2, str(tmp_path)):
         assert "Muon needs whole matrices" in out["shard on dim 1"], out
@@ -200,3 +204,26 @@ def test_what_cannot_be_stepped_whole_is_refused_at_the_first_step(tmp_path):
         assert "optimizer states on disk" in out["states on disk"], out
         for text in out.values():
             assert matches_documented("E151", f"RuntimeError: {text}"), text
+
+
+def _adafactor() -> float:
+    """torch.optim.Adafactor factors each matrix's second moment over whole rows and
+    columns: stepped whole, exactly the stock step on the same gradients; its factored
+    states are replicated on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, same_grads = _shard(_model()), _model()
+    opts = [torch.optim.Adafactor(m.parameters(), lr=0.01) for m in (model, same_grads)]
+    for step in range(STEPS):
+        _train(model, [], 1, rank, world, first=step)
+        for p, q in zip(model.parameters(), same_grads.parameters()):
+            q.grad = full_value(p.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return _max_diff(model, same_grads)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
+@pytest.mark.slow
+def test_adafactor_steps_whole_matrices_exactly():
+    assert run_distributed(_adafactor, 3) == [0.0, 0.0, 0.0]

@@ -76,6 +76,7 @@ def _auto_wrap_parity(kind):
 
 
 @pytest.mark.parametrize("kind", ["auto", "policy"])
+@pytest.mark.slow
 def test_auto_wrap_and_policy_parity(kind):
     run_distributed(_auto_wrap_parity, 2, kind)
 

@@ -19,7 +19,7 @@ from . import optim  # noqa: F401 - the local-shard optimizer step, installed by
 from .whole_matrix import register_whole_matrix_optimizer
 from .controls import GradientReductionHandle, share_comm_ctx
 from .grad_norm import clip_grad_norm_
-from .torch_names import install, uninstall
+from .torch_names import InstallOrderWarning, install, uninstall
 from .activation_checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
                     FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
@@ -36,6 +36,7 @@ __all__ = [
     "register_whole_matrix_optimizer",
     "install",
     "uninstall",
+    "InstallOrderWarning",
     "DataParallelMeshDims",
     "apply_activation_checkpointing",
     "FSDPModule",

@@ -51,19 +51,32 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
             local.append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, tensors in sharded.items():
-        part = _combine([_norm_part(t, p) for t in tensors], p, device)
+        part = _combine(_parts_on(tensors, p, device), p, device)
         for group in groups:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
                             group=group)
         total = _combine([total, part], p, device)
-    total = _combine([total] + [_norm_part(g, p) for g in local], p, device)
+    total = _combine([total] + _parts_on(local, p, device), p, device)
     norm = total if math.isinf(p) else total ** (1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coefs: dict[tuple, torch.Tensor] = {}  # one copy per device and dtype, not per gradient
     with torch.no_grad():
         for g in grads:
             target = g.to_local() if isinstance(g, DTensor) else g
-            target.mul_(coef.to(target.device, target.dtype))
+            key = (target.device, target.dtype)
+            if key not in coefs:
+                coefs[key] = coef.to(target.device, target.dtype)
+            target.mul_(coefs[key])
     return norm
+
+
+def _parts_on(tensors: list[torch.Tensor], p: float, device: torch.device) -> list[torch.Tensor]:
+    """The norm parts of ``tensors``, combined where they live (offloaded gradients: on
+    the host) and moved to ``device`` once per device rather than once per tensor."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(_norm_part(t, p))
+    return [_combine(parts, p, where).to(device) for where, parts in by_device.items()]
 
 
 def _norm_part(t: torch.Tensor, p: float) -> torch.Tensor:

@@ -17,7 +17,9 @@ Optimizers that need whole matrices (``torch.optim.Muon``, or any class declared
 ``register_whole_matrix_optimizer``) step each parameter whole on one rank (Note
 [whole-matrix optimizers] in whole_matrix.py). Other optimizers that reduce over a
 whole parameter (LAMB/LARS trust ratios, any subclass) are left alone: they keep the
-DTensor path.
+DTensor path. torch optimizers whose implementation fails on DTensor shards (SparseAdam,
+LBFGS over an unevenly sharded parameter) are refused at their first step, naming the
+ones that work.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ from . import whole_matrix
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.Adadelta,
+    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
 )
+
+# torch optimizers that cannot step sharded parameters, and why: refused at their first
+# step, naming the optimizers that can (the others run on the DTensors, as in FSDP2).
+_CANNOT_STEP_SHARDS: dict[str, str] = {
+    "SparseAdam": "it needs sparse gradients, and sharded gradients are dense DTensors",
+}
 
 # The process-wide switch behind set_local_step (a debugging aid: the DTensor path).
 _enabled = True
@@ -101,6 +109,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
+        _check_can_step_shards(opt)
         _CHECKED.add(opt)
     owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
                for j, p in enumerate(group["params"])]
@@ -112,11 +121,12 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
         return replaced
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
                 and any(o is not None for group in owners for o in group))
-    on_disk = [(p, o) for group, group_owners in zip(opt.param_groups, owners)
-               for p, o in zip(group["params"], group_owners)
-               if o is not None and isinstance(o.offload, DiskOffloadPolicy)]
-    if on_disk and not swapping:
-        _refuse_disk_states(opt, on_disk[0][1])
+    disk_policy = [(p, o) for group, group_owners in zip(opt.param_groups, owners)
+                   for p, o in zip(group["params"], group_owners)
+                   if o is not None and isinstance(o.offload, DiskOffloadPolicy)]
+    if disk_policy and not swapping:
+        _refuse_disk_states(opt, disk_policy[0][1])
+    on_disk = [(p, o) for p, o in disk_policy if _states_on_disk(o)]
     replaced = _run_closure_first(args, kwargs) if swapping else None
     finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     if not swapping:
@@ -129,7 +139,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
         local_params = []
         swapped = False
         for p, owner in zip(params, group_owners):
-            if owner is not None and isinstance(owner.offload, DiskOffloadPolicy):
+            if _states_on_disk(owner):
                 swapped = True  # stepped above; the ordinary step must not see it
                 continue
             local = _local_view(p) if owner is not None else None
@@ -153,6 +163,15 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if swaps:
         _SWAPPED[opt] = swaps
     return replaced
+
+
+def _states_on_disk(owner) -> bool:
+    """Whether the parameter behind ``owner`` (None: not fullshard's) steps on disk. An
+    empty shard (fewer rows than ranks) has no element to keep there: it steps with the
+    ordinary step, so its states exist (empty) on this rank as on the others and state
+    dicts hold the same keys on every rank."""
+    return (owner is not None and isinstance(owner.offload, DiskOffloadPolicy)
+            and owner.sharded_param._local_tensor.numel() > 0)
 
 
 def _run_closure_first(args, kwargs):
@@ -184,6 +203,36 @@ def _check_not_built_before_sharding(opt: torch.optim.Optimizer) -> None:
                     "sharded DTensor: the optimizer was created before fully_shard and would "
                     "update a tensor the model no longer uses. Create the optimizer after "
                     "sharding: fully_shard(...) first, then torch.optim.X(model.parameters()).")
+
+
+def _check_can_step_shards(opt: torch.optim.Optimizer) -> None:
+    """Refuse, at the first step, a torch optimizer that fails on sharded parameters
+    (inside torch, with a DTensor error that names neither the optimizer nor a remedy)."""
+    params = [p for group in opt.param_groups for p in group["params"]
+              if registry.owner_of(p) is not None]
+    if not params:
+        return
+    name = next((t.__name__ for t in type(opt).__mro__ if t.__name__ in _CANNOT_STEP_SHARDS
+                 and t.__module__.startswith("torch.optim")), None)
+    why = _CANNOT_STEP_SHARDS.get(name)
+    if name is None and isinstance(opt, torch.optim.LBFGS):
+        uneven = next((registry.owner_of(p) for p in params
+                       if any(getattr(pl, "dim", None) is not None
+                              and p.shape[pl.dim] % p.device_mesh.size() != 0
+                              for pl in p.placements)), None)
+        if uneven is not None:
+            name, why = "LBFGS", (
+                f"it flattens every parameter into one vector, which DTensor allows only "
+                f"for evenly sharded ones, and '{uneven.fqn}' {tuple(uneven.sharded_param.shape)} "
+                f"splits unevenly over {uneven.sharded_param.device_mesh.size()} ranks")
+    if why is None:
+        return
+    local = ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS)
+    raise RuntimeError(
+        f"fullshard: {type(opt).__name__} cannot step sharded parameters: {why}. fullshard "
+        f"steps {local} on each rank's shard; other optimizers run on the DTensor "
+        "parameters, as in torch's FSDP2, where their implementation supports DTensors. "
+        "Use one of those.")
 
 
 def _local_view(p: DTensor) -> torch.Tensor | None:

@@ -29,7 +29,9 @@ step can move (the gradient to one rank, the update back); docs/benchmarks.md ha
 measured time. Hybrid sharding steps each replica group alike. A parameter sharded on
 another dim than 0, tensor-parallel, or offloaded to disk is refused at the first step.
 
-``torch.optim.Muon`` is registered; ``register_whole_matrix_optimizer(cls)`` declares
+``torch.optim.Muon`` and ``torch.optim.Adafactor`` are registered (Adafactor's factored
+states are not shaped like the parameter: its owner sends them to every rank after the
+step, which keeps them replicated); ``register_whole_matrix_optimizer(cls)`` declares
 another optimizer class whose update needs whole parameters.
 """
 
@@ -43,7 +45,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .core.param import ShardLayout
 
-WHOLE_MATRIX_OPTIMIZERS: set[type] = {torch.optim.Muon} if hasattr(torch.optim, "Muon") else set()
+# Muon orthogonalizes each matrix; Adafactor factors each matrix's second moment over its
+# whole rows and columns (on DTensor shards torch's fails outright).
+WHOLE_MATRIX_OPTIMIZERS: set[type] = {getattr(torch.optim, name) for name in ("Muon", "Adafactor")
+                                      if hasattr(torch.optim, name)}
 
 
 def register_whole_matrix_optimizer(cls: type) -> None:

@@ -69,6 +69,7 @@ def _list_unit_parity():
     return sum(fwd.values())
 
 
+@pytest.mark.slow
 def test_a_list_of_modules_is_one_unit():
     gathers = run_distributed(_list_unit_parity, 2)[0]
     assert gathers == CFG.n_layers + 2  # layers, the list, the root
@@ -103,6 +104,7 @@ def _torch_policies_parity():
     _parity(shard)
 
 
+@pytest.mark.slow
 def test_torchs_policy_objects_are_accepted():
     run_distributed(_torch_policies_parity, 2)
 
@@ -170,6 +172,7 @@ def _shard_dims(tmp):
     return placements
 
 
+@pytest.mark.slow
 def test_shard_placement_fn_shards_on_other_dims(tmp_path):
     placements = run_distributed(_shard_dims, 2, str(tmp_path))[0]
     layer0 = {k: p for k, (p, ndim) in placements.items() if k.startswith("layers.0.")}
@@ -205,6 +208,7 @@ def _compiled(order: str, backend: str) -> list[float]:
 
 
 @pytest.mark.parametrize("order", ["blocks_before", "model_after"])
+@pytest.mark.slow
 def test_torch_compile_trains_with_the_eager_losses(order):
     eager = run_distributed(_compiled, 2, "none", "eager")[0]
     compiled = run_distributed(_compiled, 2, order, "aot_eager", timeout=300)[0]
@@ -212,6 +216,7 @@ def test_torch_compile_trains_with_the_eager_losses(order):
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="inductor needs a C compiler")
+@pytest.mark.slow
 def test_torch_compile_with_inductor():
     eager = run_distributed(_compiled, 2, "none", "eager")[0]
     compiled = run_distributed(_compiled, 2, "blocks_before", "inductor", timeout=600)[0]
@@ -331,6 +336,7 @@ def _requires_all_reduce_hsdp():
     return shard_counts
 
 
+@pytest.mark.slow
 def test_requires_all_reduce_false_accumulates_within_the_shard_group():
     without, with_ = run_distributed(_requires_all_reduce_hsdp, 4)[0]
     assert "all_reduce" not in without and without["reduce_scatter"] == CFG.n_layers + 1
@@ -424,6 +430,7 @@ def _mixed_reshard_settings(merge: bool):
 
 
 @pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.slow
 def test_mixed_reshard_after_forward_settings_finish_and_match(merge):
     # one unit each way in one model, with gradient accumulation (two backwards a step)
     run_distributed(_mixed_reshard_settings, 4, merge, timeout=120)

@@ -67,6 +67,7 @@ def _train_with_transformers(path: str, use_fullshard: bool):
         fullshard.uninstall()
 
 
+@pytest.mark.slow
 def test_transformers_fsdp2_path_runs_on_fullshard_unchanged(tmp_path):
     _tiny_llama(str(tmp_path))
     ours = run_distributed(_train_with_transformers, 2, str(tmp_path), True, timeout=300)[0]
@@ -125,6 +126,7 @@ def _train_with_accelerate(tied: bool, use_fullshard: bool):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.slow
 def test_accelerate_fsdp2_prepare_model_runs_on_fullshard_unchanged(tied):
     ours = run_distributed(_train_with_accelerate, 2, tied, True, timeout=300)
     theirs = run_distributed(_train_with_accelerate, 2, tied, False, timeout=300)
@@ -155,6 +157,7 @@ def test_install_and_uninstall_swap_torchs_names():
     assert defining.FSDPModule is not fullshard.FSDPModule
 
 
+@pytest.mark.slow
 def test_run_module_installs_before_the_program_imports_torchs_names(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
@@ -205,6 +208,7 @@ def _lightning_reference(ranks: list[dict]) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
+@pytest.mark.slow
 def test_lightning_model_parallel_strategy_trains_as_single_process(tmp_path):
     # Lightning steps with optimizer.step(closure): forward and backward run inside step()
     pytest.importorskip("lightning")

@@ -132,6 +132,7 @@ def _reference():
 
 
 @pytest.mark.parametrize("plan", ["tp", "sp"])
+@pytest.mark.slow
 def test_fsdp_with_tensor_parallel_matches_single_process(plan, tmp_path):
     results = run_distributed(_worker, 4, plan, str(tmp_path))
     ref_norms, ref_params = _reference()
@@ -180,6 +181,7 @@ def _misuse_worker():
     return errors
 
 
+@pytest.mark.slow
 def test_misuse_names_the_parameter_and_what_to_do():
     for code, message in run_distributed(_misuse_worker, 4)[0].items():
         assert matches_documented(code, message), (code, message)
@@ -241,6 +243,7 @@ def _spmd_worker(tmp: str):
     return placements, _full(model), _full(resumed), plain
 
 
+@pytest.mark.slow
 def test_dp_mesh_dims_on_the_whole_mesh_matches_single_process(tmp_path):
     placements, trained, resumed, plain = run_distributed(_spmd_worker, 4, str(tmp_path))[0]
     torch.manual_seed(0)

@@ -146,8 +146,11 @@ def _count_collectives(folder: str) -> None:
 
     def counted(name, collective):
         def wrapped(*args, group=None, **kwargs):
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            counts[f"{name} {','.join(map(str, ranks))}"] += 1
+            group_ = group or dist.group.WORLD
+            ranks = ','.join(map(str, dist.get_process_group_ranks(group_)))
+            # the divergence guard's own exchanges (core/divergence.py's GROUP_DESC)
+            guard = getattr(group_, "group_desc", "") == "fullshard_guard"
+            counts[f"{name} {ranks}{' guard' if guard else ''}"] += 1
             return collective(*args, group=group, **kwargs)
         return wrapped
 

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from fullshard import checkpoint as ckpt  # noqa: E402
 from fullshard import fully_shard  # noqa: E402
 from fullshard.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from fullshard.testing import rank_device, run_distributed, visible_gpus  # noqa: E402
+from fullshard.testing import (collectives_at_one_rank, rank_device,  # noqa: E402
+                               run_distributed, visible_gpus)
 from fullshard.testing.models import token_batch  # noqa: E402
 
 WORLD = visible_gpus()
@@ -48,6 +49,7 @@ def _on_host(model):
 
 
 def _save_train_on_load(root):
+    collectives_at_one_rank()  # one GPU: the gathers and reductions run, not shortcuts
     model, opt = _sharded(0)
     for step in range(3):
         _step(model, opt, step)

@@ -1,7 +1,9 @@
 """CUDA lane: fully_shard over NCCL against single-process references on the same GPU.
 
-One rank per visible GPU (world size 1 on a one-GPU machine: the collectives then run
-on one rank, and the hooks, copies, casts and streams are what is checked). Every rank
+One rank per visible GPU. On a one-GPU machine each rank function turns fullshard's
+one-rank shortcuts off (``collectives_at_one_rank``), so the NCCL gathers and
+reductions, the copy stream, its events and the pooled buffers run on the one rank;
+CPU offload runs both ways (with the shortcuts: the copy-in alone, on the copy stream). Every rank
 trains a sharded model on its share of each batch and a reference on the whole batch,
 both on its GPU (fullshard.testing.check_parity).
 """
@@ -10,13 +12,15 @@ import lanes
 
 lanes.require_cuda_lane()
 
-import torch  # noqa: E402 - only once the lane is known to run
+import pytest  # noqa: E402 - only once the lane is known to run
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from fullshard.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from fullshard.testing import rank_device, run_distributed, visible_gpus  # noqa: E402
+from fullshard.testing import (collectives_at_one_rank, rank_device,  # noqa: E402
+                               run_distributed, visible_gpus)
 from fullshard.testing.models import token_batch  # noqa: E402
 from fullshard.testing.parity import cast_reference_step, check_parity  # noqa: E402
 
@@ -50,6 +54,7 @@ def _shard_each_layer(**options):
 
 
 def _fp32_parity():
+    collectives_at_one_rank()  # one GPU: the gathers and reductions run, not shortcuts
     shard = _shard_each_layer()
     seen = {}
 
@@ -69,6 +74,7 @@ def test_fp32_training_matches_the_reference_on_the_same_gpu():
 def _bf16_params_fp32_reduce():
     """The reference applies the same casts: fp32 master weights, a bf16 copy for forward
     and backward on the whole batch, fp32 gradients into SGD."""
+    collectives_at_one_rank()  # one GPU: the gathers and reductions run, not shortcuts
     import copy
 
     rank, dev = dist.get_rank(), rank_device()
@@ -106,7 +112,8 @@ def test_bf16_parameters_with_fp32_reduction_match_a_reference_with_the_same_cas
         assert dtypes == ["grad torch.float32", "loss torch.bfloat16"]
 
 
-def _offload_parity():
+def _offload_parity(one_rank_collectives):
+    collectives_at_one_rank(one_rank_collectives)  # False: the shortcuts' copy-in alone
     seen = {}
 
     def shard(model):
@@ -118,6 +125,8 @@ def _offload_parity():
     return seen, report.max_weight_diff
 
 
-def test_cpu_offload_with_compute_on_the_gpu_matches_the_reference():
-    for seen, _ in run_distributed(_offload_parity, WORLD, backend="nccl"):
+@pytest.mark.parametrize("one_rank_collectives", [True, False])
+def test_cpu_offload_with_compute_on_the_gpu_matches_the_reference(one_rank_collectives):
+    for seen, _ in run_distributed(_offload_parity, WORLD, one_rank_collectives,
+                                   backend="nccl"):
         assert seen == {"shards": {"cpu"}, "pinned": True}

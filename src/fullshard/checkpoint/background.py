@@ -7,8 +7,9 @@ parameters freely; a worker thread then writes, hashes and commits exactly as a
 blocking save does (Note [atomic commit]) and the returned future completes when
 the checkpoint is in place. The worker's collectives (DCP's planning, barriers,
 gathering the file hashes) run on a gloo group of their own, so they never
-interleave with the training step's collectives on the default group. One save is
-in flight at a time: the next save (either kind) first waits for the previous one.
+interleave with the training step's collectives on the default group. The thread works
+on the CUDA device of the rank that submitted the save (a thread starts on cuda:0). One
+save is in flight at a time: the next save (either kind) first waits for the previous one.
 """
 
 from __future__ import annotations
@@ -59,9 +60,26 @@ def staged_copy(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def submit(job: Callable[[], str]) -> Future:
-    """Run ``job`` on the checkpoint thread; the returned future yields its result."""
+    """Run ``job`` on the checkpoint thread, on the caller's current CUDA device; the
+    returned future yields its result."""
     global _executor, _pending
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fullshard-ckpt")
-    _pending = _executor.submit(job)
+    device = _current_cuda_device()
+
+    def on_callers_device() -> str:
+        # The current device is per thread and a new one starts on cuda:0: without this,
+        # DCP's stream synchronization in the thread would create a CUDA context on GPU 0
+        # from every rank (memory taken from rank 0's GPU, one context per rank).
+        if device is not None:
+            torch.cuda.set_device(device)
+        return job()
+    _pending = _executor.submit(on_callers_device)
     return _pending
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, if this process uses CUDA at all."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None

@@ -59,9 +59,17 @@ def inspect(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     if manifest is None:
         tensors = {name: {"shape": list(m.size), "dtype": _dtype_name(m.properties.dtype)}
                    for name, m in model_tensors(checkpoint.path).items()}
+        status, failed = "none (a torch DCP checkpoint without a manifest: unverified)", False
+        if verify:
+            try:
+                _read_every_tensor(checkpoint)
+                status = ("none (a torch DCP checkpoint without a manifest: unverified; "
+                          "every tensor read back, but a changed byte would go unnoticed)")
+            except CheckpointError as err:
+                status, failed = str(err), True
         return _described(checkpoint.path, tensors, world_size=None, has_optimizer=None,
-                          status="none (a torch DCP checkpoint without a manifest: "
-                          "unverified)", extra=None, nbytes=_directory_bytes(checkpoint.path))
+                          status=status, extra=None, failed=failed,
+                          nbytes=_directory_bytes(checkpoint.path))
     status = "not checked"
     if verify:
         try:
@@ -69,10 +77,21 @@ def inspect(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
             status = "ok"
         except CheckpointError as err:
             status = str(err)
-    extra = _extra(checkpoint) if status in ("ok", "not checked") else None
+    failed = verify and status != "ok"
+    extra = None if failed else _extra(checkpoint)
     return _described(checkpoint.path, manifest["tensors"], manifest["world_size"],
                       manifest.get("has_optimizer", False), status, extra,
-                      sum(f["bytes"] for f in manifest["files"].values()))
+                      sum(f["bytes"] for f in manifest["files"].values()), failed)
+
+
+def _read_every_tensor(checkpoint: Checkpoint) -> None:
+    """Read each tensor of a checkpoint without checksums (one at a time: the largest
+    tensor's memory), so a file cut short or unreadable is found; a changed byte is not."""
+    reader = FileSystemReader(checkpoint.path)
+    for key, m in reader.read_metadata().state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            _read_into(checkpoint, {key: torch.empty(m.size, dtype=m.properties.dtype)},
+                       FileSystemReader(checkpoint.path), collective=False)
 
 
 def _extra(checkpoint: Checkpoint) -> Any:
@@ -89,11 +108,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _described(path: str, tensors: dict[str, dict], world_size: int | None,
-               has_optimizer: bool | None, status: str, extra: Any, nbytes: int
-               ) -> dict[str, Any]:
+               has_optimizer: bool | None, status: str, extra: Any, nbytes: int,
+               failed: bool) -> dict[str, Any]:
     return {"path": path, "world_size": world_size, "has_optimizer": has_optimizer,
-            "checksums": status, "failed": status not in ("ok", "not checked") and
-            world_size is not None, "extra": extra, "bytes": nbytes,
+            "checksums": status, "failed": failed, "extra": extra, "bytes": nbytes,
             "tensors": {name: {"shape": list(t["shape"]), "dtype": t["dtype"],
                                "numel": _numel(t["shape"]),
                                "bytes": _numel(t["shape"]) * _itemsize(t["dtype"])}

@@ -38,8 +38,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
 from ..core.arrival import every_rank_arrives
+from ..core.at_exit import note_collective
 from ..core.native_state_dict import native_state_dict
 from . import background, checksums, manifest as manifests, torch_dcp
+from .agreement import dcp_failures, failed_ranks, on_every_rank
 from .hashing_writer import HashingWriter, file_sizes, unrecorded
 from .layout import EXTRA, LATEST, MANIFEST, CheckpointError
 from .mapped_reader import MappedReader
@@ -99,27 +101,58 @@ def _write_and_commit(path: str, state: dict[str, Any], extra: Any, meta: dict,
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, f".{name}.tmp")
     rank, world = _rank_world()
-    if rank == 0:
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before committing
-        os.makedirs(tmp)
-    _barrier(group)
+
+    def fresh_directory():
+        if rank == 0:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died before committing
+            os.makedirs(tmp)
+    _save_step(fresh_directory, path, tmp, group)
     writer = HashingWriter(tmp, checksums.preferred())
-    dcp.save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group,
-             no_dist=not _distributed())
-    if rank == 0:
-        with writer.fs.create_stream(os.path.join(tmp, EXTRA), "wb") as f:
-            torch.save(extra, f)
-    _barrier(group)  # every file complete before any rank lists the directory
+    try:
+        dcp.save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group,
+                 no_dist=not _distributed())
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        _save_failed(path, tmp, dcp_failures(err), group)  # DCP raised on every rank
+
+    def write_extra():
+        if rank == 0:
+            with writer.fs.create_stream(os.path.join(tmp, EXTRA), "wb") as f:
+                torch.save(extra, f)
+    _save_step(write_extra, path, tmp, group)  # also: every file complete before listing
     files = _gather_checksums(tmp, writer.entries(), group)
-    if rank == 0:
-        body = {"format": manifests.FORMAT, "world_size": world, "files": files, **meta}
-        _write_atomic(os.path.join(tmp, MANIFEST),
-                      manifests.render(body, checksums.preferred()))
-        _commit(tmp, path)
-        _write_atomic(os.path.join(parent, LATEST), name)
-    _barrier(group)
+
+    def commit():
+        if rank == 0:
+            body = {"format": manifests.FORMAT, "world_size": world, "files": files, **meta}
+            _write_atomic(os.path.join(tmp, MANIFEST),
+                          manifests.render(body, checksums.preferred()))
+            _commit(tmp, path)
+            _write_atomic(os.path.join(parent, LATEST), name)
+    _save_step(commit, path, tmp, group)
+    note_collective()  # DCP's and the gathers' collectives: Note [collectives settle before exit]
     return path
+
+
+def _save_step(fn, path: str, tmp: str, group: dist.ProcessGroup | None) -> None:
+    """``fn()``, a step some ranks take alone; a failure on any rank fails the save on
+    every rank (Note [atomic commit]: nothing committed, ``latest`` unchanged)."""
+    _, failed, _ = on_every_rank(fn, group)
+    if failed:
+        _save_failed(path, tmp, failed, group)
+
+
+def _save_failed(path: str, tmp: str, failed: list[tuple[int, str]],
+                 group: dist.ProcessGroup | None):
+    rank, world = _rank_world()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save: nothing left behind
+    _barrier(group)  # every rank failed here too: it returns once the folder is gone
+    raise CheckpointError(
+        f"saving checkpoint {path} failed on {len(failed)} of {world} ranks "
+        f"({failed_ranks(failed)}); nothing was committed and 'latest' still names the "
+        "previous checkpoint. Check that the directory is writable and its disk has space, "
+        "then save again.")
 
 
 def load(path: str | os.PathLike, model: nn.Module,
@@ -152,18 +185,45 @@ def load(path: str | os.PathLike, model: nn.Module,
     if optimizer is not None and not has_optimizer:
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load the model "
                               "alone (optimizer=None) and start the optimizer fresh.")
-    model_state = get_model_state_dict(model)
-    state = torch_dcp.nest(prefix, model_state)
-    if optimizer is not None:
-        optim_prefix = torch_dcp.optimizer_prefix(prefix)
-        optim_state = get_optimizer_state_dict(model, optimizer)
-        torch_dcp.nest(optim_prefix, optim_state, into=state)
-        _check_optimizer_fits(path, state, optim_prefix, reader.read_metadata())
+
+    def prepare():
+        model_state = get_model_state_dict(model)
+        state = torch_dcp.nest(prefix, model_state)
+        optim_state = None
+        if optimizer is not None:
+            optim_prefix = torch_dcp.optimizer_prefix(prefix)
+            optim_state = get_optimizer_state_dict(model, optimizer)
+            torch_dcp.nest(optim_prefix, optim_state, into=state)
+            _check_optimizer_fits(path, state, optim_prefix, reader.read_metadata())
+        return state, model_state, optim_state
+
+    # What each rank decides alone is agreed on before the next collective: a rank that
+    # failed alone would leave the others waiting in DCP's read or the first step.
+    state, model_state, optim_state = _load_step(prepare, path, "before reading")
     _read_into(checkpoint, state, reader)
-    set_model_state_dict(model, model_state)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, optim_state)
+
+    def adopt():
+        set_model_state_dict(model, model_state)
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, optim_state)
+    _load_step(adopt, path, "after reading (the model and optimizer may hold part of it)")
+    note_collective()  # Note [collectives settle before exit]
     return read_extra(checkpoint)
+
+
+def _load_step(fn, path: str, when: str):
+    """``fn()``, a step each rank takes alone, whose failure on any rank raises on every
+    rank: the rank's own CheckpointError where every rank raised the same one, else one
+    naming each failed rank."""
+    result, failed, error = on_every_rank(fn)
+    if not failed:
+        return result
+    if isinstance(error, CheckpointError) and len(failed) == _rank_world()[1] \
+            and all(text == failed[0][1] for _, text in failed):
+        raise error  # every rank found the same: it is the whole story
+    raise CheckpointError(f"loading checkpoint {path} failed {when} on {len(failed)} of "
+                          f"{_rank_world()[1]} ranks ({failed_ranks(failed)}); every rank "
+                          "stops here. Fix what the failed ranks name and load again.")
 
 
 def _read_into(checkpoint: Checkpoint, state: dict[str, Any], reader: dcp.FileSystemReader,

@@ -12,6 +12,7 @@ DIR is a checkpoint, a directory whose ``latest`` names one, that ``latest`` fil
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 DIR_HELP = ("a checkpoint, a directory whose 'latest' names one, that 'latest' file, or a "
@@ -52,7 +53,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if info["world_size"] is not None:  # None: torch's DCP wrote it, no manifest says
         print(f"saved at     world size {info['world_size']}, "
               f"{'with' if info['has_optimizer'] else 'without'} optimizer state")
-    print(f"files        {info['bytes'] / 2**20:.1f} MiB, checksums: {info['checksums']}")
+    said = " (--no-verify)" if args.no_verify else ""
+    print(f"files        {info['bytes'] / 2**20:.1f} MiB, checksums: {info['checksums']}{said}")
     extra = info["extra"]
     if isinstance(extra, dict):
         shown = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))}
@@ -64,7 +66,13 @@ def _inspect(args: argparse.Namespace) -> int:
     width = max((len(n) for n in info["tensors"]), default=4)
     for name, t in info["tensors"].items():
         print(f"  {name:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']:<9} {t['bytes']:>12,} B")
-    return 1 if info["failed"] else 0
+    if info["failed"]:  # said last, where it is read, and on stderr for scripts
+        source = "its metadata" if info["world_size"] is None else "its manifest"
+        print(f"fullshard ckpt: {info['path']} failed verification: the table above is from "
+              f"{source}, and its files are damaged; do not load it (an earlier "
+              "checkpoint, or a copy, may be intact)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

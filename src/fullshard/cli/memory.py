@@ -23,7 +23,7 @@ from ..memory.zero_table import format_zero_table
 from ..train.bounds import Bounds, flag_type
 from ..train.config import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
 from ..train.paths import check_hf_model
-from .parsing import OneLineParser
+from .parsing import OneLineParser, check_seq
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The bounds of every number these commands read (checked by train/bounds.py).
@@ -82,9 +82,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                         ac=cfg.parallel.activation_checkpointing)
     pick = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
             for k, v in defaults.items()}
-    if not args.hf_config and pick["seq"] > cfg.gpt.seq_len:
-        raise ConfigError(f"--seq: {pick['seq']} exceeds the {cfg.gpt.seq_len} positions of "
-                          f"the {args.preset or DEFAULT_PRESET} preset's model")
+    if not args.hf_config:
+        check_seq(pick["seq"], cfg.gpt.seq_len, args.preset or DEFAULT_PRESET)
     raf = getattr(args, "reshard_after_forward", None)
     if raf is not None and args.world_size % raf:
         raise ConfigError(f"--reshard-after-forward: {raf} does not divide --world-size "

@@ -3,6 +3,8 @@ exposed communication and memory per rank at cluster scale (fullshard.projection
 
     fullshard project --model llama3-8b --gpu h100 --gpus 8,128 --nodes-of 8 \\
         --batch 2 --seq 8192 --ac selective
+    fullshard project --model path/to/config.json --gpu a100-40gb --batch 8 --grad-accum 4
+    fullshard project --layers 32 --dim 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256
     fullshard project --calibrate --preset shakespeare --gpus 1,2,4   # this machine (CPU)
     fullshard plan --gpus 64 --gpu h100 --nodes-of 8 --model llama3-8b --batch 4 --seq 4096
 """
@@ -10,18 +12,23 @@ exposed communication and memory per rank at cluster scale (fullshard.projection
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import replace
 
-from ..projection import (SHAPES, Cluster, Device, ProjectionError, Settings, device_named,
-                          project, rank_configurations, shape_named, shape_of, train_flags)
+from ..projection import (SHAPES, Cluster, Device, ModelShape, ProjectionError, Settings,
+                          device_named, project, rank_configurations, shape_named, shape_of,
+                          train_flags)
 from ..projection.calibrate import (achieved_flops, calibrated_cpu, fit_link,
                                     memory_bandwidth, sweep_collectives)
 from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
+from ..projection.shapes import hf_shape_fields
 from ..train.bounds import Bounds, flag_type
 from ..train.errors import ConfigError
-from .parsing import OneLineParser
+from ..train.paths import check_hf_model
+from .parsing import OneLineParser, check_seq
 
 GiB = 2**30
 # The bounds of every number these commands read (checked by train/bounds.py).
@@ -32,6 +39,12 @@ SEQ = flag_type(int, Bounds(1, 2 ** 24))
 EFFICIENCY = flag_type(float, Bounds(0.001, 1))
 GBPS = flag_type(float, Bounds(0.001, 1e6))
 MEMORY_GIB = flag_type(float, Bounds(0.001, 2 ** 20))
+DIM = flag_type(int, Bounds(1, 2 ** 24))
+ACCUM = flag_type(int, Bounds(1, 2 ** 20))
+# the shape flags: each sets one dimension of --model's shape (or of a shape of its own)
+SHAPE_FLAGS = {"layers": "n_layers", "dim": "d_model", "heads": "n_heads",
+               "kv_heads": "n_kv_heads", "ffn": "ffn_hidden", "vocab": "vocab_size",
+               "head_dim": "head_dim"}
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -49,26 +62,84 @@ def _world_sizes(text: str) -> list[int]:
 
 def _arguments(parser: argparse.ArgumentParser, *, planning: bool) -> None:
     parser.add_argument("--model", default="llama3-8b",
-                        help=f"model shape: {', '.join(SHAPES)} (default llama3-8b)")
-    parser.add_argument("--gpu", default="h100", help=f"device: {', '.join(DEVICES)}")
+                        help=f"model shape: {', '.join(SHAPES)}, or a Hugging Face model "
+                             "folder or its config.json (default llama3-8b)")
+    shape = parser.add_argument_group("shape", "each sets that dimension of --model's shape")
+    for flag, help_ in (("layers", "blocks"), ("dim", "model width"), ("heads", "query heads"),
+                        ("kv-heads", "key/value heads (grouped-query attention)"),
+                        ("ffn", "MLP hidden width"), ("vocab", "vocabulary"),
+                        ("head-dim", "head width (default dim / heads)")):
+        shape.add_argument(f"--{flag}", type=DIM, help=help_)
+    shape.add_argument("--mlp", choices=("swiglu", "gelu"),
+                       help="gated (Llama) or GELU (GPT-2) MLP")
+    shape.add_argument("--tied", action=argparse.BooleanOptionalAction,
+                       help="output head tied to the token embedding")
+    parser.add_argument("--gpu", default="h100", help="device: " + ", ".join(
+        [f"{name} ({dev.source})" for name, dev in DEVICES.items()]))
     parser.add_argument("--gpus", required=planning, default="8", help="world size" + (
         "" if planning else "s, comma-separated (default 8)"))
     parser.add_argument("--nodes-of", type=PER_NODE, default=8, metavar="N",
                         help="GPUs per node (default 8)")
     parser.add_argument("--batch", type=BATCH, default=1,
                         help="sequences per GPU per optimizer step (default 1)")
-    parser.add_argument("--seq", type=SEQ, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--seq", type=SEQ, help=f"sequence length (default {DEFAULT_SEQ}, or "
+                        "what a model's position table holds if fewer; with --calibrate, the "
+                        "length the preset trains with)")
     if not planning:
+        parser.add_argument("--grad-accum", type=ACCUM, default=1, metavar="N",
+                            help="micro-batches the batch is split into (default 1)")
         parser.add_argument("--strategy", choices=STRATEGIES,
                             help="one strategy (default: each)")
         parser.add_argument("--ac", choices=CHECKPOINTING, default="none",
-                            help="activation checkpointing (default none)")
+                            help="activation checkpointing (default none; selective: "
+                                 "torchtitan's op policy)")
+        parser.add_argument("--ac-every", type=ACCUM, default=1, metavar="N",
+                            help="with --ac full: every N-th block only (default 1)")
+        parser.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                            help="gradient reduction dtype (default fp32, the trainer's)")
+        parser.add_argument("--fused-loss", action="store_true",
+                            help="a fused cross-entropy (bf16 logits): less memory")
     parser.add_argument("--efficiency", type=EFFICIENCY,
-                        help="achieved fraction of peak FLOP/s (default: the device table's)")
+                        help="one achieved fraction of peak FLOP/s for all compute "
+                             "(default: the fitted compute model)")
     parser.add_argument("--intra-gbps", type=GBPS, help="NVLink GB/s per GPU (achieved)")
     parser.add_argument("--inter-gbps", type=GBPS, help="network GB/s per GPU (achieved)")
     parser.add_argument("--memory-gib", type=MEMORY_GIB,
                         help="device memory (default: the device's)")
+
+
+def _shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
+    """(the shape --model and the shape flags describe, the ``fullshard train`` flag that
+    builds it: a preset, hf:PATH, or "" when only a checkpoint of that shape would)."""
+    from ..gpt import PRESET_SHAPES
+    flags = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
+             if getattr(args, flag) is not None}
+    if args.mlp is not None:
+        flags["gated_mlp"] = args.mlp == "swiglu"
+    if args.tied is not None:
+        flags["tied"] = args.tied
+    if args.model in SHAPES:
+        base = shape_named(args.model)
+        if flags:
+            return replace(base, name=f"{base.name} (modified)", **flags), ""
+        return base, args.model if args.model in PRESET_SHAPES else ""
+    if not os.path.exists(args.model):
+        shape_named(args.model)  # E128: neither a known shape nor a path
+    check_hf_model("--model", args.model)
+    config = os.path.join(args.model, "config.json") if os.path.isdir(args.model) \
+        else args.model
+    with open(config, encoding="utf-8") as f:
+        fields = {**hf_shape_fields(json.load(f), config), **flags}
+    if "n_heads" in fields:
+        fields.setdefault("n_kv_heads", fields["n_heads"])
+    missing = [flag for flag, field in SHAPE_FLAGS.items()
+               if field not in fields and field not in ("head_dim", "n_kv_heads")]
+    if missing:
+        raise ProjectionError(f"{config} does not give the model's {', '.join(missing)}; "
+                              f"add {' '.join('--' + m.replace('_', '-') for m in missing)}")
+    name = os.path.basename(os.path.dirname(os.path.abspath(config))) or config
+    directory = args.model if os.path.isdir(args.model) else os.path.dirname(args.model)
+    return ModelShape(name, **fields), f"hf:{directory or '.'}"
 
 
 def _device(args: argparse.Namespace) -> Device:
@@ -95,8 +166,31 @@ def _table(rows: list) -> str:
                      f"{s.grad_accum:>5} {p.time.seconds:>8.3f} "
                      f"{p.tokens_per_second_per_device:>13,.0f} {p.mfu:>6.1%} "
                      f"{p.time.exposed:>15.3f} {p.memory_bytes / GiB:>9.1f}"
-                     + ("" if p.fits() else "  (over memory)"))
+                     + _memory_note(p))
     return "\n".join(lines)
+
+
+def _memory_note(p) -> str:
+    """Over the device's memory; or within the 10% that ``plan`` keeps free (the estimate
+    counts tensors; the allocator reserves some more)."""
+    if not p.fits(margin=0.0):
+        return "  (over memory)"
+    return "" if p.fits() else "  (tight: within 10% of memory)"
+
+
+DEFAULT_SEQ = 4096
+
+
+def _sequence(seq: int | None, shape, default: int = DEFAULT_SEQ, calibrating: bool = False
+              ) -> int:
+    """``--seq`` as given, or the default within a learned position table; a calibration
+    checks a given one against the table first (its workers would fail past it), elsewhere
+    the projection refuses it (E185)."""
+    if shape.learned_positions:
+        if seq is not None and calibrating:
+            check_seq(seq, shape.learned_positions, shape.name)
+        default = min(default, shape.learned_positions)
+    return default if seq is None else seq
 
 
 def _calibrate(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, Device], object]:
@@ -107,6 +201,8 @@ def _calibrate(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, De
     from ..train.config import get_preset
 
     cfg = get_preset(args.preset)
+    args.seq = _sequence(args.seq, shape_of(cfg.gpt, args.preset), cfg.batch.seq_len,
+                         calibrating=True)
     flops = run_distributed(achieved_flops, 1, cfg.gpt, args.batch, args.seq)[0]
     bandwidth = memory_bandwidth()
     devices = {}
@@ -131,29 +227,38 @@ def project_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = _world_sizes(args.gpus)
+        if args.batch % args.grad_accum:
+            raise ProjectionError(f"--batch {args.batch} does not split into --grad-accum "
+                                  f"{args.grad_accum} micro-batches: give a multiple of "
+                                  f"{args.grad_accum}")
         if args.calibrate:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             devices, shape = _calibrate(args, sizes)
             clusters = [Cluster(devices[ws], ws, ws) for ws in sizes]  # one machine
         else:
-            device, shape = _device(args), shape_named(args.model)
+            device, (shape, _) = _device(args), _shape(args)
+            args.seq = _sequence(args.seq, shape)
             clusters = [Cluster(device, ws, min(args.nodes_of, ws)) for ws in sizes]
         strategies = [args.strategy] if args.strategy else list(STRATEGIES)
+        # a calibrated CPU trains in fp32: gathers and reductions of 4-byte values
+        width = 4 if args.calibrate else 2
+        reduce = 2 if args.reduce_dtype == "bf16" and not args.calibrate else 4
         rows = []
         for cluster in clusters:
             for strategy in strategies:
                 if strategy == "hybrid_shard" and cluster.nodes == 1 and not args.strategy:
                     continue  # asked for by name, it is an error (E129); in the table, skipped
-                # a calibrated CPU trains in fp32: gathers and reductions of 4-byte values
-                width = 4 if args.calibrate else 2
-                rows.append(project(shape, cluster, Settings(strategy, args.batch, args.seq,
-                                                             1, args.ac, width, 4)))
+                rows.append(project(shape, cluster, Settings(
+                    strategy, args.batch // args.grad_accum, args.seq, args.grad_accum,
+                    args.ac, width, reduce, checkpoint_every=args.ac_every,
+                    fused_loss=args.fused_loss)))
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard project: {err}", file=sys.stderr)
         return 2
     device = clusters[0].device
+    micro = "" if args.grad_accum == 1 else f" in {args.grad_accum} micro-batches"
     print(f"{shape.name} ({shape.num_params / 1e6:,.1f}M parameters) on {device.name}, "
-          f"batch {args.batch} x {args.seq} per GPU, {device.source}")
+          f"batch {args.batch} x {args.seq} per GPU{micro}, {device.source}")
     print(_table(rows))
     return 0
 
@@ -174,7 +279,8 @@ def plan_main(argv: list[str]) -> int:
         sizes = _world_sizes(args.gpus)
         if len(sizes) != 1:
             raise ProjectionError("plan takes one GPU count (--gpus 64); project takes several")
-        device, shape = _device(args), shape_named(args.model)
+        device, (shape, model) = _device(args), _shape(args)
+        args.seq = _sequence(args.seq, shape)
         gpus = sizes[0]
         cluster = Cluster(device, gpus, min(args.nodes_of, gpus))
         fits, over = rank_configurations(
@@ -191,10 +297,8 @@ def plan_main(argv: list[str]) -> int:
         return 1
     print(_table(fits[:8]))
     print()
-    from ..gpt import PRESET_SHAPES
-    model = args.model if args.model in PRESET_SHAPES else "hf:PATH"
-    print(f"fullshard train {train_flags(fits[0], model)}")
-    if model == "hf:PATH":
+    print(f"fullshard train {train_flags(fits[0], model or 'hf:PATH')}")
+    if not model:
         print(f"  (PATH: a local Hugging Face checkpoint of the {shape.name} shape)")
     if args.plot:
         _plot(args.plot, shape, device, gpus, args)

@@ -87,18 +87,19 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
     check_output_dir("--out", out)
     cfg = get_preset(preset)
     saved = os.path.join(out, "config.toml")
-    if args.resume and os.path.isfile(saved):
+    resuming = args.resume and os.path.isfile(saved)
+    if resuming:
         cfg = load_toml(cfg, saved)
-        named = get_preset(args.preset) if args.preset is not None else None
-        if named is not None and (named.model, named.gpt) != (cfg.model, cfg.gpt):
-            # the run's own config replaces the preset: a --preset naming another model
-            # would be silently ignored
+    cfg = _apply_config_and_flags(cfg, args)
+    if resuming and args.preset is not None:
+        # The run's own config replaces the preset: a --preset whose model differs would
+        # be silently ignored. "The same command plus --resume" resumes: the preset is
+        # compared as that command configures it (--model hf:..., --gpt.* flags applied).
+        named = _apply_config_and_flags(get_preset(args.preset), args)
+        if _model_of(named) != _model_of(cfg):
             raise ConfigError(f"--preset {args.preset}: --resume continues the model of "
                               f"{saved}, not that preset's; leave out --preset to resume "
                               "it, or give another --out to train the preset")
-    if args.config:
-        cfg = load_toml(cfg, args.config)
-    cfg = parse_flags(cfg, args.fields)
     if cfg.optim.decay_steps == 0:  # fixed now, and saved in config.toml for --resume
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
                                                                  decay_steps=cfg.steps))
@@ -108,6 +109,18 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, str]:
     elif cfg.data not in BUILTIN:
         check_text_file("data", cfg.data)
     return check_packages(cfg), out
+
+
+def _apply_config_and_flags(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    if args.config:
+        cfg = load_toml(cfg, args.config)
+    return parse_flags(cfg, args.fields)
+
+
+def _model_of(cfg: TrainConfig) -> tuple:
+    """What decides the model a run trains (a Hugging Face folder's own config decides
+    its shape; the preset's GPT shape then plays no part)."""
+    return (cfg.model, None if cfg.is_hf else cfg.gpt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +171,7 @@ def _work(cfg: TrainConfig, out: str, resume: bool) -> int:
         if first_on_node:
             print(f"fullshard train: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
-    worker = start_worker()
+    worker = start_worker(offload=cfg.parallel.offload != "none")
     try:
         agree_on_attempt()  # Note [restarts across nodes]
         check_same_run(cfg, resume)

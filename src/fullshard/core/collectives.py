@@ -23,10 +23,33 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .at_exit import note_collective
+
 # torch >= 2.10 names the flat collectives *_single; older releases only have
 # the *_into_tensor / *_tensor spellings (same semantics).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Whether a group of one rank skips its collectives (Note [shard groups of one rank] in
+# core/group.py). Process-wide because the choice must be the same for every group and
+# for the memory estimate's replay of them; only fullshard.testing's
+# ``collectives_at_one_rank`` turns it off (the CUDA lane and the GPU benchmark on one GPU).
+_ONE_RANK_SHORTCUTS = True
+
+
+def skips_collectives(size: int) -> bool:
+    """Whether a group of ``size`` ranks copies instead of communicating: one rank, unless
+    the one-rank shortcuts were turned off (``fullshard.testing.collectives_at_one_rank``)."""
+    return size == 1 and _ONE_RANK_SHORTCUTS
+
+
+def set_one_rank_shortcuts(enabled: bool) -> bool:
+    """Turn the one-rank shortcuts on or off, before the process shards anything (a group
+    follows the setting in force whenever it acts); returns the previous setting. See
+    ``fullshard.testing.collectives_at_one_rank``."""
+    global _ONE_RANK_SHORTCUTS
+    previous, _ONE_RANK_SHORTCUTS = _ONE_RANK_SHORTCUTS, bool(enabled)
+    return previous
 
 
 class CollectiveError(RuntimeError):
@@ -71,6 +94,7 @@ class Pending(NamedTuple):
                 self.work.wait()
             except RuntimeError as err:
                 raise _failure(what, err) from err
+            note_collective()  # Note [collectives settle before exit]
         if self.finish is not None:
             self.finish()
         return self.output
@@ -96,6 +120,7 @@ _NO_FINITE_WAIT = re.compile(r"finite timeout not implemented", re.IGNORECASE)
 
 
 def _done(pending: Pending, async_op: bool, what: str, patience=None) -> Pending:
+    note_collective()  # issued: Note [collectives settle before exit]
     return pending if async_op else Pending(pending.wait(what, patience), None)
 
 
@@ -104,7 +129,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
                patience=None) -> Pending:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major). ``what``
     and ``patience`` are as in ``Pending.wait`` (a blocking call waits with them)."""
-    if group.size() == 1:
+    if skips_collectives(group.size()):
         output.copy_(shard)
         return Pending(output, None)
     work = _all_gather_flat(output, shard, group=group, async_op=True)
@@ -115,31 +140,36 @@ def receives_into_scratch(backend: str, size: int) -> bool:
     """Whether ``reduce_scatter_sum`` over ``size`` ranks on ``backend`` uses a scratch
     buffer the size of ``full`` (gloo receives every rank's copy of this rank's chunk,
     Note [reduce-scatter on gloo])."""
-    return size > 1 and backend == "gloo"
+    return not skips_collectives(size) and backend == "gloo"
 
 
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                        async_op: bool = False, scratch: torch.Tensor | None = None,
-                       what: str = "a reduce-scatter") -> Pending:
+                       what: str = "a reduce-scatter", inspect=None) -> Pending:
     """Sum ``full`` (rank-major chunks) over ranks; this rank's chunk lands in ``output``.
-    ``scratch`` (``full``-sized, see ``receives_into_scratch``) is used and may be reused after."""
-    if group.size() == 1:
+    ``scratch`` (``full``-sized, see ``receives_into_scratch``) is used and may be reused after.
+    ``inspect(rows)``, where the sum is taken on this rank (gloo), is called with every
+    rank's copy of this rank's chunk (one row each) before they are summed."""
+    if skips_collectives(group.size()):
         output.copy_(full)
         return Pending(output, None)
     if dist.get_backend(group) == "gloo":
         received = scratch if scratch is not None else torch.empty_like(full)
-        return _done(_reduce_scatter_by_all_to_all(output, full, received, group), async_op,
-                     what)
+        return _done(_reduce_scatter_by_all_to_all(output, full, received, group, inspect),
+                     async_op, what)
     work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return _done(Pending(output, work), async_op, what)
 
 
 def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
-                                  received: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+                                  received: torch.Tensor, group: dist.ProcessGroup,
+                                  inspect=None) -> Pending:
     """See Note [reduce-scatter on gloo]."""
     work = dist.all_to_all_single(received, full, group=group, async_op=True)
 
     def sum_copies() -> None:
+        if inspect is not None:
+            inspect(received.view(group.size(), -1))
         torch.sum(received.view(group.size(), -1), dim=0, out=output)
 
     return Pending(output, work, sum_copies)
@@ -148,7 +178,7 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor,
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False, what: str = "an all-reduce") -> Pending:
     """Sum ``tensor`` in place over ``group`` (the reduction across replicas)."""
-    if group.size() == 1:
+    if skips_collectives(group.size()):
         return Pending(tensor, None)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return _done(Pending(tensor, work), async_op, what)

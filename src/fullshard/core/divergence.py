@@ -12,13 +12,20 @@ a layer skipped on one rank, a forward on some ranks only (an evaluation under
 
 * Every rank records each unit's forward and each collective fullshard issues for the
   root's units in its ledger (core/ledger.py): host arithmetic, nothing sent.
-* At the end of every backward the ranks compare (count, digest) in one all-gather of
-  four integers on a gloo group of their own, started when the last reductions are
-  issued and finished with them, before any gradient is handed out (``settle_gradients``);
-  after a forward without grad (no backward will follow) at once; after a forward with
-  grad on gloo, before the next collective (see below). Equal: go on. Otherwise every
-  rank receives every rank's entries since they last agreed and raises the same
-  DivergenceError naming the first difference: the step, the unit, what each rank did.
+* On gloo, every reduce-scatter over all of the root's ranks carries, at the end of each
+  rank's chunk, that rank's digest (including this reduction), 8 bits an element, exact
+  in any dtype. gloo's reduce-scatter receives every rank's copy of this rank's chunk
+  before summing them (Note [reduce-scatter on gloo]), so each rank compares the digests
+  then, for free, before the sum is used: equal, everything recorded so far agrees; not,
+  the ranks (which all saw the same digests) compare their records and every rank raises
+  the same DivergenceError naming the first difference: the step, the unit, what each
+  rank did.
+* Where no such reduction vouches for the latest entries (NCCL, whose reduce-scatter sums
+  the digests away; hybrid sharding and units on part of the ranks, whose reductions do
+  not span them all; int8 or custom reductions; a backward without gradient sync), the
+  ranks compare (count, digest) in one all-gather of four integers on a gloo group of
+  their own when the backward's gradients are settled, before any is handed out; and
+  after a forward without grad (no backward will follow), at once.
 * A rank that waits in a collective its peers never issue (on gloo, ``wait()`` blocks the
   host) waits in slices of a tenth of FULLSHARD_ARRIVAL_TIMEOUT; after each it posts a
   "stalled" record to the same exchange. Its peers meet it there at their next check (or
@@ -31,18 +38,18 @@ On NCCL ``wait()`` does not block the host, it only orders the compute stream af
 collective: a rank that issued an unmatched collective runs on to the end of its
 backward, where the host-side exchange names the divergence before any gradient is
 handed out, so no wrong sum reaches the optimizer, whatever the device does (it may stay
-in the unmatched collective until the process ends; NCCL's watchdog aborts it). A forward
-with grad needs no check of its own there: its entries are in the backward's. A host
+in the unmatched collective until the process ends; NCCL's watchdog aborts it). A host
 that blocks on the device first (``.item()`` inside the model after the mismatch) cannot
 reach the check; NCCL's own timeout bounds that wait. On gloo a first mismatched pair of
 *different sizes* aborts inside gloo ("Received data size doesn't match expected size")
-before any check: the end-of-forward check exists there so that a forward's difference
-is named before the backward's collectives can pair that way.
+before any check can run; same-sized ones (identical blocks, the usual case) are named.
 
-Cost: one all-gather of four integers per training step on NCCL, two on gloo, on the
-host, each overlapping work that follows it (docs/benchmarks.md has the figure for W2). With ``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=True)``)
-the check runs before every collective instead, so the first mismatch is named before it
-is issued, at one exchange per collective.
+Cost: on gloo, with every reduction vouching, no exchange at all: the records, eight
+elements per reduction and their comparison (docs/benchmarks.md has W2's figure); on
+NCCL one all-gather of four integers per training step, on the host. With
+``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=True)``) the ranks compare before every
+collective instead, so the first mismatch is named before it is issued, at one exchange
+per collective.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import torch.distributed as dist
 from . import arrival
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
                      PHASE_NAMES, Entry, Ledger)
+from .schedule import DIGEST_NUMEL
 
 # Record kinds: a rank at a check (end of a phase, or before a collective in debug mode),
 # or a rank stalled inside a collective.
@@ -91,6 +99,10 @@ def guarded(ranks: list[int]) -> bool:
     return len(ranks) > 1 and str(dist.get_backend()) not in ("fake", "threaded")
 
 
+# the guard's groups' description: what tools that count collectives tell them apart by
+GROUP_DESC = "fullshard_guard"
+
+
 def prepare(mesh) -> None:
     """Make the guard's group for ``mesh``'s ranks, at ``fully_shard`` time: every rank
     shards its model, while a group made at the first forward would wait forever for a
@@ -107,7 +119,7 @@ def _group_for(ranks: list[int]) -> dist.ProcessGroup:
         # pending (a wait(timeout=) would leave the all-gather running)
         _GROUPS[key] = dist.new_group(
             ranks, backend="gloo", use_local_synchronization=True,
-            timeout=datetime.timedelta(seconds=arrival.timeout_s()))
+            timeout=datetime.timedelta(seconds=arrival.timeout_s()), group_desc=GROUP_DESC)
     return _GROUPS[key]
 
 
@@ -146,7 +158,6 @@ class Guard:
         self.group = _group_for(ranks)
         self.limit_s = arrival.timeout_s()
         self.stall_slice = datetime.timedelta(seconds=self.limit_s / 10)
-        self._pending: _Round | None = None  # a check_soon's exchange, not yet compared
 
     # -- recording -------------------------------------------------------------------------
     def phase(self) -> int:
@@ -156,7 +167,6 @@ class Guard:
 
     def collective(self, operation: str, unit: int, numel: int) -> None:
         """Record a collective about to be issued (debug mode: compare first)."""
-        self.settle()
         phase = self.phase()
         self.ledger.record(phase, OPERATIONS[operation], unit, numel)
         if self.debug:
@@ -166,31 +176,48 @@ class Guard:
         """Record a unit's forward starting."""
         self.ledger.record(self.phase(), FORWARD, unit)
 
+    # -- in-band: the digests a reduction carries ------------------------------------------
+    def digest_bytes(self) -> list[int]:
+        """The ledger's digest now, 8 bits per element (DIGEST_NUMEL elements)."""
+        digest = self.ledger.digest
+        return [(digest >> (8 * i)) & 0xFF for i in range(DIGEST_NUMEL)]
+
+    def inspector(self, chunk_numel: int):
+        """What a reduce-scatter over every rank of the guard calls with the rows it
+        received (one per rank, before summing them): every rank's digest, written at
+        its issue, against this rank's (Note [ranks agree on every collective])."""
+        expected = self.digest_bytes()
+        count = self.ledger.count
+
+        def inspect(rows: torch.Tensor) -> None:
+            tails = rows[:, chunk_numel - DIGEST_NUMEL:chunk_numel]
+            if torch.equal(tails, torch.tensor(expected, dtype=rows.dtype).expand_as(tails)):
+                self.ledger.mark_agreed(count)
+                return
+            self.check(BACKWARD)  # every rank saw the same rows: all come to name it
+            raise DivergenceError(  # the records agreed, the digests did not: a collision
+                "fullshard: ranks reduced different data under one collective although "
+                "their records agree; rerun with FULLSHARD_DEBUG=1 to compare before every "
+                "collective.")
+        return inspect
+
+    def ensure_agreed(self, phase: int) -> None:
+        """Before gradients are handed out: compare, unless a reduction's digests already
+        showed every rank agreeing on everything recorded."""
+        if self.ledger.agreed == self.ledger.count:
+            return
+        self.check(phase)
+
     # -- the checks -----------------------------------------------------------------------
     def check(self, phase: int) -> None:
         """Every rank ended ``phase`` (or, in debug mode, is about to issue a collective)
         having done the same; raise DivergenceError on every rank otherwise."""
-        self.settle()
         while not self._finish(self._post(CHECK, phase)):
             pass  # a peer was stalled but consistent: it waits on, and we check again
-
-    def check_soon(self, phase: int) -> None:
-        """``check``, its exchange started now and compared before this rank's next
-        collective or check (``settle``): the exchange overlaps what runs in between."""
-        self.settle()
-        self._pending = self._post(CHECK, phase)
-
-    def settle(self) -> None:
-        """Finish a check started by ``check_soon``."""
-        if self._pending is not None:
-            round_, self._pending = self._pending, None
-            while not self._finish(round_):
-                round_ = self._post(CHECK, round_.phase)
 
     def stalled(self, what: str) -> None:
         """Called by a wait that has lasted a slice: compare with the peers; return to wait
         on if they are consistent, raise DivergenceError if not."""
-        self.settle()
         self._finish(self._post(STALLED, -1, waiting_at=what))
 
     def _post(self, kind: int, phase: int, waiting_at: str = "") -> "_Round":
@@ -291,7 +318,7 @@ def _difference(records: list[_Record], count: int, describe) -> Difference:
     for r in records:
         kept = r.entries.get(count)
         if kept is not None:
-            entry = kept[1]
+            entry = Entry(*kept[1])
             at = at or entry
             what.append(f"ran {describe(entry)} ({PHASE_NAMES[entry.phase]} of step "
                         f"{entry.step})")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .buffers import BufferPool
 from .collectives import Pending, all_reduce_sum
 from .param import ShardedParam
+from .schedule import DIGEST_NUMEL, reduce_tail
 from .streams import HostCopies, traced
 
 
@@ -62,13 +63,14 @@ class PendingReduce:
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
                  options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None,
-                 copies: HostCopies | None = None):
+                 copies: HostCopies | None = None, held: list[torch.Tensor] = ()):
         self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
         self.pending = pending
         self._pool = pool
         self._buffers = buffers  # in use by the collective until it completes
+        self._held = list(held)  # likewise, but not the pool's (a custom comm's buffers)
         self._views = views      # DTensor grads over ``dest``, or None: add to .grad
         self._dest = dest        # where the result lives, in the parameters' dtype
         self._replicate_pg = replicate_pg
@@ -94,7 +96,7 @@ class PendingReduce:
             all_reduce_sum(out, self._replicate_pg,
                            what=f"gradient all-reduce across replicas of {self.unit_name}")
         divisor = options.divide_factor or world_size
-        grads = out[:out.numel() - len(self.params)]  # without the presence flags
+        grads = out[:out.numel() - reduce_tail(len(self.params))]  # without flags and digest
         if options.hook is not None and options.force_sum:
             options.hook(grads)
         out.div_(divisor)
@@ -112,10 +114,10 @@ class PendingReduce:
             out = self._dest
         self._release_buffers()  # ``out`` may have been one of them: only after the copy
         sizes = [p.layout.shard_numel for p in self.params]
-        shards = torch.split(out, sizes + [len(self.params)])
+        shards = torch.split(out, sizes + [len(self.params), DIGEST_NUMEL])
         unknown = None if all(self.had_grad) else UnknownPresence(
             [(p, i) for i, (p, had) in enumerate(zip(self.params, self.had_grad))
-             if not had and p.sharded_param.grad is None], shards[-1])
+             if not had and p.sharded_param.grad is None], shards[-2])
         if self._views is not None:  # every .grad was None: hand out the views
             for p, view in zip(self.params, self._views):
                 p.sharded_param.grad = view
@@ -137,7 +139,7 @@ class PendingReduce:
         for buf in self._buffers:
             if buf is not None:
                 self._pool.give(buf)
-        self._buffers = []
+        self._buffers, self._held = [], []
 
 
 class UnknownPresence:

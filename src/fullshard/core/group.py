@@ -29,7 +29,10 @@ shard is the whole parameter. Without a cast or offload the unsharded parameters
 are views of ``flat_shard`` itself: nothing is gathered, copied or freed, and
 memory holds each parameter once, as DDP does. Gradients skip the reduce-scatter
 (a copy over one rank) and go straight to one asynchronous all-reduce across
-replicas.
+replicas. At world size 1 the same shortcuts apply: no collective, and with offload or
+a cast the copy-in alone, on the copy stream (a prefetch overlaps compute). Tests and
+benchmarks turn the shortcuts off (``fullshard.testing.collectives_at_one_rank``,
+``collectives.skips_collectives``) so that one GPU runs the path larger worlds take.
 
 Note [custom collectives]
 torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hand a unit an object
@@ -38,9 +41,11 @@ one set, the group allocates that collective's buffers through it (never from th
 pool, so its allocator, e.g. symmetric memory, owns them) and calls it where it would
 issue its own: ``comm(output_tensor=, input_tensor=, group=, async_op=)`` for the
 gather, ``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM)`` for the
-reduce-scatter (fullshard sums and divides afterwards, also under a custom comm).
+reduce-scatter (fullshard sums and divides afterwards, also under a custom comm). The
+reduce-scatter's input is held until its collective has finished (an asynchronous comm
+reads it after the call returns), then dropped, never pooled.
 Inputs and outputs have the layouts of the built-in path: rank-major shards, one flat
-buffer per unit, presence flags included. A unit with a custom collective keeps its
+buffer per unit, presence flags and the ledger digest included. A unit with a custom collective keeps its
 own group (never merged into a bucket), so the comm sees exactly its parameters.
 
 Note [CPU offload]
@@ -73,14 +78,16 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import Pending, all_gather, all_reduce_sum, reduce_scatter_sum
+from .collectives import (Pending, all_gather, all_reduce_sum, reduce_scatter_sum,
+                          skips_collectives)
 from .mapped import mapped_empty, page_out
 from .quantized_collectives import quantized_all_gather, quantized_reduce_scatter_sum
 from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
                         take_unsharded_grad)
 from .param import ShardedParam
 from .post_forward import PostForwardShard
-from .schedule import (GatherPlan, backward_is_done, gather_plan, reduce_numel, reduce_plan,
+from .schedule import (DIGEST_NUMEL, GatherPlan, backward_is_done, gather_plan, reduce_numel,
+                       reduce_plan, reduce_tail,
                        shard_device_for)
 from .streams import HostCopies, traced
 from .subclass_params import SubclassGather
@@ -163,6 +170,7 @@ class ParamGroup:
         self.watch_epoch = 0  # bumped when a backward is forgotten: older watches are void
         self.on_backward_done: Callable[[], None] | None = None
         self._all_present: torch.Tensor | None = None
+        self._no_digest: torch.Tensor | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
         self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
@@ -354,13 +362,17 @@ class ParamGroup:
                 if not async_op:
                     self.wait_unshard()
                 return
-        if self.world_size == 1:  # Note [shard groups of one rank]: no collective
-            if self.unsharded is not self.flat_shard:
-                self._alloc_unsharded_storage()
-                self._writer.copy_(self.flat_shard, non_blocking=True)  # cast / to device
-            self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
+        if skips_collectives(self.world_size):  # Note [shard groups of one rank]
+            self._gather = Pending(self.unsharded, None)
+            if self.unsharded is not self.flat_shard:  # cast / to the device: the copy
+                self._alloc_unsharded_storage()     # stream, so a prefetch overlaps compute
+                with self.copies.to_device() as ordered, traced("copy_in", self.unit_name):
+                    self._writer.copy_(self.flat_shard, non_blocking=True)
+                    self._gather = ordered(self._gather)
+            self._gather_is_direct = True
             self.state = GroupState.GATHERING
-            self.wait_unshard()
+            if not async_op:
+                self.wait_unshard()
             return
         self._gather_is_direct = False
         dtype, device = self.compute_dtype, self.compute_device
@@ -411,6 +423,7 @@ class ParamGroup:
             with traced("copy_out", self.unit_name):
                 self._copy_out(gathered.view(self.world_size, -1))
             self._give_gathered(gathered)
+            self.copies.reads_done()  # the copy stream's blocks: Note [streams and events]
         if self.subclass is not None:
             self.subclass.finish(self.param_dtype)
         for p in self.params:
@@ -551,6 +564,17 @@ class ParamGroup:
                 flags[i].fill_(0)  # a fill kernel: no host-to-device copy
         return flags
 
+    def _digest(self, inspected: bool, like: torch.Tensor) -> torch.Tensor:
+        """The ledger's digest as DIGEST_NUMEL elements of 8 bits each (exact in any float
+        dtype), or zeros (cached) where nobody inspects it."""
+        if inspected:
+            return torch.tensor(self.guard.digest_bytes(), dtype=like.dtype, device=like.device)
+        cached = self._no_digest
+        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
+            cached = self._no_digest = torch.zeros(DIGEST_NUMEL, dtype=like.dtype,
+                                                   device=like.device)
+        return cached
+
     def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
         """Start reducing the unsharded gradients (sum, asynchronously) and free them
         (Note [gradient presence flags])."""
@@ -590,51 +614,60 @@ class ParamGroup:
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
         numel = reduce_numel([p.layout.shard_numel for p in trainable])
-        comm = self.reduce_scatter_comm if w > 1 else None
+        comm = None if skips_collectives(w) else self.reduce_scatter_comm
+        plan = reduce_plan(shard_size=w, replicated=self.replicate_pg is not None,
+                           backend=dist.get_backend(self.pg), reduce_dtype=reduce_dtype,
+                           compute_device=ref.device, grad_dtype=self.flat_shard.dtype,
+                           grad_device=self.flat_shard.device)
+        if plan.all_reduce and options.all_reduce:
+            self._record("all-reduce", w * numel)
+        elif not skips_collectives(w):
+            self._record("reduce-scatter", w * numel)
+        # Note [ranks agree on every collective]: on gloo the ranks compare the digests
+        # (which include this reduction) before summing; elsewhere the digest is zeros
+        inspected = (not plan.all_reduce and comm is None and not self.quantize_grads
+                     and self.patience is not None and not skips_collectives(w)
+                     and self.replicate_pg is None and w == len(self.guard.ranks))
+        digest = self._digest(inspected, grads[0]).expand(w, -1)
         full = (self.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
                 comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
-        torch._chunk_cat(grads + [flags], dim=0, num_chunks=w, out=full.view(w, numel))
+        torch._chunk_cat(grads + [flags, digest], dim=0, num_chunks=w, out=full.view(w, numel))
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
         dest, views = self._grad_destination(trainable, numel, self.flat_shard)
-        plan = reduce_plan(shard_size=w, replicated=self.replicate_pg is not None,
-                           backend=dist.get_backend(self.pg), reduce_dtype=reduce_dtype,
-                           compute_device=ref.device, grad_dtype=dest.dtype,
-                           grad_device=dest.device)
         if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
                 return PendingReduce(self.unit_name, trainable, had_grad, Pending(full, None),
                                      self.pool, [full], views, dest, self.replicate_pg,
                                      options, self.partial_sum, copies=self.copies)
             self.partial_sum.add_into(full.view(-1))
-            self._record("all-reduce", full.numel())
             pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                                  [full], views, dest, options=options, copies=self.copies)
         if comm is not None:  # Note [custom collectives]
             out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
-            self._record("reduce-scatter", w * numel)
             work = comm(output_tensor=out, input_tensor=full, group=self.pg,
                         op=dist.ReduceOp.SUM)
+            # ``full`` is the comm's (never pooled), but it must live until the collective
+            # has finished: an async comm reads it after this returns
             return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
                                  self.pool, [], views, dest, self.replicate_pg, options,
-                                 self.partial_sum, copies=self.copies)
-        if self.quantize_grads and w > 1:  # Note [quantized communication]
+                                 self.partial_sum, copies=self.copies, held=[full])
+        if self.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
             out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
                 else dest
-            self._record("reduce-scatter", w * numel)
             pending = quantized_reduce_scatter_sum(out, full, self.pg, self.quantize_grads,
-                                                   exact_tail=len(trainable), async_op=True)
+                                                   exact_tail=reduce_tail(len(trainable)),
+                                                   async_op=True)
             return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                                  [full], views, dest, self.replicate_pg, options,
                                  self.partial_sum, copies=self.copies)
         scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
-        if w > 1:
-            self._record("reduce-scatter", w * numel)
-        pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch)
+        pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch,
+                                     inspect=self.guard.inspector(numel) if inspected else None)
         return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
                              [full, scratch], views, dest, self.replicate_pg, options,
                              self.partial_sum, copies=self.copies)
@@ -684,7 +717,8 @@ class ParamGroup:
         key = (tuple(map(id, trainable)), ref.dtype, ref.device)
         if key != self._grad_key:
             buf = self._new_grad_buffer(numel, ref)
-            shards = torch.split(buf, [p.layout.shard_numel for p in trainable] + [len(trainable)])
+            shards = torch.split(buf, [p.layout.shard_numel for p in trainable]
+                                 + [len(trainable), DIGEST_NUMEL])
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key
         return self._grad_buffer, self._grad_views

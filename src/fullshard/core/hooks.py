@@ -23,7 +23,8 @@ gradients are in: AccumulateGrad nodes run ahead of every other ready node (thei
 sequence number is the largest), and a parameter's gradient is computed no later
 than the gradient of the input it was combined with. A gradient that still arrives
 after its unit was reduced (a parameter also used by a module that runs before the
-unit) is caught at the final callback and named.
+unit: a trait of the model) is looked for at the final callback of the first two
+backward passes and of every 16th, and named.
 
 The signal depends on which modules ran, never on which parameters got gradients,
 so every rank reduces the same units in the same order whatever its data: an expert
@@ -341,17 +342,10 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
 
 
 def _check_forward(root: RootState) -> None:
-    """Note [ranks agree on every collective]. A forward without grad has no backward to
-    check it: now. One with grad is compared before the next collective (the exchange
-    overlaps the loss), where a backward collective's different size could abort gloo
-    first; on NCCL, where a mismatch cannot stop the host, the backward's check covers
-    it."""
-    guard = root.guard
-    phase = guard.phase()
+    """Note [ranks agree on every collective]: a forward without grad has no backward to
+    check it, so it is compared now; one with grad is by its backward."""
     if not torch.is_grad_enabled():
-        guard.check(phase)
-    elif root.patience is not None:
-        guard.check_soon(phase)
+        root.guard.check(root.guard.phase())
 
 
 def _hook_outputs(unit: UnitState, output: Any) -> None:
@@ -402,7 +396,11 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
 
 
 def _final_callback(root: RootState) -> None:
-    late = _late_gradients(root)  # before the final reductions take more gradients
+    root.backward_count += 1
+    # before the final reductions take more gradients; a parameter used outside its unit
+    # is a trait of the model, so a few backward passes and then every 16th show it
+    late = (_late_gradients(root) if root.backward_count <= 2 or root.backward_count % 16 == 0
+            or (root.guard is not None and root.guard.debug) else None)
     for u in root.units:  # units without a boundary signal, in one order on every rank
         group = u.group
         if group is None or group in root.reduced:
@@ -410,11 +408,9 @@ def _final_callback(root: RootState) -> None:
         if u.ran_forward_with_grad or u.recomputed_with_grad or (
                 root.reduce_options(group).unused_as_zeros and group.unsharded is not None):
             _post_backward(root, group)
-    if root.guard is not None:  # Note [ranks agree on every collective]: compared when the
-        root.guard.check_soon(BACKWARD)  # gradients are settled, overlapping the last reduction
     if late:
         if root.guard is not None:
-            root.guard.settle()
+            root.guard.ensure_agreed(BACKWARD)
         raise DivergenceError(late)
     if root.unit.is_last_backward and not root.unit.manual_backward_finalization:
         root.settle_gradients()

@@ -33,6 +33,7 @@ from .schedule import after_forward_rule
 from .subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
 from .state import RootState, UnitState, attach_unit, unit_of
 from .tensor_parallel import SpmdDims, is_foreign_dtensor
+from .torch_fsdp import refuse_torch_fsdp2
 
 
 def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | None,
@@ -46,6 +47,7 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
         raise TypeError(f"fully_shard({label}): debug must be a bool, got {debug!r}.")
     for m in modules:
         _check_shardable(label, m)
+        refuse_torch_fsdp2(label, m)
     spmd = data_parallel_mesh(label, mesh, dp_mesh_dims)
     mesh = resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
     arrival.prepare(spmd.mesh if spmd else mesh)  # Note [every rank arrives]

@@ -69,19 +69,27 @@ class Ledger:
         self.entries: dict[int, tuple[int, Entry]] = {}
 
     def record(self, phase: int, operation: int, unit: int, numel: int = 0) -> None:
-        entry = Entry(self.step, phase, operation, unit, numel)
-        self.count += 1
-        self.digest = (self.digest * _BASE + (hash(entry) & _MODULUS)) % _MODULUS
-        self.entries[self.count] = (self.digest, entry)
-        if len(self.entries) > HISTORY:
-            del self.entries[self.count - HISTORY]
+        # a plain tuple (made an Entry only to be named): this runs for every unit forward
+        entry = (self.step, phase, operation, unit, numel)
+        count = self.count = self.count + 1
+        digest = self.digest = (self.digest * _BASE + (hash(entry) & _MODULUS)) % _MODULUS
+        entries = self.entries
+        entries[count] = (digest, entry)
+        if count - self.agreed > HISTORY:
+            entries.pop(count - HISTORY, None)
 
-    def mark_agreed(self) -> None:
-        self.agreed = self.count
-        self.entries.clear()
+    def mark_agreed(self, count: int | None = None) -> None:
+        """Every rank did the same up to entry ``count`` (default: all so far)."""
+        count = self.count if count is None else count
+        if count <= self.agreed:
+            return
+        self.agreed = count
+        for kept in [c for c in self.entries if c <= count]:
+            del self.entries[kept]
 
-    def describe(self, entry: Entry, names: dict[int, str] | None = None) -> str:
+    def describe(self, entry: tuple, names: dict[int, str] | None = None) -> str:
         """``entry`` in words; ``names`` adds other ranks' units to this rank's."""
+        entry = Entry(*entry)
         unit = self.unit_names.get(entry.unit) or (names or {}).get(entry.unit) \
             or f"unit {entry.unit:#x}"
         if entry.operation == FORWARD:

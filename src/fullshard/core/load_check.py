@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 def _entries(module: nn.Module, prefix: str, is_unit: type) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,7 +39,7 @@ def check_fits(module: nn.Module, state_dict: dict[str, Any], prefix: str, stric
                label: str, is_unit: type) -> None:
     """Raise naming every key of ``module``'s subtree that is missing (under ``strict``)
     or has another shape in ``state_dict``; nothing has been loaded at that point."""
-    problems = []
+    problems, plain = [], []
     for key, tensor in _entries(module, prefix, is_unit):
         value = state_dict.get(key)
         if value is None:
@@ -48,6 +49,17 @@ def check_fits(module: nn.Module, state_dict: dict[str, Any], prefix: str, stric
         if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(tensor.shape):
             problems.append(f"'{key}' has shape {tuple(value.shape)} in the state dict but "
                             f"{tuple(tensor.shape)} in the model")
+        elif isinstance(tensor, DTensor) and isinstance(value, torch.Tensor) \
+                and not isinstance(value, DTensor):
+            plain.append(key)
+    if plain and not problems:
+        more = f" (and {len(plain) - 1} more)" if len(plain) > 1 else ""
+        raise RuntimeError(
+            f"load_state_dict({label}): '{plain[0]}'{more} is a plain tensor in the state "
+            "dict, but a sharded DTensor in the model. Nothing was loaded. Load a full "
+            "(unsharded) state dict with fullshard.checkpoint.set_model_state_dict(model, "
+            "state_dict, options=StateDictOptions(full_state_dict=True)), which keeps each "
+            "rank's rows; a sharded model's own state_dict() loads here as it is.")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
                                             if len(problems) > 5 else "")

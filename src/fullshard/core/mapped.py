@@ -3,9 +3,9 @@
 Note [parameters on disk]
 ``DiskOffloadPolicy(path=..., params=True)`` keeps a unit's flat shard (its sharded
 parameters, the fp32 masters under CPU offload) in a file under ``path`` instead of in
-host memory: the shard is a ``MAP_SHARED`` mapping of a file that is unlinked as soon as
-it is mapped, so it disappears with the process however the process ends. Every reader
-(the gather's copy-in, the optimizer step, ``state_dict``, user code) sees an ordinary
+host memory: the shard is a ``MAP_SHARED`` mapping of a file without a name
+(``unnamed_file``), so it disappears with the process however the process ends. Every
+reader (the gather's copy-in, the optimizer step, ``state_dict``, user code) sees an ordinary
 tensor; the kernel reads its pages in on first touch.
 
 What makes it offload is giving the pages back after each use: ``page_out`` asks the
@@ -54,14 +54,35 @@ def reserve(fd: int, nbytes: int) -> OSError | None:
     return None
 
 
+def unnamed_file(directory: str, prefix: str) -> int:
+    """A descriptor (read-write) of a new file in ``directory`` that has no name, so
+    nothing is left behind however the process ends: the kernel frees its blocks when the
+    last descriptor or mapping goes (``O_TMPFILE``; where the file system lacks it, a
+    file named ``prefix...`` unlinked right after it is created)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EISDIR,
+                                                      errno.EINVAL, errno.ENOENT):
+            raise
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+    os.unlink(path)
+    return fd
+
+
+def reopen(fd: int, flags: int) -> int:
+    """Another descriptor of the file ``fd`` (which may have no name) with its own
+    ``flags`` (e.g. ``O_DIRECT``), through ``/proc/self/fd``."""
+    return os.open(f"/proc/self/fd/{fd}", flags)
+
+
 def mapped_empty(numel: int, dtype: torch.dtype, directory: str, label: str) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements whose memory is a file under ``directory``
-    (unlinked at once: the mapping keeps it alive). The file's blocks are reserved now,
+    (without a name: the mapping keeps it alive). The file's blocks are reserved now,
     so a full disk is an error here, not a crash at the first write."""
     nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
-    fd, path = tempfile.mkstemp(prefix="fullshard-params-", dir=directory)
+    fd = unnamed_file(directory, "fullshard-params-")
     try:
-        os.unlink(path)
         refused = reserve(fd, nbytes)
         if refused is not None:
             free = shutil.disk_usage(directory).free

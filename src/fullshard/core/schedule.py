@@ -31,7 +31,7 @@ from typing import Callable, Generic, Hashable, NamedTuple, Sequence, TypeVar
 
 import torch
 
-from .collectives import receives_into_scratch
+from .collectives import receives_into_scratch, skips_collectives
 
 U = TypeVar("U", bound=Hashable)  # a unit (UnitState; an index in the estimator)
 G = TypeVar("G")                  # a group (ParamGroup; a byte-count group in the estimator)
@@ -212,18 +212,30 @@ def gather_plan(*, shard_size: int, shard_dtype: torch.dtype, shard_device: torc
                 post_forward: bool) -> GatherPlan:
     """What gathering a group allocates. One rank per shard group (Note [shard groups of
     one rank]): no collective, and without a cast, offload or a post-forward subgroup
-    the parameters are views of the shard itself."""
-    if shard_size == 1:
+    the parameters are views of the shard itself (unless the one-rank shortcuts are off:
+    ``collectives.skips_collectives``)."""
+    if skips_collectives(shard_size):
         aliased = not offload and not post_forward and compute_dtype == shard_dtype
         return GatherPlan(send=False, gathered=False, unsharded=not aliased)
     send = (compute_dtype, compute_device) != (shard_dtype, shard_device)
     return GatherPlan(send=send, gathered=True, unsharded=True)
 
 
+# Each rank's chunk of a reduction ends with this rank's ledger digest, 8 bits an element
+# (exact in any floating dtype): the ranks compare them before summing (Note [ranks agree
+# on every collective]).
+DIGEST_NUMEL = 8
+
+
 def reduce_numel(shard_numels: Sequence[int]) -> int:
-    """Per-rank elements of a reduction: the trainable parameters' shards plus one
-    presence flag each (Note [gradient presence flags])."""
-    return sum(shard_numels) + len(shard_numels)
+    """Per-rank elements of a reduction: the trainable parameters' shards, one presence
+    flag each (Note [gradient presence flags]) and the ledger digest."""
+    return sum(shard_numels) + reduce_tail(len(shard_numels))
+
+
+def reduce_tail(params: int) -> int:
+    """Elements after the gradients in a reduction's chunk: presence flags, the digest."""
+    return params + DIGEST_NUMEL
 
 
 class ReducePlan(NamedTuple):

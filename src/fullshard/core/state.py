@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..policies import MixedPrecisionPolicy
 from .buffers import BufferPool
 from .gradients import DEFAULT_REDUCE, ReduceOptions, UnknownPresence
+from .ledger import BACKWARD
 from .group import ParamGroup, PendingReduce
 from .schedule import PrefetchOrder, frees_after_forward
 from .streams import SharedCopies
@@ -153,6 +154,7 @@ class RootState:
         self.guard = None
         self.patience = None
         self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
+        self.backward_count = 0  # backward passes finished (when late gradients are looked for)
 
     # -- orders -------------------------------------------------------------------------
     def record_pre_forward(self, unit: UnitState) -> None:
@@ -254,7 +256,7 @@ class RootState:
         self.finish_pending_reduce()
         self.copies.settle()
         if self.guard is not None:  # the ranks agreed on what they reduced (or it raises)
-            self.guard.settle()
+            self.guard.ensure_agreed(BACKWARD)
         unknown, self.unknown_presence = self.unknown_presence, []
         for presence in unknown:  # after the copies: offloaded flags are on the host now
             presence.resolve()

@@ -25,7 +25,21 @@ so far has run: 4x FSDP2's offload step time on an H100). So:
 * host -> device (the shard before its all-gather): on the ``to_device`` stream,
   which waits for the current stream first (the pooled destination may still be
   read there), and the all-gather is issued on that stream so NCCL orders itself
-  after the copy while compute goes on.
+  after the copy while compute goes on. Every gather runs there, offloaded or not,
+  and so does the copy-in of a shard group of one rank (no collective: the copy alone).
+
+The copy stream's blocks. Blocks the caching allocator hands out on the copy stream
+(the gather's send and receive buffers) are read afterwards on a compute stream (the
+copy-out into the unsharded parameters, the int8 gather's dequantizing) and then go
+back to the pool or, when the pool does not keep them, to the allocator, which hands
+a freed block to the next allocation *on the stream it was made on* without waiting
+for other streams. So the rule: every buffer read on a compute stream after the copy
+stream made it is followed there by ``reads_done()``, which records an event on that
+compute stream, and the copy stream waits on the latest such event of every compute
+stream before it allocates again (``to_device``). Waiting for the caller's stream alone
+is not enough: with ``share_comm_ctx`` the stages of a pipeline share one copy stream
+from different compute streams, and stage B's gather could reuse a block stage A is
+still copying out of. (FSDP2 does the same with an event recorded after its copy-out.)
 
 Without CUDA every method is the plain synchronous copy, so the CPU test suite runs
 the same code paths. The profiler sees each copy as a ``fullshard::`` range
@@ -55,29 +69,42 @@ def traced(name: str, unit: str | None = None):
 
 
 class HostCopies:
-    """The offload copies of one root's units (Note [streams and events])."""
+    """The copy streams of one root's units (Note [streams and events]). ``streams`` is
+    the device's module of streams and events (``torch.cuda``; tests pass a recording
+    stand-in); without one every method is the plain synchronous copy."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, streams=None):
         self.device = device
-        self.on_cuda = device.type == "cuda"
-        self._to_host = torch.cuda.Stream(device) if self.on_cuda else None
-        self._to_device = torch.cuda.Stream(device) if self.on_cuda else None
+        self._streams = streams if streams is not None else (
+            torch.cuda if device.type == "cuda" else None)
+        self._to_host = self._streams.Stream(device) if self._streams else None
+        self._to_device = self._streams.Stream(device) if self._streams else None
         self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # the latest reads_done() event of each compute stream, not yet waited for
+        self._reads: dict = {}
+
+    def reads_done(self) -> None:
+        """The current stream has queued its last read of buffers the copy stream made
+        (a gather's copy-out or dequantizing): the copy stream allocates again only
+        after it (Note [streams and events])."""
+        if self._streams is None:
+            return
+        caller = self._streams.current_stream(self.device)
+        self._reads[caller] = caller.record_event()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (device) into ``dst`` (pinned host memory) without blocking; the
         values are readable after ``settle()``."""
         with traced("copy_to_host"):
-            if not self.on_cuda or src.device.type != "cuda":
+            if self._streams is None or src.device.type == "cpu":
                 dst.copy_(src)
                 return
             self._release_landed()
             stream = self._to_host
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+            stream.wait_stream(self._streams.current_stream(self.device))
+            with self._streams.stream(stream):
                 dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
+                done = stream.record_event()
             self._in_flight.append((done, src))
 
     @contextlib.contextmanager
@@ -86,24 +113,27 @@ class HostCopies:
         copy stream, ordered after the current stream's earlier work. Yields
         ``ordered(pending)``, which makes waiting on the collective also order the
         waiting stream after the copy stream (a custom collective may return no work)."""
-        if not self.on_cuda:
+        if self._streams is None:
             yield _unchanged
             return
+        streams = self._streams
         stream = self._to_device
-        caller = torch.cuda.current_stream(self.device)
-        stream.wait_stream(caller)
+        stream.wait_stream(streams.current_stream(self.device))
+        for read in self._reads.values():  # blocks freed after reads on other streams
+            stream.wait_event(read)
+        self._reads.clear()
 
         def ordered(pending: Pending) -> Pending:
             issued = stream.record_event()
             earlier = pending.finish
 
             def finish() -> None:
-                torch.cuda.current_stream(self.device).wait_event(issued)
+                streams.current_stream(self.device).wait_event(issued)
                 if earlier is not None:
                     earlier()
             return pending._replace(finish=finish)
 
-        with torch.cuda.stream(stream):
+        with streams.stream(stream):
             yield ordered
 
     def _release_landed(self) -> None:

@@ -15,7 +15,13 @@ fits wins:
                                  are not enough for the host budget)
     micro-batch                  x 1.15 per halving below the requested size
                                  (smaller kernels; gradient accumulation keeps
-                                 the global batch)
+                                 the global batch: only halvings that divide it)
+
+A micro-batch below the batch accumulates: the trainer reduces after the last
+micro-batch only, and keeps every unsharded gradient until then (in an fp32
+accumulator; under no_shard in fp32, the gradients themselves, already counted), so
+such a candidate's estimate gains an "accumulated gradients" line of 4 bytes per
+trainable parameter.
 
 "Fits" means the estimate times ``1 + margin`` is within the budget: the
 estimate's measured error is a few percent (docs/memory.md), the margin covers it.
@@ -31,7 +37,7 @@ no_shard is considered at world size 1 only. A step is traced once per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .estimate import MemoryEstimate, TracedStep, estimate_traced, trace_workload
@@ -120,10 +126,11 @@ def candidates(batch_size: int, allow_offload: bool,
                strategies: tuple[str, ...] = tuple(STRATEGY_COST),
                allow_disk: bool = False) -> list[Candidate]:
     """Every configuration considered, cheapest first (Note [how plans are ranked])."""
-    micro_batches, mb = [], batch_size
+    micro_batches, mb, halvings = [], batch_size, 0
     while mb >= 1:
-        micro_batches.append(mb)
-        mb //= 2
+        if batch_size % mb == 0:  # accumulation reaches exactly the batch asked for
+            micro_batches.append((halvings, mb))
+        mb, halvings = mb // 2, halvings + 1
     out = []
     for strategy in strategies:
         base = STRATEGY_COST[strategy]
@@ -133,13 +140,25 @@ def candidates(batch_size: int, allow_offload: bool,
             for offload, disk in offloads:  # disk: 1 states, 2 states and parameters
                 if offload and strategy != "full_shard":
                     continue
-                for halvings, mb in enumerate(micro_batches):
+                for halvings, mb in micro_batches:
                     cost = base * (CHECKPOINTING_COST if ac else 1) \
                         * (OFFLOAD_COST if offload else 1) * DISK_COST ** disk \
                         * HALVING_COST ** halvings
-                    out.append(Candidate(strategy, ac, offload, mb, -(-batch_size // mb),
+                    out.append(Candidate(strategy, ac, offload, mb, batch_size // mb,
                                          round(cost, 4), disk >= 1, disk == 2))
     return sorted(out, key=lambda c: (c.cost, -c.micro_batch))
+
+
+ACCUMULATOR_BYTES = 4  # fp32, the trainer's reduce dtype
+
+
+def _with_accumulators(est: MemoryEstimate, cand: Candidate) -> MemoryEstimate:
+    """Note [how plans are ranked]: the unsharded gradients accumulation keeps."""
+    if cand.grad_accum == 1 or (cand.strategy == "no_shard"
+                                and est.settings["dtype"] == "float32"):
+        return est
+    extra = ACCUMULATOR_BYTES * est.trainable_params
+    return replace(est, lines={**est.lines, "accumulated gradients": extra})
 
 
 def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size: int,
@@ -171,8 +190,9 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
                 batch_size=cand.micro_batch, seq_len=seq_len, **trace_kwargs)
         offload = ("disk+params" if cand.params_on_disk else "disk") if cand.states_on_disk \
             else cand.offload
-        est = estimate_traced(traces[key], world_size=world_size, strategy=cand.strategy,
-                              offload=offload, **replay_kwargs)
+        est = _with_accumulators(estimate_traced(
+            traces[key], world_size=world_size, strategy=cand.strategy, offload=offload,
+            **replay_kwargs), cand)
         if est.total * (1 + margin) > budget_bytes:
             rejected.append((cand, est.total))
         elif host_budget_bytes is not None and est.host_bytes * (1 + margin) > host_budget_bytes:

@@ -15,6 +15,11 @@ Files are opened with ``O_DIRECT`` where the file system allows it (the page cac
 would otherwise hold a second copy of every state in host memory, which is what the
 offload is for removing); buffers and offsets are 4096-byte aligned for it. Where
 ``O_DIRECT`` is refused (tmpfs, some network file systems) the files are buffered.
+
+The files have no name (core/mapped.unnamed_file): only this process's descriptors hold
+them, so however it ends (closed with its optimizer, at exit, killed by a signal or the
+out-of-memory killer) the kernel frees their blocks and nothing is left under the path.
+A job restarted after a crash, however often, finds the disk as it was.
 """
 
 from __future__ import annotations
@@ -22,14 +27,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..core.mapped import reserve
+from ..core.mapped import reopen, reserve, unnamed_file
 
 ALIGN = 4096   # bytes: O_DIRECT's alignment for buffers, offsets and lengths
 SETS = 3       # staging sets: one read ahead, one stepping, one being written back
@@ -63,12 +67,11 @@ def _transfer(write: bool, jobs: list[tuple[int, memoryview, int]]) -> tuple[int
     return moved, time.perf_counter() - began
 
 
-def _remove(directory: str, fds: dict, io: ThreadPoolExecutor) -> None:
+def _close(fds: dict, io: ThreadPoolExecutor) -> None:
     io.shutdown(wait=True)
     for fd in list(fds.values()):
-        os.close(fd)
+        os.close(fd)  # the files have no name: the last descriptor frees their blocks
     fds.clear()
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 class StateFiles:
@@ -79,10 +82,10 @@ class StateFiles:
         self.chunk_numel = chunk_numel
         self.n_chunks = max(1, -(-total_numel // chunk_numel))
         self.capacity = self.n_chunks * chunk_numel   # elements each file holds
-        self.directory = tempfile.mkdtemp(prefix="fullshard-optim-states-", dir=path)
+        self.directory = path                 # where the (unnamed) files are
         self.direct = hasattr(os, "O_DIRECT")
         self._fds: dict[str, int] = {}         # state name -> fd (O_DIRECT where allowed)
-        self._plain: dict[str, int] = {}       # state name -> buffered fd for unaligned reads
+        self._plain: dict[str, int] = {}       # state name -> buffered fd (unaligned reads)
         self._opened: dict[str, int] = {}      # every descriptor, for the finalizer to close
         self.dtypes: dict[str, torch.dtype] = {}
         self.sets: list[dict[str, torch.Tensor]] = [{} for _ in range(SETS)]
@@ -92,9 +95,8 @@ class StateFiles:
         self.bytes_read = 0
         self.bytes_written = 0
         self.io_seconds = 0.0  # the I/O thread's time in reads and writes that were waited on
-        # The folder goes when this object does, or at interpreter exit (a process killed
-        # by a signal leaves it behind; its name says whose it is).
-        self._finalizer = weakref.finalize(self, _remove, self.directory, self._opened, self._io)
+        # The files go when this object does, at interpreter exit, or with the process.
+        self._finalizer = weakref.finalize(self, _close, self._opened, self._io)
 
     # -- files and buffers -------------------------------------------------------------
 
@@ -106,22 +108,19 @@ class StateFiles:
                     f"fullshard: {self.label}: optimizer state '{name}' changed dtype from "
                     f"{self.dtypes[name]} to {dtype}; states on disk keep one dtype per name.")
             return
-        file = os.path.join(self.directory, f"{name}.bin")
         nbytes = self.capacity * torch.empty((), dtype=dtype).element_size()
-        flags = os.O_RDWR | os.O_CREAT
-        fd = None
+        plain = unnamed_file(self.directory, f"fullshard-optim-{name}-")
+        self._plain[name] = self._opened[f"{name}:plain"] = plain
+        fd = plain
         if self.direct:
             try:
-                fd = os.open(file, flags | os.O_DIRECT, 0o600)
+                fd = self._opened[name] = reopen(plain, os.O_RDWR | os.O_DIRECT)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
-        if fd is None:
-            fd = os.open(file, flags, 0o600)
-        self._fds[name] = self._opened[name] = fd
+        self._fds[name] = fd
         self._reserve(fd, nbytes, name)
-        self._plain[name] = self._opened[f"{name}:plain"] = os.open(file, os.O_RDWR)
         self.dtypes[name] = dtype
         for staged in self.sets:
             staged[name] = _aligned_empty(self.chunk_numel, dtype)

@@ -116,23 +116,6 @@ def calibrated_cpu(flops: float, link: Link, bandwidth: float,
     one node (intra and inter the same loopback), no overlap (Note in hardware.py)."""
     cores = cores or len(os.sched_getaffinity(0))
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Device("cpu (calibrated)", flops, 1.0, mem, bandwidth, overlaps_comm=False,
+    return Device("cpu (calibrated)", flops, mem, bandwidth, efficiency=1.0, overlaps_comm=False,
                   cores=cores, intra=link, inter=link,
                   source="measured on this machine by fullshard project --calibrate")
-
-
-def fit_efficiency(measured_tokens_per_s: float, projector, lo: float = 0.01,
-                   hi: float = 1.0) -> float:
-    """The device efficiency at which ``projector(efficiency)`` (a Projection) reaches a
-    published or measured tokens/s per device: how each default in hardware.DEVICES was
-    derived from its source run. Bisection: throughput grows with efficiency."""
-    if projector(hi).tokens_per_second_per_device < measured_tokens_per_s:
-        raise ProjectionError(f"{measured_tokens_per_s:,.0f} tokens/s is beyond this "
-                              "device's peak even with every overhead hidden")
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if projector(mid).tokens_per_second_per_device < measured_tokens_per_s:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2

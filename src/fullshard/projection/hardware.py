@@ -3,18 +3,21 @@
 Every figure is a parameter a user can override (``fullshard project --efficiency``,
 ``--intra-gbps``, ``--inter-gbps`` ...). The defaults, and where each comes from:
 
-- ``peak_flops``: the vendor's dense bf16 tensor-core figure (H100/H200 SXM 989 TFLOP/s,
-  A100 312 TFLOP/s).
-- ``efficiency``: the fraction of ``peak_flops`` an eager bf16 transformer training step
-  achieves on the FLOPs it really executes (recomputation included). It is not derivable
-  from a datasheet, so each default is fitted once to one published run, named in
-  ``source``, and then checked against *other* published runs (docs/projection.md,
-  tests/test_projection.py): H100 from torchtitan's Llama 3.1 8B on 8 H100s (5,762
-  tokens/s/GPU), A100 from torchtitan's Llama 3 8B on 64 A100s (2,973 tokens/s/GPU).
-- links: what NCCL achieves, not the nominal rate: NVLink 4 (H100/H200) ~360 GB/s of
-  all-gather bus bandwidth per GPU, NVLink 3 (A100) ~230 GB/s; between nodes one
-  400 Gb/s NIC per GPU (H100/H200) or 200 Gb/s (A100) at ~90% (``inter`` is one GPU's
-  NIC; ``Cluster.link_for`` says how rings spanning nodes use them).
+- ``peak_flops``, ``memory_bandwidth``, ``memory_bytes``: the vendor's datasheet (dense
+  bf16 tensor-core peak; memory as ``nvidia-smi`` reports it, MiB). A variant is a device of
+  its own: the A100 with 40 GB of HBM2 (1.56 TB/s) or 80 GB of HBM2e (2.04 TB/s); the H100
+  SXM (HBM3, 3.35 TB/s, 700 W), PCIe (756 TFLOP/s, 2.0 TB/s, 350 W, no NVLink switch) and
+  the 96 GB HBM2e part run at 500 W in Meta's Grand Teton hosts (2.4 TB/s; a lower
+  sustained clock under that cap was fitted, to no effect beyond its slower memory, on the
+  one published run of that part); the H200 (HBM3e, 4.8 TB/s).
+- how much of those a training step reaches is the compute model's business
+  (compute.py, Note [the compute model]), fitted per architecture (``arch``) to published
+  runs; ``efficiency``, when set, replaces it by one achieved fraction of peak on every
+  executed FLOP (what ``--efficiency`` sets, and what a calibrated CPU uses).
+- links: what NCCL achieves, not the nominal rate: NVLink 4 (H100/H200 SXM) ~360 GB/s of
+  all-gather bus bandwidth per GPU, NVLink 3 (A100) ~230 GB/s, an H100 PCIe's PCIe 5 ~40
+  GB/s; between nodes one 400 Gb/s NIC per GPU (H100/H200) or 200 Gb/s (A100) at ~90%
+  (``inter`` is one GPU's NIC; ``Cluster.link_for`` says how rings spanning nodes use them).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ class Link:
 @dataclass(frozen=True)
 class Device:
     name: str
-    peak_flops: float          # FLOP/s, dense, in the training's compute dtype
-    efficiency: float          # achieved fraction of peak_flops on executed FLOPs
+    peak_flops: float          # FLOP/s, dense, in the training's compute dtype (datasheet)
     memory_bytes: int          # usable device memory
-    memory_bandwidth: float    # bytes/s (the optimizer step streams the shard through it)
+    memory_bandwidth: float    # bytes/s (datasheet)
+    arch: str = "cpu"          # which fitted kernel constants apply (compute.py); none for a CPU
+    # set (or an arch without constants): one achieved fraction of peak for all compute (1)
+    efficiency: float | None = None
     # GPUs run collectives beside kernels (NCCL on its own streams): communication can hide
     # under compute. A CPU rank whose cores are all busy computing cannot: it serializes.
     overlaps_comm: bool = True
@@ -54,24 +59,32 @@ class Device:
 
 
 GB = 1e9
+MiB = 2**20
+_NVLINK4, _NVLINK3 = Link(360 * GB, 10e-6), Link(230 * GB, 10e-6)
+_NIC400, _NIC200 = Link(45 * GB, 20e-6), Link(22.5 * GB, 20e-6)
 DEVICES: dict[str, Device] = {
-    "h100": Device("h100", 989e12, 0.3807, 80 * GB, 3.35e12,
-                   intra=Link(360 * GB, 10e-6), inter=Link(45 * GB, 20e-6),
-                   source="efficiency fitted to torchtitan Llama 3.1 8B, 8 H100, 5,762 "
-                          "tokens/s/GPU (docs/performance.md)"),
-    "h200": Device("h200", 989e12, 0.3807, 141 * GB, 4.8e12,
-                   intra=Link(360 * GB, 10e-6), inter=Link(45 * GB, 20e-6),
-                   source="H100's efficiency (same compute die); more and faster memory"),
-    "a100": Device("a100", 312e12, 0.6254, 80 * GB, 2.04e12,
-                   intra=Link(230 * GB, 10e-6), inter=Link(22.5 * GB, 20e-6),
-                   source="efficiency fitted to torchtitan Llama 3 8B, 64 A100, 2,973 "
-                          "tokens/s/GPU (docs/performance.md)"),
+    "h100": Device("h100", 989e12, 81559 * MiB, 3.35e12, "hopper", intra=_NVLINK4,
+                   inter=_NIC400, source="H100 SXM 80 GB (HBM3, 700 W)"),
+    "h100-pcie": Device("h100-pcie", 756e12, 81559 * MiB, 2.0e12, "hopper",
+                        intra=Link(40 * GB, 10e-6), inter=_NIC400,
+                        source="H100 PCIe 80 GB (HBM2e, 350 W)"),
+    "h100-hbm2e": Device("h100-hbm2e", 989e12, 96 * GB, 2.4e12, "hopper",
+                         intra=_NVLINK4, inter=_NIC400,
+                         source="H100 SXM 96 GB (HBM2e) at 500 W, as in Grand Teton"),
+    "h200": Device("h200", 989e12, 143771 * MiB, 4.8e12, "hopper", intra=_NVLINK4,
+                   inter=_NIC400, source="H200 SXM 141 GB (HBM3e, 700 W)"),
+    "a100": Device("a100", 312e12, 81920 * MiB, 2.039e12, "ampere", intra=_NVLINK3,
+                   inter=_NIC200, source="A100 SXM 80 GB (HBM2e, 400 W)"),
+    "a100-40gb": Device("a100-40gb", 312e12, 40960 * MiB, 1.555e12, "ampere",
+                        intra=_NVLINK3, inter=_NIC200, source="A100 SXM 40 GB (HBM2, 400 W)"),
 }
+ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h100-96gb": "h100-hbm2e"}
 
 
 def device_named(name: str) -> Device:
     try:
-        return DEVICES[name.lower()]
+        name = name.lower()
+        return DEVICES[ALIASES.get(name, name)]
     except KeyError:
         raise ProjectionError(
             f"unknown device {name!r}: one of {', '.join(DEVICES)}, or calibrate the machine "

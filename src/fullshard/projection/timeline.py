@@ -84,15 +84,20 @@ def micro_batch(units: list[UnitCost], start: float, comm: _Comm) -> float:
 
 
 def step_time(units: list[UnitCost], micro_batches: int, optimizer: float,
-              overlaps: bool) -> StepTime:
-    compute = micro_batches * sum(u.forward + u.backward for u in units) + optimizer
-    collectives = micro_batches * sum(u.gather + u.regather + u.reduce + u.replica_reduce
-                                      for u in units)
+              overlaps: bool, early: list[UnitCost] | None = None) -> StepTime:
+    """One optimizer step: ``micro_batches`` micro-batches, ``units`` the costs of the last
+    (and of every one when ``early`` is None), ``early`` those of the ones before it (no
+    reduction when gradients accumulate unsharded), then the optimizer."""
+    early = units if early is None else early
+    batches = [early] * (micro_batches - 1) + [units]
+    compute = sum(u.forward + u.backward for b in batches for u in b) + optimizer
+    collectives = sum(u.gather + u.regather + u.reduce + u.replica_reduce
+                      for b in batches for u in b)
     if not overlaps:
         total = compute + collectives
         return StepTime(total, compute, collectives, collectives)
     comm, clock = _Comm(), 0.0
-    for _ in range(micro_batches):
-        clock = micro_batch(units, clock, comm)
+    for batch in batches:
+        clock = micro_batch(batch, clock, comm)
     total = clock + optimizer
     return StepTime(total, compute, comm.busy, total - compute)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import collectives as collectives_module
+from ..core.collectives import skips_collectives
 from ..core import gradients as gradients_module
 from ..core import group as group_module
 from ..core import post_forward as post_forward_module
@@ -20,23 +21,24 @@ from ..core import subclass_params as subclass_module
 def count_collectives():
     """Yield a Counter with keys ``all_gather``/``all_gather_async``/``reduce_scatter``/
     ``all_reduce`` (gathers within a post-forward subgroup, ``reshard_after_forward=N``,
-    and those of tensor-subclass parameters count too; collectives over a group of one rank are not issued and not counted)."""
+    and those of tensor-subclass parameters count too; collectives over a group of one
+    rank are not issued and not counted, unless ``collectives_at_one_rank`` is on)."""
     counts: Counter = Counter()
     real_ag, real_rs = group_module.all_gather, group_module.reduce_scatter_sum
     real_ar = group_module.all_reduce_sum
 
     def all_gather(out, shard, pg, async_op=False, **kwargs):
-        if pg.size() > 1:
+        if not skips_collectives(pg.size()):
             counts["all_gather_async" if async_op else "all_gather"] += 1
         return real_ag(out, shard, pg, async_op=async_op, **kwargs)
 
     def reduce_scatter_sum(out, full, pg, async_op=False, **kwargs):
-        if pg.size() > 1:
+        if not skips_collectives(pg.size()):
             counts["reduce_scatter"] += 1
         return real_rs(out, full, pg, async_op=async_op, **kwargs)
 
     def all_reduce_sum(tensor, pg, async_op=False, **kwargs):
-        if pg.size() > 1:
+        if not skips_collectives(pg.size()):
             counts["all_reduce"] += 1
         return real_ar(tensor, pg, async_op=async_op, **kwargs)
 

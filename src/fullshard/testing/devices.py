@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..core.collectives import set_one_rank_shortcuts
+
 
 def uses_cuda(backend: str) -> bool:
     """Whether a process-group backend ("gloo", "nccl", "cpu:gloo,cuda:nccl") runs on GPUs."""
@@ -37,3 +39,12 @@ def rank_device() -> torch.device:
     if dist.is_initialized() and uses_cuda(str(dist.get_backend())):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def collectives_at_one_rank(enabled: bool = True) -> bool:
+    """Make shard groups of one rank communicate as larger ones do (NCCL and gloo both
+    take a group of one rank) instead of copying (Note [shard groups of one rank]): the
+    gathers and reductions, the copy stream, its events and the pooled buffers then run
+    on a one-GPU machine. For tests and benchmarks; call it in each process before it
+    shards anything (every rank function of a test). Returns the previous setting."""
+    return not set_one_rank_shortcuts(not enabled)

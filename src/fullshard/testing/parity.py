@@ -31,6 +31,8 @@ def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    if isinstance(getattr(torch.optim, kind, None), type):  # another torch optimizer by name
+        return getattr(torch.optim, kind)(params, lr=lr)
     raise ValueError(f"unknown optimizer {kind!r}")
 
 

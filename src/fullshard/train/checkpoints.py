@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checkpoint
+from ..checkpoint.agreement import on_every_rank
 from ..checkpoint.verify import verified_extra
 from .agreement import counted
 from .config import ConfigError, TrainConfig, load_toml
@@ -150,11 +151,17 @@ def check_shared(out: str) -> None:
     name = [f".shared-{uuid.uuid4().hex}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name)
     probe = os.path.join(directory, name[0])
-    if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(name[0])
-    dist.barrier()
+
+    def write_probe() -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write(name[0])
+    _, failed, _ = on_every_rank(write_probe)  # every rank hears of rank 0's failure
+    if failed:
+        raise ConfigError(
+            f"--out {out}: cannot write in {directory} ({failed[0][1]}); checkpoints are "
+            "saved there: make it a writable directory with free space, or give another --out")
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, _appears(probe, name[0]))
     if dist.get_rank() == 0:  # every rank has looked
@@ -247,12 +254,21 @@ def run_checkpoint(path: str, flag: str, hint: str = "") -> tuple[str, str, Trai
 
 
 def load(out: str, model: nn.Module, optimizer: list[torch.optim.Optimizer],
-         device: torch.device) -> ResumePoint:
+         device: torch.device, nf4_bases: bool = False) -> ResumePoint:
     """Load the latest checkpoint of the run in ``out`` into ``model`` and ``optimizer``;
-    restore this rank's RNG state when the world size is the one it was saved at."""
+    restore this rank's RNG state when the world size is the one it was saved at.
+    ``nf4_bases``: the model's frozen bases are NF4, whose shards load only at the world
+    size they were saved at (their quantization blocks are chosen per world size)."""
     if not has_checkpoint(out):
         raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run without "
                           "--resume to start there")
+    saved_world = (checkpoint.read_manifest(checkpoint_dir(out)) or {}).get("world_size")
+    if nf4_bases and saved_world not in (None, dist.get_world_size()):
+        raise ConfigError(
+            f"--resume: the checkpoint in {checkpoint_dir(out)} holds NF4 base weights "
+            f"(lora.base nf4) sharded over {saved_world} ranks, whose quantization blocks "
+            f"depend on the world size; resume it on {saved_world} ranks (--nproc "
+            f"{saved_world}), or train with lora.base fp32 to resume at any world size")
     extra = checkpoint.load(checkpoint_dir(out), model, optimizer)
     rng_states = extra["rng"]
     if len(rng_states) == dist.get_world_size():

@@ -336,6 +336,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"parallel.quantize: {cfg.parallel.quantize} quantizes all-gathers "
                           "and reduce-scatters, which parallel.strategy no_shard does not "
                           "issue; choose a sharded strategy or parallel.quantize none")
+    if cfg.lora.rank and cfg.lora.base == "nf4" and (
+            cfg.parallel.strategy in ("no_shard", "hybrid_shard")
+            or (isinstance(raf, int) and not isinstance(raf, bool))):
+        asked = (f"parallel.strategy {cfg.parallel.strategy}"
+                 if cfg.parallel.strategy in ("no_shard", "hybrid_shard")
+                 else f"parallel.reshard_after_forward {raf}")
+        raise ConfigError(f"lora.base: nf4 base weights gather through their tensor subclass, "
+                          f"which fullshard does not combine with {asked}; choose full_shard, "
+                          "shard_grad_op or zero1, or lora.base fp32")
     offload = cfg.parallel.offload
     if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
         raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "

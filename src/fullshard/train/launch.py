@@ -251,16 +251,29 @@ def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
     return 0
 
 
-def start_worker() -> Worker:
-    """Join the process group: NCCL and one GPU per local rank on CUDA, gloo on CPU."""
+def process_group_backend(device_type: str, offload: bool) -> str:
+    """The default group's backend: gloo on CPU; NCCL on CUDA, with gloo beside it for
+    CPU tensors when the run offloads. Offloaded gradients are DTensors whose local
+    tensors live on the host, on the CUDA mesh: anything that reduces them over the mesh
+    (torch's ``clip_grad_norm_``, a DTensor ``full_tensor()``) sends a CPU tensor through
+    the mesh's group, which NCCL alone refuses ("No backend type associated with device
+    type cpu"). torchtitan initializes "cpu:gloo,cuda:nccl" for the same reason."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if offload else "nccl"
+
+
+def start_worker(offload: bool = False) -> Worker:
+    """Join the process group: NCCL and one GPU per local rank on CUDA (and gloo for host
+    tensors with ``offload``: ``process_group_backend``), gloo on CPU."""
     local_rank, local_world = local_place(os.environ)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group(process_group_backend("cuda", offload), device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group(process_group_backend("cpu", offload))
     return Worker(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device)
 
 

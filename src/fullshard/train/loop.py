@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..gpt import aux_loss, lm_loss
+from ..grad_norm import clip_grad_norm_
 from ..memory import tune_cpu_allocator
 from ..memory.allocator import release_free_heap
 from . import checkpoints
@@ -98,7 +99,9 @@ class Trainer:
 
     def run(self, resume: bool) -> None:
         if resume:
-            point = checkpoints.load(self.out, self.model, self.optimizers, self.worker.device)
+            point = checkpoints.load(self.out, self.model, self.optimizers, self.worker.device,
+                                     nf4_bases=bool(self.cfg.lora.rank)
+                                     and self.cfg.lora.base == "nf4")
             self.step = point.step
             if self.step > self.cfg.steps:  # never silently train nothing, or go back
                 raise ConfigError(
@@ -197,7 +200,7 @@ class Trainer:
             # Reduce-scatter only after the last micro-batch: the ones before accumulate
             # unsharded gradients locally.
             self.model.set_requires_gradient_sync(micro == accum - 1)
-            x, y = (t.to(self.worker.device) for t in self.sampler.next_batch())
+            x, y = on_device(self.sampler.next_batch(), self.worker.device)
             with self.memory.phase("forward"):
                 loss = lm_loss(self.workload.logits(x).float(), y)
                 balance = aux_loss(self.model)  # mixture-of-experts blocks' load balancing
@@ -227,9 +230,10 @@ class Trainer:
 
     def _clip_gradients(self) -> float:
         clip = self.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                              clip if clip > 0 else float("inf"))
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # fullshard's: it reduces the norm on the mesh's device, also when offloaded
+        # gradients live on the host (torch's would send host tensors through NCCL)
+        norm = clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        return float(norm)
 
     def _gather_stats(self, loss: torch.Tensor) -> torch.Tensor:
         """One collective a step: every rank's loss, stop request and memory ``FIGURES``
@@ -261,7 +265,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.worker.device)
         for x, y in self.val_batches:
-            x, y = x.to(self.worker.device), y.to(self.worker.device)
+            x, y = on_device((x, y), self.worker.device)
             total += lm_loss(self.workload.logits(x).float(), y).double()
         dist.all_reduce(total)
         self.model.train()
@@ -329,6 +333,17 @@ class Trainer:
     def _say(self, text: str) -> None:
         if self.progress is not None:
             self.progress.message(text)
+
+
+def on_device(tensors, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (host batches) on ``device``. To a GPU they go through pinned memory
+    without blocking: a copy from pageable memory makes the host wait until everything
+    queued on the stream has run, so each micro-batch would stall the launch of its
+    forward until the previous step's kernels had finished. torch's pinned-memory cache
+    hands a staging block out again only after the copy from it has run."""
+    if device.type == "cpu":
+        return tuple(tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
 def _due(step: int, every: int) -> bool:

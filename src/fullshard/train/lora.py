@@ -46,7 +46,8 @@ def quantize_bases(model: nn.Module, shard_size: int) -> None:
 def nf4_block_sizes(numel: int, shard_size: int) -> tuple[int, int]:
     """The largest NF4 block sizes that split evenly into ``shard_size`` shards (each
     shard whole blocks of values and of scalers); torchao's defaults when they do. A
-    weight with none left as is fails at ``fully_shard`` naming it (E107)."""
+    weight with none gets the sizes that fit it whole, and fails at ``fully_shard``
+    naming it (E107) rather than inside torchao."""
     for block in NF4_BLOCKS:
         if numel % (block * shard_size):
             continue
@@ -54,4 +55,6 @@ def nf4_block_sizes(numel: int, shard_size: int) -> tuple[int, int]:
         for scaler_block in NF4_SCALER_BLOCKS:
             if scalers % (scaler_block * shard_size) == 0:
                 return block, scaler_block
+    if shard_size > 1:
+        return nf4_block_sizes(numel, 1)
     return NF4_BLOCKS[0], NF4_SCALER_BLOCKS[0]

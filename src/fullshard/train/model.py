@@ -239,7 +239,12 @@ def build_mesh(parallel: ParallelConfig, device_type: str, world: int,
         replicas = parallel.replicas or max(1, world // ranks_per_node)
         if world % replicas:
             raise ConfigError(f"parallel.replicas: {replicas} does not divide the world size "
-                              f"{world}")
+                              f"{world}; give a divisor of it, or 0 for one replica per node")
+        if replicas == world and parallel.quantize != "none":
+            raise ConfigError(f"parallel.quantize: {parallel.quantize} quantizes all-gathers and "
+                              f"reduce-scatters, which hybrid_shard with parallel.replicas "
+                              f"{replicas} over {world} ranks (shard groups of one rank) does "
+                              "not issue; give fewer replicas or parallel.quantize none")
     return init_device_mesh(device_type, (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
 

@@ -1,0 +1,88 @@
+"""The projection against the published FSDP runs of src/fullshard/projection/published_runs.csv.
+
+Projects every run with the fitted compute model (fullshard.projection.compute.FITTED) and
+prints, per split and per (team, GPU), the median and worst |projected / published - 1| of
+tokens/s per GPU, the runs beyond 20%, and the memory check (every run ran: none may be
+projected over its GPU's memory):
+
+    python benchmarks/projection_published.py [--runs] [--check]
+
+``--runs`` prints every run; ``--check`` exits 1 when the held-out median exceeds 5%, a
+held-out run other than those in KNOWN_MISSES is off by more than 20%, or a run is
+projected not to fit. ``--refit`` fits the constants again on the fit half first (about
+two minutes) and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from fullshard.projection import FITTED, fit, published  # noqa: E402
+
+# Held-out runs beyond 20% (docs/projection.md, "What it misses"): each is a run its own
+# source reports 15-27% slower than the same model at a neighbouring GPU count or
+# micro-batch, which no smooth model follows.
+KNOWN_MISSES = {"mpt-70b-a100-40gb-g64-s2048-mb2", "mpt-30b-h100-g8-s8192-mb1",
+                "mpt-1b-a100-40gb-g32-s2048-mb10"}
+GOAL_MEDIAN, GOAL_WORST = 0.05, 0.20
+
+
+def summary(runs: list[published.PublishedRun], constants=FITTED) -> dict:
+    """Errors per split and per (split, team, GPU), the held-out runs beyond 20%, and the
+    runs projected over their GPUs' memory."""
+    errors = {r.id: r.error(constants) for r in runs}
+    groups = defaultdict(list)
+    for r in runs:
+        groups[(r.split, r.team, r.cluster.device.name)].append(abs(errors[r.id]))
+        groups[(r.split, "all", "")].append(abs(errors[r.id]))
+    over_memory = [r.id for r in runs if not r.projection(constants).fits(margin=0.0)]
+    beyond = sorted(r.id for r in runs
+                    if r.split == "held-out" and abs(errors[r.id]) > GOAL_WORST)
+    return {"errors": errors, "groups": dict(groups), "beyond": beyond,
+            "over_memory": over_memory}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", action="store_true", help="print every run")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless the held-out figures are as documented")
+    parser.add_argument("--refit", action="store_true", help="fit the constants again first")
+    args = parser.parse_args()
+    runs = published.load()
+    constants = FITTED
+    if args.refit:
+        constants = fit.fit_constants([r for r in runs if r.split == "fit"])
+        print(f"refitted: {constants}")
+    s = summary(runs, constants)
+    if args.runs:
+        for r in runs:
+            p = r.projection(constants)
+            print(f"{r.split:<8} {r.id:<44} published {r.tokens_per_second:>9,.0f} projected "
+                  f"{p.tokens_per_second_per_device:>9,.0f} {s['errors'][r.id]:+7.1%} "
+                  f"memory {p.memory_bytes / p.device_memory_bytes:4.0%}")
+    print(f"{'split':<9} {'team':<26} {'GPU':<11} {'runs':>4} {'median':>7} {'worst':>7}")
+    for (split, team, gpu), errs in sorted(s["groups"].items()):
+        print(f"{split:<9} {team:<26} {gpu:<11} {len(errs):>4} "
+              f"{statistics.median(errs):>7.1%} {max(errs):>7.1%}")
+    print(f"held-out runs beyond {GOAL_WORST:.0%}: {', '.join(s['beyond']) or 'none'}")
+    print(f"runs projected over their GPUs' memory: {', '.join(s['over_memory']) or 'none'}")
+    if args.check:
+        median = statistics.median(s["groups"][("held-out", "all", "")])
+        problems = ([f"held-out median {median:.1%} > {GOAL_MEDIAN:.0%}"]
+                    if median > GOAL_MEDIAN else []) \
+            + [f"{i} beyond {GOAL_WORST:.0%}" for i in s["beyond"] if i not in KNOWN_MISSES] \
+            + [f"{i} projected not to fit" for i in s["over_memory"]]
+        if problems:
+            print("check failed: " + "; ".join(problems))
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

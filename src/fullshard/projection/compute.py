@@ -1,0 +1,168 @@
+"""Seconds of compute per unit and pass: matrix multiplies, attention, memory-bound
+elementwise work and the loss, each at the rate its kind of kernel reaches on the device.
+
+Note [the compute model]
+One achieved fraction of peak per device could not fit both a 125M model at 512 tokens and
+a 70B model at 32k (published runs imply 0.40-0.76 on A100): small models spend their time
+in elementwise kernels and the vocabulary's softmax, long sequences in attention, large ones
+in big matrix multiplies. Each kind is modelled for what it is:
+
+- **Matrix multiplies** (every Linear, forward; its input- and weight-gradient products in
+  backward) as an additive roofline: ``2mkn / (peak x matmul) + bytes / (bandwidth x
+  memory)``, bytes being the two operands and the result in bf16. Narrow layers (d = 768)
+  sit near the ridge and run well below peak; wide ones (d = 8192) near ``matmul``; the
+  same shape runs further from peak on an H100 (ridge 295 FLOP/byte) than on an A100 (153).
+- **Attention** (flash attention, causal): its real FLOPs, 2·s·d per token forward (half of
+  the 4·s·d that MFU counts) and 2.5 times that backward (the backward recomputes the
+  scores), at ``attention`` of peak. (A factor for the head dimension, 64 against 128, was
+  tried and fitted to no effect.)
+- **Elementwise work** (norms, activation, residual adds, rotary embedding, casts):
+  ``elementwise`` bf16 passes over each token's d- and f-wide activations per block forward
+  (d + f elements: the published shapes have f = 2.7d to 4d, so passes over the two cannot
+  be told apart), twice that backward, at the device's memory bandwidth. Two kinds of block
+  differ here: a GPT-style block (LayerNorm, GELU, learned positions: one fused
+  kernel per norm) and a Llama-style one (RMSNorm, SwiGLU, rotary embedding: several eager
+  kernels each, in fp32), told apart by the gated MLP.
+- **The loss**: ``loss_bytes`` bytes per token and vocabulary entry (bf16 logits, their
+  fp32 softmax and its gradient), half forward, half backward, at memory bandwidth.
+- **Per-unit overhead**: ``unit_overhead`` seconds per unit per forward (twice per
+  backward): kernel launches and the hooks around them, which small units do not hide.
+- **Activation checkpointing** recomputes what it dropped: a checkpointed block runs its
+  forward again (matrix multiplies, attention, elementwise); torchtitan's selective op
+  policy recomputes every other matrix multiply and the elementwise work, not attention.
+
+The constants differ by architecture where the kernels do (the matrix-multiply and
+attention fractions of peak on Ampere and Hopper); the byte counts and overheads are shared.
+Each was fitted by ``projection.fit`` to the fit half of ``published_runs.csv`` (see
+docs/projection.md for the values and the error on the held-out half).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .shapes import ModelShape
+
+BF16 = 2
+
+
+@dataclass(frozen=True)
+class KernelConstants:
+    """The compute model's fitted constants (Note [the compute model])."""
+
+    matmul: dict[str, float]        # per architecture: fraction of peak of a large GEMM
+    attention: dict[str, float]     # per architecture: fraction of peak of flash attention
+    # bf16 passes over a token's d + f activations per block forward, per kind of block
+    elementwise: dict[str, float]
+    loss_bytes: float               # bytes per token and vocabulary entry, whole step
+    unit_overhead: float            # seconds per unit per forward (twice per backward)
+    # achieved fraction of the datasheet memory bandwidth: assumed, not fitted (the fit
+    # cannot tell it from elementwise: both scale bytes per token over bandwidth)
+    memory: float = 0.9
+
+    def as_vector(self) -> list[float]:
+        """The fitted constants, in order (``memory`` is not one)."""
+        return [*self.matmul.values(), *self.attention.values(), *self.elementwise.values(),
+                self.loss_bytes, self.unit_overhead]
+
+    def from_vector(self, values: list[float]) -> "KernelConstants":
+        values = list(values)
+        take = lambda keys: dict(zip(keys, [values.pop(0) for _ in keys]))  # noqa: E731
+        matmul, attention = take(list(self.matmul)), take(list(self.attention))
+        elementwise = take(list(self.elementwise))
+        rest = dict(zip(("loss_bytes", "unit_overhead"), values, strict=True))
+        return replace(self, matmul=matmul, attention=attention, elementwise=elementwise,
+                       **rest)
+
+
+@dataclass(frozen=True)
+class PassSeconds:
+    """One unit's compute in one micro-batch."""
+
+    forward: float
+    backward: float
+    recompute: float  # what activation checkpointing adds to its backward
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a device sustains for each kind of work."""
+
+    peak: float          # FLOP/s
+    bandwidth: float     # bytes/s
+    matmul: float        # fraction of peak
+    attention: float     # fraction of peak
+    overhead: float      # seconds per unit per forward
+
+    def gemm(self, m: float, k: float, n: float) -> float:
+        return 2 * m * k * n / (self.peak * self.matmul) \
+            + BF16 * (m * k + k * n + m * n) / self.bandwidth
+
+    def gemm_backward(self, m: float, k: float, n: float) -> float:
+        """The input gradient (m x n by n x k) and the weight gradient (k x m by m x n)."""
+        return self.gemm(m, n, k) + self.gemm(k, m, n)
+
+    def attention_seconds(self, flops: float) -> float:
+        return flops / (self.peak * self.attention)
+
+
+def block_kind(shape: ModelShape) -> str:
+    """"llama" (RMSNorm, SwiGLU, rotary) or "gpt" (LayerNorm, GELU): Note [the compute model]."""
+    return "llama" if shape.gated_mlp else "gpt"
+
+
+def _block_gemms(shape: ModelShape) -> list[tuple[int, int]]:
+    """(in, out) of each matrix a token passes through in one block."""
+    d, f, q, kv = shape.d_model, shape.ffn_hidden, shape.q_width, shape.kv_width
+    mlp = [(d, f), (d, f), (f, d)] if shape.gated_mlp else [(d, f), (f, d)]
+    return [(d, q + 2 * kv), (q, d)] + mlp
+
+
+def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
+                  c: KernelConstants) -> tuple[PassSeconds, float, float]:
+    """(forward/backward of one block, the recomputation of a fully checkpointed block,
+    that of torchtitan's selective op policy)."""
+    gemms = _block_gemms(shape)
+    mm_fwd = sum(rates.gemm(tokens, k, n) for k, n in gemms)
+    mm_bwd = sum(rates.gemm_backward(tokens, k, n) for k, n in gemms)
+    attn_fwd = rates.attention_seconds(2 * tokens * seq * shape.q_width)
+    kind = block_kind(shape)
+    elem_fwd = tokens * BF16 * c.elementwise[kind] * (shape.d_model + shape.ffn_hidden) \
+        / rates.bandwidth
+    forward = mm_fwd + attn_fwd + elem_fwd + rates.overhead
+    backward = mm_bwd + 2.5 * attn_fwd + 2 * elem_fwd + 2 * rates.overhead
+    return PassSeconds(forward, backward, 0.0), forward, mm_fwd / 2 + elem_fwd
+
+
+def head_seconds(shape: ModelShape, tokens: int, rates: Rates, c: KernelConstants) -> PassSeconds:
+    """The output projection and the loss over the vocabulary, with the final norm (a
+    quarter of a block's elementwise passes, over d only)."""
+    d, v = shape.d_model, shape.vocab_size
+    loss = tokens * v * c.loss_bytes / rates.bandwidth
+    norm = tokens * BF16 * c.elementwise[block_kind(shape)] / 4 * d / rates.bandwidth
+    return PassSeconds(rates.gemm(tokens, d, v) + loss / 2 + norm + rates.overhead,
+                       rates.gemm_backward(tokens, d, v) + loss / 2 + 2 * norm
+                       + 2 * rates.overhead, 0.0)
+
+
+def embedding_seconds(shape: ModelShape, tokens: int, rates: Rates) -> PassSeconds:
+    """A gather forward; backward, its gradient rows summed into a zeroed table."""
+    table = shape.embedding_params * 4
+    rows = tokens * shape.d_model * BF16
+    return PassSeconds(rows / rates.bandwidth + rates.overhead,
+                       (table + 2 * rows) / rates.bandwidth + 2 * rates.overhead, 0.0)
+
+
+# Fitted by ``projection.fit.fit_constants`` on the fit half of published_runs.csv
+# (docs/projection.md); tests/test_projection.py checks that no constant moved alone lowers
+# the fit half's error, i.e. that these are the fit's minimum.
+FITTED = KernelConstants(matmul={"ampere": 0.7594, "hopper": 0.6499},
+                         attention={"ampere": 0.3116, "hopper": 0.1850},
+                         elementwise={"gpt": 1.632, "llama": 16.99}, loss_bytes=35.80,
+                         unit_overhead=1.029e-3)
+
+
+def rates_for(peak: float, bandwidth: float, arch: str, c: KernelConstants = FITTED) -> Rates:
+    """What a device of architecture ``arch`` sustains."""
+    return Rates(peak, bandwidth * c.memory,
+                 c.matmul[arch], c.attention[arch], c.unit_overhead)

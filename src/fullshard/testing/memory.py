@@ -1,0 +1,29 @@
+"""Training steps under a MemoryTracker: what measured-memory tests and benchmarks run."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from ..memory import MemoryTracker
+
+
+def tracked_steps(model: nn.Module, tracker: MemoryTracker, batches: Iterable,
+                  loss_of: Callable[..., torch.Tensor]) -> dict:
+    """One AdamW step over what trains per batch (``loss_of(*batch)``), each phase under
+    ``tracker``: the last step's report (``MemoryTracker.step_report``)."""
+    tracker.watch(model)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    report = {}
+    for batch in batches:
+        with tracker.phase("forward"):
+            loss = loss_of(*batch)
+        with tracker.phase("backward"):
+            loss.backward()
+        with tracker.phase("optimizer"):
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        report = tracker.step_report()
+    return report
