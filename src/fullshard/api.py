@@ -272,6 +272,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = gathered  # shadows the class's method on this instance
 
 
+def original_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` made it ``FSDP<Class>`` (its own
+    class if it was never sharded)."""
+    return getattr(type(module), "_fullshard_original_class", type(module))
+
+
 def fsdp_class(cls: type, front: type = FSDPModule) -> type:
     """``FSDP<cls>``: a subclass of ``front`` (FSDPModule or a subclass) and ``cls``."""
     cls = getattr(cls, "_fullshard_original_class", cls)
