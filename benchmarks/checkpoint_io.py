@@ -68,7 +68,7 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t, cpu
 
 
-def _evict(*directories: str) -> None:
+def evict_from_page_cache(*directories: str) -> None:
     """Drop the page cache's copies of every file in ``directories`` (written back
     first), so that the next read comes from the disk: ``--cold``."""
     os.sync()
@@ -149,7 +149,7 @@ def worker(root: str, repeats: int, options: list[str], cold: bool = False) -> d
                 ops = [ops[1], ops[0], ops[3], ops[2]]
             for name, fn in ops:
                 if cold and name.endswith("load") and dist.get_rank() == 0:
-                    _evict(path, dcp_path)
+                    evict_from_page_cache(path, dcp_path)
                 t[name].append(_timed(fn))
             files = ckpt.read_manifest(path)["files"].values()
             assert {checksums.algorithm_of(e) for e in files} == {OPTIONS[option][0]}, option
