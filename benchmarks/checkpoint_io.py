@@ -1,6 +1,7 @@
 """Checkpoint save/load throughput per rank (fullshard.checkpoint).
 
     OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py [--world-size 2] [--repeats 3] [--options]
+        [--cold]
 
 Saves a GPT (W1's shape: d=512, 8 layers, vocab 8192) with its AdamW state, then loads
 it into fresh sharded model and optimizer, and reports MB/s per rank: this rank's share
@@ -13,7 +14,8 @@ the DCP run right after it (steadier when other work shares the machine: both ru
 a pair see the same load); and the same for rank 0's CPU seconds (what the hashing
 costs, which other work disturbs least). ``--options`` also times the checksum options
 fullshard chose from: sha256 or XXH3, each hashed while written or read back after the
-write.
+write. ``--cold`` drops both checkpoints' files from the page cache before every load
+(``posix_fadvise(DONTNEED)``, no privileges needed), so that loads read the disk.
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t, cpu
 
 
+def evict_from_page_cache(*directories: str) -> None:
+    """Drop the page cache's copies of every file in ``directories`` (written back
+    first), so that the next read comes from the disk: ``--cold``."""
+    os.sync()
+    for directory in directories:
+        for name in os.listdir(directory):
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _dcp_save(path: str, model, opt) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -106,7 +121,7 @@ def _use(option: str) -> None:
 _ENTRIES = hashing_writer.HashingWriter.entries
 
 
-def worker(root: str, repeats: int, options: list[str]) -> dict:
+def worker(root: str, repeats: int, options: list[str], cold: bool = False) -> dict:
     # fullshard and DCP each save from, and load into, models of their own (built alike):
     # what one implementation's load leaves in a model and its optimizer (DTensor state
     # or plain, as each state-dict path sets it) must not change what the other one costs.
@@ -133,6 +148,8 @@ def worker(root: str, repeats: int, options: list[str]) -> dict:
             if (i // n) % 2:
                 ops = [ops[1], ops[0], ops[3], ops[2]]
             for name, fn in ops:
+                if cold and name.endswith("load") and dist.get_rank() == 0:
+                    evict_from_page_cache(path, dcp_path)
                 t[name].append(_timed(fn))
             files = ckpt.read_manifest(path)["files"].values()
             assert {checksums.algorithm_of(e) for e in files} == {OPTIONS[option][0]}, option
@@ -165,15 +182,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--options", action="store_true",
                         help="also time the checksum options fullshard chose from")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop both checkpoints from the page cache before each load, "
+                        "so that loads read the disk")
     args = parser.parse_args()
     options = list(OPTIONS) if args.options else [SHIPPED]
     with tempfile.TemporaryDirectory(prefix="fullshard-ckpt-bench-") as root:
         res = run_distributed(worker, args.world_size, root, args.repeats, options,
-                              timeout=3600)[0]
+                              args.cold, timeout=3600)[0]
     per_rank_mb = res["bytes"] / args.world_size / 1e6
     print(f"command: {' '.join(sys.argv)}")
     print(f"checkpoint {res['bytes'] / 1e6:.0f} MB (model + AdamW state), world size "
-          f"{args.world_size}, {per_rank_mb:.0f} MB per rank\n")
+          f"{args.world_size}, {per_rank_mb:.0f} MB per rank"
+          + (", loads from a cold page cache\n" if args.cold else "\n"))
     print("| checksums | operation | fullshard median s | MB/s per rank | torch DCP median s | "
           "/ DCP, medians | / DCP, median of pairs | / DCP, rank 0 CPU s, median of pairs |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|")

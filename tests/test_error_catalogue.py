@@ -259,6 +259,28 @@ def _library_cases(tmp: str) -> dict[str, str]:
             io.set_optimizer_state_dict = adopt
     out["E160"] = _message(load_fails_on_one_rank)
 
+    def load_hf_fails_on_one_rank():
+        from safetensors.torch import save_file
+
+        from fullshard.checkpoint.safetensors_files import SafetensorsFiles
+        pair = _Pair()
+        path = os.path.join(tmp, "hf_pair.safetensors")
+        if dist.get_rank() == 0:
+            save_file(pair.state_dict(), path)
+        dist.barrier()
+        model = fully_shard(pair)
+        read = SafetensorsFiles.read
+
+        def unreadable(self, key, index=None):
+            raise OSError(5, "Input/output error")
+        if dist.get_rank() == 1:
+            SafetensorsFiles.read = unreadable
+        try:
+            ckpt.load_hf(model, path)
+        finally:
+            SafetensorsFiles.read = read
+    out["E206"] = _message(load_hf_fails_on_one_rank)
+
     def save_fails_on_one_rank():
         import resource
         import signal
@@ -417,6 +439,65 @@ def _checksum_cases(tmp: str) -> dict[str, str]:
         else:
             sys.modules["xxhash"] = saved
     return out
+
+
+def _load_hf_cases(tmp: str) -> dict[str, str]:
+    """What ``load_hf`` says of folders and files that do not fit (one process)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from fullshard.checkpoint import load_hf
+
+    def folder(name: str, **tensors: torch.Tensor) -> str:
+        path = os.path.join(tmp, "hf", name)
+        os.makedirs(path)
+        if tensors:
+            save_file(tensors, os.path.join(path, "model.safetensors"))
+        return path
+
+    pair = {"a.weight": torch.ones(4, 4), "a.bias": torch.ones(4), "b.weight": torch.ones(4, 4),
+            "b.bias": torch.ones(4)}
+    bin_only = folder("bin_only")
+    torch.save(pair, os.path.join(bin_only, "pytorch_model.bin"))
+    two_files = folder("two_files", **pair)
+    save_file({"a.bias": torch.ones(4)}, os.path.join(two_files, "more.safetensors"))
+    indexed = folder("indexed", **pair)
+    with open(os.path.join(indexed, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}, f)
+    text = os.path.join(tmp, "hf", "weights.txt")
+    open(text, "w").close()
+
+    class _Tagged(nn.Parameter):
+        pass
+
+    tagged = _Pair()
+    tagged.a.weight = _Tagged(torch.zeros(4, 4))
+
+    class _WithBuffer(_Pair):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(4), persistent=False)
+
+    with torch.device("meta"):
+        on_meta = _WithBuffer()
+    without_b = {k: v for k, v in pair.items() if not k.startswith("b.bias")}
+    return {
+        "E195": _message(lambda: load_hf(_Pair(), bin_only)),
+        "E196": _message(lambda: load_hf(_Pair(), folder("missing", **without_b))),
+        "E197": _message(lambda: load_hf(_Pair(), folder("extra", **pair,
+                                                          **{"c.weight": torch.ones(2)}))),
+        "E198": _message(lambda: load_hf(_Pair(), folder("shape", **{
+            **pair, "a.weight": torch.ones(4, 3)}))),
+        "E199": _message(lambda: load_hf(_Pair(), folder("dtype", **{
+            **pair, "a.weight": torch.ones(4, 4, dtype=torch.int64)}))),
+        "E200": _message(lambda: load_hf(tagged, folder("tagged", **pair))),
+        "E201": _message(lambda: load_hf(on_meta, folder("meta", **pair))),
+        "E202": _message(lambda: load_hf(_Pair(), indexed)),
+        "E203": _message(lambda: load_hf(_Pair(), two_files)),
+        "E204": _message(lambda: load_hf(_Pair(), os.path.join(tmp, "hf", "gone"))),
+        "E205": _message(lambda: load_hf(_Pair(), text)),
+    }
 
 
 def _verification_cases(tmp: str) -> dict[str, str]:
@@ -626,6 +707,7 @@ def produced(tmp_path_factory) -> dict[str, str]:
     messages.update(_metrics_and_export_cases(tmp))
     messages.update(_command_line_cases(tmp))
     messages.update(_checksum_cases(tmp))
+    messages.update(_load_hf_cases(tmp))
     messages.update(_verification_cases(tmp))
     ranks = run_distributed(_library_cases, 2, tmp)
     messages.update(ranks[0])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fullshard import FSDPModule
+from fullshard.checkpoint.safetensors_files import SafetensorsFiles
 from fullshard.cli import main as fullshard_main
 from fullshard.testing import run_distributed
 from fullshard.train.config import apply_overrides, get_preset
@@ -58,7 +59,7 @@ def _save_gpt2_with_tokenizer(path: str) -> None:
 
 def _matches_saved_model(model, model_dir: str) -> bool:
     """Every parameter and buffer (non-persistent ones too) of the sharded model equals the
-    saved model's: only rank 0 read the folder, the others received its weights."""
+    saved model's: each rank read its own shards from the folder (load_hf)."""
     saved = transformers.AutoModelForCausalLM.from_pretrained(model_dir).float()
     expected = {**dict(saved.named_parameters()), **dict(saved.named_buffers())}
     actual = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -73,16 +74,27 @@ def _fine_tune(model_dir: str, data: str, out: str) -> dict:
         "batch.batch_size": 2, "optim.lr": 1e-2, "optim.warmup_steps": 1, "eval.every": 0,
         "eval.sample_tokens": 4, "checkpoint.every": 0}, "test")
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu")))
+    reads = []
+    read = SafetensorsFiles.read
+
+    def recorded(self, key, index=None):
+        reads.append(key)
+        return read(self, key, index)
+    SafetensorsFiles.read = recorded  # this rank's process only
+    try:
+        trainer = Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu")))
+    finally:
+        SafetensorsFiles.read = read
     initial_match = _matches_saved_model(trainer.model, model_dir)
     trainer.run(resume=False)
     if trainer.log is None:
-        return {"initial_match": initial_match}
+        return {"initial_match": initial_match, "streamed": bool(reads)}
     records = trainer.log.records
     block_names = set(trainer.model._no_split_modules)
     decoder_layers = [m for m in trainer.model.modules()  # sharded classes subclass them
                       if block_names & {c.__name__ for c in type(m).__mro__}]
-    return {"initial_match": initial_match, "tokenizer": trainer.workload.tokenizer.name,
+    return {"initial_match": initial_match, "streamed": bool(reads),
+            "tokenizer": trainer.workload.tokenizer.name,
             "val": [r["val_loss"] for r in records if "val_loss" in r],
             "losses": [r["loss"] for r in records if "loss" in r],
             "layers_sharded": [isinstance(m, FSDPModule) for m in decoder_layers]}
@@ -130,6 +142,7 @@ def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
         results = run_distributed(_fine_tune, 2, str(tmp_path / name), str(data),
                                   str(tmp_path / f"out-{name}"), timeout=240)
         assert all(r["initial_match"] for r in results), name
+        assert all(r["streamed"] for r in results), name  # each rank read its shards
         result = results[0]
         assert result["tokenizer"] == tokenizer
         assert result["layers_sharded"] == [True, True], name
@@ -195,3 +208,36 @@ def test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers(tm
     assert generated.shape[1] == ids.shape[1] + 8
     # Greedy decoding in transformers continues the prompt as the trainer's own sample did.
     assert f"--- sample after 6 steps ---\n{text}\n---" in trained.stdout
+
+
+def test_a_folder_with_safetensors_is_read_by_every_rank_one_without_by_rank_0(tmp_path):
+    """``--model hf:PATH``: where the folder has safetensors files every rank builds the
+    model with its parameters on the meta device and reads its own shards after sharding
+    (load_hf); a folder holding only ``pytorch_model.bin`` is loaded whole by rank 0 and
+    sent to the others after sharding, as before."""
+    import shutil
+
+    from fullshard.train.model import build_workload
+    streamed_dir, bin_dir = tmp_path / "llama", tmp_path / "bin_only"
+    _save_llama(str(streamed_dir))
+    bin_dir.mkdir()
+    shutil.copy(streamed_dir / "config.json", bin_dir / "config.json")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(streamed_dir)).state_dict()
+    torch.save(saved, bin_dir / "pytorch_model.bin")
+    data = tmp_path / "data.jsonl"
+    _jsonl(data)
+
+    def workload(model_dir, rank: int):
+        cfg = apply_overrides(get_preset("debug"), {"model": f"hf:{model_dir}",
+                                                    "data": str(data)}, "test")
+        return build_workload(cfg, rank, 2)
+    for rank in (0, 1):
+        streamed = workload(streamed_dir, rank)
+        assert streamed.weights_folder == str(streamed_dir) and streamed.initial_state is None
+        assert all(p.is_meta for p in streamed.model.parameters())
+        assert not any(b.is_meta for b in streamed.model.buffers())  # rotary frequencies
+    sent = workload(bin_dir, 0)
+    assert sent.weights_folder is None
+    assert sent.initial_state.keys() == saved.keys()
+    assert all(torch.equal(sent.initial_state[k], v) for k, v in saved.items())
+    assert workload(bin_dir, 1).initial_state == {}

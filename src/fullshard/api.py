@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Callable
 
 import torch
@@ -20,6 +21,9 @@ from .policies import MixedPrecisionPolicy, OffloadPolicy
 # (module class, front class) -> the FSDP<class> subclass. Process-wide so that every
 # unit of one class gets the same class object (isinstance checks, torch.compile guards).
 _FSDP_CLASSES: dict[tuple[type, type], type] = {}
+# Set while FSDPModule.to_empty runs (per thread): torch's _apply recursion into the units
+# carries no argument, and to_empty's values are undefined, so there is nothing to copy.
+_EMPTYING = threading.local()
 
 
 class UnshardHandle:
@@ -137,6 +141,17 @@ class FSDPModule(TorchControls):
         check_fits(self, state_dict, "", strict, self._unit.name, FSDPModule)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty``: each unit's flat shard is allocated on ``device`` and,
+        the values being undefined, nothing is copied into it (a model built on the meta
+        device pays one allocation and no copy)."""
+        outer = getattr(_EMPTYING, "active", False)
+        _EMPTYING.active = True
+        try:
+            return super().to_empty(device=device, recurse=recurse)
+        finally:
+            _EMPTYING.active = outer
+
     def _apply(self, *args, **kwargs):
         # .to()/.cuda()/to_empty() replace the DTensor parameters; re-point them at the
         # unit's flat shard so gathers read what the module holds.
@@ -145,7 +160,7 @@ class FSDPModule(TorchControls):
         group = self._unit.group
         if group is not None:
             with torch.no_grad():
-                group.readopt()
+                group.readopt(copy_values=not getattr(_EMPTYING, "active", False))
         return ret
 
 
@@ -255,6 +270,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return hooks.run_post_forward(unit, args, kwargs, output)
 
     module.__dict__[method_name] = gathered  # shadows the class's method on this instance
+
+
+def original_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` made it ``FSDP<Class>`` (its own
+    class if it was never sharded)."""
+    return getattr(type(module), "_fullshard_original_class", type(module))
 
 
 def fsdp_class(cls: type, front: type = FSDPModule) -> type:

@@ -44,6 +44,7 @@ from . import background, checksums, manifest as manifests, torch_dcp
 from .agreement import dcp_failures, failed_ranks, on_every_rank
 from .hashing_writer import HashingWriter, file_sizes, unrecorded
 from .layout import EXTRA, LATEST, MANIFEST, CheckpointError
+from .mapped_reader import MappedReader
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
 from .verify import Checkpoint, failure, open_checkpoint, read_extra, resolve
@@ -169,7 +170,7 @@ def load(path: str | os.PathLike, model: nn.Module,
     background.wait_for_pending_save()
     checkpoint = open_checkpoint(path)
     path = checkpoint.path
-    reader = _Reader(path)
+    reader = MappedReader(path)
     if checkpoint.manifest is not None:
         prefix, saved = torch_dcp.MODEL, checkpoint.manifest["tensors"]
         has_optimizer = checkpoint.manifest.get("has_optimizer", False)
@@ -283,22 +284,6 @@ def _misfit(missing: list[str], mismatched: list[str], unexpected: list[str] = (
     if mismatched:
         parts.append(f"shape mismatches: {shown(mismatched, '; ')}")
     return " | ".join(parts)
-
-
-class _Reader(dcp.FileSystemReader):
-    """DCP's reader, which reads ``.metadata`` once per load although both the optimizer
-    check and DCP ask for it (a pickle of every item: ~5 ms at W1's size)."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._metadata = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        if args or kwargs:  # a rank's own metadata (checkpoints saved without collectives)
-            return super().read_metadata(*args, **kwargs)
-        if self._metadata is None:
-            self._metadata = super().read_metadata()
-        return self._metadata
 
 
 def _check_optimizer_fits(path: str, state: dict[str, Any], prefix: str, metadata: Any

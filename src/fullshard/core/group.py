@@ -275,9 +275,10 @@ class ParamGroup:
                 f"was merged into {self.merged_into}; read the unit's current group "
                 "(unit.group) instead of keeping a reference to an old one.")
 
-    def readopt(self) -> None:
+    def readopt(self, copy_values: bool = True) -> None:
         """Re-point every DTensor at ``flat_shard`` after a module ``_apply`` or an
-        ``assign=True`` load replaced them; reallocate when device or dtype changed."""
+        ``assign=True`` load replaced them; reallocate when device or dtype changed
+        (and copy their values over, unless ``copy_values`` is False: ``to_empty``)."""
         self._check_live("readopt")
         self.reshard()
         first = (self.flat_params or self.params)[0].refs[0]
@@ -294,7 +295,7 @@ class ParamGroup:
             self.unsharded = None
             self._copy_out_targets = []
         for p, view in zip(self.flat_params, self._shard_views(self.flat_shard)):
-            p.readopt(view)
+            p.readopt(view, copy_values)
         for p in self.subclass.params if self.subclass is not None else ():
             p.readopt(None)
 

@@ -251,9 +251,10 @@ class ShardedParam:
         self._adopt(nn.Parameter(DTensor(local, self.spec, requires_grad=False),
                                  requires_grad=requires_grad))
 
-    def readopt(self, flat_view: torch.Tensor | None) -> None:
+    def readopt(self, flat_view: torch.Tensor | None, copy_values: bool = True) -> None:
         """Re-attach to whatever DTensor is registered now (after ``_apply`` or
-        ``load_state_dict(assign=True)``) and make its local tensor view ``flat_view``."""
+        ``load_state_dict(assign=True)``) and make its local tensor view ``flat_view``
+        (holding its values, unless ``copy_values`` is False)."""
         ref = self.refs[0]
         current = ref.module._parameters.get(ref.name)
         if current is None:
@@ -279,7 +280,7 @@ class ShardedParam:
         new_local = lay.valid(self.padded_shard)
         if not _same_memory(old_local, new_local):
             with torch.no_grad():
-                if not old_local.is_meta and not new_local.is_meta:
+                if copy_values and not old_local.is_meta and not new_local.is_meta:
                     new_local.copy_(old_local)
                 lay.padding(self.padded_shard).zero_()
             current._local_tensor = new_local

@@ -35,7 +35,7 @@ from .launch import StopRequest, Worker, restart_count
 from .dashboards import import_dashboards, open_dashboards
 from .metrics import (FIGURES, MetricsLog, StepMemory, estimate_line, estimated_peak_bytes,
                       metrics_fields)
-from .model import (Workload, build_mesh, build_workload, receive_initial_weights,
+from .model import (Workload, build_mesh, build_workload, load_initial_weights,
                     save_for_export, shard_model)
 from .packages import check_packages
 from .plot import NOT_INSTALLED, matplotlib_figure, plot_losses
@@ -87,9 +87,7 @@ class Trainer:
         self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
         if worker.device.type == "cpu":  # the whole model built here (LoRA) is shards now:
             release_free_heap()          # its heap pages go back (memory/allocator.py)
-        if self.workload.initial_state is not None:
-            receive_initial_weights(self.model, self.workload.initial_state, worker.device)
-        self.workload.initial_state = {}
+        load_initial_weights(self.model, self.workload, worker.device)
         self.memory.watch(self.model)
         self.optimizers = build_optimizers(self.model, cfg.optim)
         self.scaler = (torch.amp.GradScaler(worker.device.type)

@@ -4,11 +4,14 @@ other ranks after sharding.
 
 Hugging Face causal LMs from a local folder (``--model hf:PATH``), no hub access.
 
-Rank 0 loads the full model on the CPU in fp32 (the sharded parameters and the
-optimizer work in fp32; ``parallel.precision`` picks the compute dtype), the other ranks
-build it from its config on the meta device; the decoder layers named by the model's
-``_no_split_modules`` become units, and the other ranks then receive rank 0's weights.
-The folder's tokenizer is used when it has one; see ``data.py`` for the fallback.
+Every rank builds the model from its config with the parameters on the meta device (in
+fp32: the sharded parameters and the optimizer work in fp32; ``parallel.precision``
+picks the compute dtype); the decoder layers named by the model's ``_no_split_modules``
+become units, and each rank then reads its own shards from the folder's safetensors
+files (``fullshard.checkpoint.load_hf``, Note [streaming safetensors into shards]). A
+folder without safetensors files (``pytorch_model.bin``) is loaded whole by rank 0 and
+sent to the others, as the GPT presets are. The folder's tokenizer is used when it has
+one; see ``data.py`` for the fallback.
 
 From ``[parallel]`` to ``fully_shard`` calls: the mesh, resharding, dtypes, recomputation.
 
@@ -44,7 +47,8 @@ On a (replicate, shard) mesh fullshard shards within the shard dimension and
 all-reduces gradients across the replicate one, so shard groups of size one are plain
 data parallelism: every rank holds every parameter and gradients are averaged.
 
-Rank 0's initial weights: only rank 0 builds (or loads) the full model on the CPU; the others build it on the
+Rank 0's initial weights (GPT presets, and Hugging Face folders without safetensors): only
+rank 0 builds (or loads) the full model on the CPU; the others build it on the
 meta device, so a node needs host memory for one full copy instead of one per rank.
 After ``fully_shard`` every rank receives its shards of rank 0's state dict, one tensor
 at a time, and then the buffers a state dict leaves out (non-persistent ones such as
@@ -64,7 +68,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..activation_checkpointing import apply_activation_checkpointing
-from ..checkpoint import StateDictOptions, set_model_state_dict
+from ..checkpoint import StateDictOptions, load_hf, parameters_on_meta, set_model_state_dict
 from ..gpt import GPT, GPTConfig
 from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
@@ -89,15 +93,21 @@ class Workload:
     initial_state: dict | None
     """Rank 0's initial weights (a full state dict; empty on other ranks, whose model is
     on the meta device), to broadcast into the sharded model (receive_initial_weights);
-    None when every rank built the whole model (LoRA)."""
+    None when every rank built the whole model (LoRA) or reads its shards itself."""
+    weights_folder: str | None = None
+    """The Hugging Face folder each rank reads its shards from after sharding (load_hf),
+    when the model's parameters are on the meta device on every rank."""
 
 
 def build_workload(cfg: TrainConfig, rank: int, world: int = 1) -> Workload:
-    """Load the data and the model: rank 0 loads the Hugging Face model or builds the GPT
-    (on the CPU, from ``cfg.seed``); the other ranks build it on the meta device and receive
-    rank 0's weights after sharding (receive_initial_weights). With LoRA adapters every
-    rank builds the whole model itself (train/lora.py) and nothing is received."""
+    """Load the data and the model. A Hugging Face model with safetensors weights is built
+    with its parameters on the meta device on every rank, which read their shards after
+    sharding (load_initial_weights). Otherwise rank 0 loads the Hugging Face model or
+    builds the GPT (on the CPU, from ``cfg.seed``), the other ranks build it on the meta
+    device and receive rank 0's weights after sharding. With LoRA adapters every rank
+    builds the whole model itself (train/lora.py) and nothing is received."""
     documents = read_documents(cfg.data)
+    streamed = cfg.is_hf and not cfg.lora.rank and has_safetensors(cfg.hf_path)
     if cfg.is_hf and cfg.lora.rank:
         model = load_hf_model(cfg.hf_path)
         torch.manual_seed(cfg.seed)  # the same adapters on every rank
@@ -105,7 +115,7 @@ def build_workload(cfg: TrainConfig, rank: int, world: int = 1) -> Workload:
         tokenizer = load_hf_tokenizer(cfg.hf_path, hf_vocab_size(model))
         logits = functools.partial(hf_logits, model)
     elif cfg.is_hf:
-        model = load_hf_model(cfg.hf_path, on_meta=rank != 0)
+        model = load_hf_model(cfg.hf_path, on_meta=streamed or rank != 0)
         tokenizer = load_hf_tokenizer(cfg.hf_path, hf_vocab_size(model))
         logits = functools.partial(hf_logits, model)
     else:
@@ -117,10 +127,11 @@ def build_workload(cfg: TrainConfig, rank: int, world: int = 1) -> Workload:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.gpt, "cpu" if rank == 0 else "meta")
         logits = model
-    initial_state = None if cfg.lora.rank else model.state_dict() if rank == 0 else {}
+    initial_state = None if cfg.lora.rank or streamed else \
+        model.state_dict() if rank == 0 else {}
     train_tokens, val_tokens = split(tokenize(documents, tokenizer), cfg.batch.val_fraction)
     return Workload(model, logits, tokenizer, train_tokens, val_tokens, cfg.batch.seq_len,
-                    initial_state)
+                    initial_state, cfg.hf_path if streamed else None)
 
 
 # -- the GPT a preset builds -----------------------------------------------------------
@@ -147,9 +158,16 @@ def _transformers():
     return import_optional("model")
 
 
+def has_safetensors(path: str) -> bool:
+    """Whether the folder holds its weights as safetensors files (which every rank can
+    read its own shards from)."""
+    return os.path.isdir(path) and any(n.endswith(".safetensors") for n in os.listdir(path))
+
+
 def load_hf_model(path: str, on_meta: bool = False) -> nn.Module:
     """The causal LM saved in ``path`` (``save_pretrained`` layout), in fp32, train mode;
-    with ``on_meta`` only its structure, on the meta device (no weights read)."""
+    with ``on_meta`` only its structure: parameters on the meta device (no weights read),
+    buffers real (the ones no checkpoint holds, such as rotary frequencies)."""
     transformers = _transformers()
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model: {path!r} is not a Hugging Face model folder (no "
@@ -157,7 +175,7 @@ def load_hf_model(path: str, on_meta: bool = False) -> nn.Module:
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise
     if on_meta:
         config = transformers.AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
+        with parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -302,6 +320,16 @@ def compile_blocks(model: nn.Module, blocks: tuple[type, ...] | None = None) -> 
 
 
 # -- rank 0's initial weights ----------------------------------------------------------
+
+def load_initial_weights(model: nn.Module, workload: Workload, device: torch.device) -> None:
+    """The sharded model's first weights: each rank's shards read from the Hugging Face
+    folder, or rank 0's state received (nothing when every rank built the whole model)."""
+    if workload.weights_folder is not None:
+        load_hf(model, workload.weights_folder)  # Note [streaming safetensors into shards]
+    elif workload.initial_state is not None:
+        receive_initial_weights(model, workload.initial_state, device)
+    workload.initial_state = {}
+
 
 def receive_initial_weights(model: nn.Module, rank0_state: dict, device: torch.device) -> None:
     """Load rank 0's full ``rank0_state`` (empty on other ranks) into the sharded ``model``."""
