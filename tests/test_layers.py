@@ -15,7 +15,7 @@ LAYERS = [
     {"torch_version"},                                     # the installed torch, read once
     {"policies", "gpt"},                                   # plain data and a plain model
     {"core"},                                              # the runtime
-    {"controls", "api"},                                   # the FSDP2 front
+    {"fsdp_module", "api"},                                # the FSDP2 front
     {"optim", "whole_matrix", "offload", "grad_norm", "wrap", "activation_checkpointing",
      "checkpoint", "torch_names"},
     {"fsdp1"},                                             # the FSDP1 front, on the above

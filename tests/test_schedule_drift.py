@@ -18,7 +18,7 @@ import torch
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.core.buffers import BufferPool
-from fullshard.core.gradients import PendingReduce
+from fullshard.core.gradients import GradReduction, PendingReduce
 from fullshard.core.group import ParamGroup
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.memory import estimate
@@ -107,15 +107,15 @@ def _train_and_record(cfg: GPTConfig, kwargs: dict) -> list:
     keep: dict = {}
     with pytest.MonkeyPatch.context() as mp:
         _record(mp, ParamGroup, BufferPool, log, keep)
-        reduce_grads, finish = ParamGroup.reduce_grads, PendingReduce.finish
+        reduce_grads, finish = GradReduction.reduce, PendingReduce.finish
         group_of: dict = {}
 
         def logged_reduce(self, *args, **kw):
             pending = reduce_grads(self, *args, **kw)
             if pending is not None:
-                group_of[id(pending)] = self
+                group_of[id(pending)] = self.group
                 separate = pending.pending.output is not pending._dest
-                log.append(("reduce", id(self), pending._views is not None, separate))
+                log.append(("reduce", id(self.group), pending._views is not None, separate))
             return pending
 
         def logged_finish(self, *args, **kw):
@@ -123,7 +123,7 @@ def _train_and_record(cfg: GPTConfig, kwargs: dict) -> list:
             log.append(("reduced", id(group_of.pop(id(self)))))
             return result
 
-        mp.setattr(ParamGroup, "reduce_grads", logged_reduce)
+        mp.setattr(GradReduction, "reduce", logged_reduce)
         mp.setattr(PendingReduce, "finish", logged_finish)
 
         model = GPT(cfg)

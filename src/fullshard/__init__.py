@@ -14,10 +14,10 @@ and ``FullyShardedDataParallel`` (``FSDP``) for torch's FSDP1 wrapper::
 """
 
 from . import torch_version  # noqa: F401 - first: refuses a torch older than supported
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from . import optim  # noqa: F401 - the local-shard optimizer step, installed by a first fully_shard
 from .whole_matrix import register_whole_matrix_optimizer
-from .controls import GradientReductionHandle, share_comm_ctx
+from .fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from .grad_norm import clip_grad_norm_
 from .torch_names import InstallOrderWarning, install, uninstall
 from .activation_checkpointing import apply_activation_checkpointing

@@ -1,167 +1,23 @@
-"""``fully_shard`` and ``FSDPModule``: the FSDP2-compatible front of fullshard."""
+"""``fully_shard`` and torch's other FSDP2 functions: the FSDP2-compatible front of
+fullshard. What a sharded module can do is ``FSDPModule`` (fsdp_module.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 from typing import Callable
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .controls import TorchControls
 from .core import hooks
 from .core.init import shard_modules, unit_label
-from .core.load_check import check_fits
-from .core.state import UnitState, unit_of
+from .core.streams import SharedCopies
+from .fsdp_module import FSDPModule
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 
 # (module class, front class) -> the FSDP<class> subclass. Process-wide so that every
 # unit of one class gets the same class object (isinstance checks, torch.compile guards).
 _FSDP_CLASSES: dict[tuple[type, type], type] = {}
-# Set while FSDPModule.to_empty runs (per thread): torch's _apply recursion into the units
-# carries no argument, and to_empty's values are undefined, so there is nothing to copy.
-_EMPTYING = threading.local()
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the gather."""
-
-    def __init__(self, unit: UnitState):
-        self._unit = unit
-
-    def wait(self) -> None:
-        if self._unit.group is not None:
-            self._unit.group.wait_unshard()
-
-
-class FSDPModule(TorchControls):
-    """Mixed into every module passed to ``fully_shard`` (``isinstance`` checks both)."""
-
-    def __new__(cls, *args, **kwargs):
-        # Containers rebuild themselves with self.__class__(...) (nn.Sequential slicing):
-        # construct the original class then.
-        orig = cls._fullshard_original_class
-        self = orig.__new__(orig, *args, **kwargs)
-        self.__init__(*args, **kwargs)
-        return self
-
-    def __deepcopy__(self, memo):
-        raise TypeError(_no_copy_message(self, "copy.deepcopy"))
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(_no_copy_message(self, "pickling (torch.save of the module)"))
-
-    @property
-    def _unit(self) -> UnitState:
-        return unit_of(self)
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this unit's parameters now (e.g. to start the first gather before
-        forward). With ``async_op=True`` returns a handle whose ``wait()`` finishes it."""
-        unit = self._unit
-        hooks.ensure_root(unit)
-        unit.explicit_unshard = True
-        if unit.group is not None:
-            unit.group.unshard(async_op=async_op)
-        return UnshardHandle(unit) if async_op else None
-
-    def reshard(self) -> None:
-        """Free this unit's unsharded parameters and register the sharded ones."""
-        unit = self._unit
-        unit.explicit_unshard = False
-        if unit.group is not None:
-            unit.group.reshard()
-
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Gather ``modules`` asynchronously as soon as this module's forward starts,
-        instead of the implicit one group ahead (deeper prefetch, more memory)."""
-        self._unit.forward_prefetch = _prefetch_targets("set_modules_to_forward_prefetch",
-                                                        modules)
-
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Gather ``modules`` asynchronously as soon as this module's backward starts,
-        instead of the implicit one group behind in forward order."""
-        self._unit.backward_prefetch = _prefetch_targets("set_modules_to_backward_prefetch",
-                                                         modules)
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                   recurse: bool = True) -> None:
-        """With ``False``, backward keeps each unit's unsharded gradients (accumulating
-        across backward passes) instead of reduce-scattering them; the next backward
-        with ``True`` reduces everything accumulated. Trades memory for communication
-        in gradient accumulation; applies to sharded submodules too unless ``recurse``
-        is False."""
-        self._set_unit_flag("requires_gradient_sync", requires_gradient_sync, recurse)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
-                                   recurse: bool = True) -> None:
-        """With ``False``, parameters stay gathered after backward so the next forward
-        needs no all-gather (gradient accumulation with ``no_sync``). Set it back to
-        ``True`` for the last micro-batch: parameters gathered before an optimizer step
-        would be stale."""
-        self._set_unit_flag("reshard_after_backward", reshard_after_backward, recurse)
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Call on the root. With ``False`` the end of backward does not wait for the last
-        reduce-scatter: it overlaps the next micro-batch and completes at the next
-        backward, forward or ``optimizer.step()``. Read ``.grad`` only after one of those
-        (or after a backward with ``True``)."""
-        self._set_unit_flag("is_last_backward", is_last_backward, recurse=False)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside skip gradient reduction (as FSDP1/DDP ``no_sync``); the
-        first backward after the block reduces everything accumulated."""
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
-
-    def set_bucket_numel(self, numel: int) -> None:
-        """Merge adjacent small units under this root into one collective while their
-        unsharded size stays <= ``numel`` elements (default 2**20; 0 disables). Call it
-        on the root before the first forward; see Note [buckets: units share a group]."""
-        unit = self._unit
-        if unit.root is not None:
-            raise RuntimeError(
-                f"set_bucket_numel on {unit.name}: the units were already grouped at the first "
-                "forward/unshard; call it right after fully_shard, before running the model.")
-        if not isinstance(numel, int) or numel < 0:
-            raise ValueError(f"set_bucket_numel: numel must be an int >= 0, got {numel!r}")
-        unit.bucket_numel = numel
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, except that a missing key (with ``strict``) or a
-        shape mismatch raises before anything is copied, naming the key: torch's own
-        load copies every entry that fits first and leaves a half-loaded model."""
-        check_fits(self, state_dict, "", strict, self._unit.name, FSDPModule)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def to_empty(self, *, device, recurse: bool = True):
-        """``nn.Module.to_empty``: each unit's flat shard is allocated on ``device`` and,
-        the values being undefined, nothing is copied into it (a model built on the meta
-        device pays one allocation and no copy)."""
-        outer = getattr(_EMPTYING, "active", False)
-        _EMPTYING.active = True
-        try:
-            return super().to_empty(device=device, recurse=recurse)
-        finally:
-            _EMPTYING.active = outer
-
-    def _apply(self, *args, **kwargs):
-        # .to()/.cuda()/to_empty() replace the DTensor parameters; re-point them at the
-        # unit's flat shard so gathers read what the module holds.
-        self.reshard()
-        ret = super()._apply(*args, **kwargs)
-        group = self._unit.group
-        if group is not None:
-            with torch.no_grad():
-                group.readopt(copy_values=not getattr(_EMPTYING, "active", False))
-        return ret
 
 
 def fully_shard(module, *, mesh: DeviceMesh | None = None,
@@ -232,24 +88,6 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     return modules if isinstance(module, (list, tuple)) else module
 
 
-def _no_copy_message(module: nn.Module, what: str) -> str:
-    name = type(module)._fullshard_original_class.__name__
-    return (f"{what} of a sharded {name} is not supported: its "
-            "parameters are shards tied to this process group. Copy the state instead: "
-            "build another model, fully_shard it, and load this one's state_dict() (or save "
-            "it with fullshard.checkpoint / torch.distributed.checkpoint).")
-
-
-def _prefetch_targets(method: str, modules) -> list[UnitState]:
-    targets = []
-    for i, m in enumerate(modules):
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"{method}: modules[{i}] ({type(m).__name__}) is not sharded; "
-                             "pass modules that fully_shard was applied to.")
-        targets.append(m._unit)
-    return targets
-
-
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` (e.g. ``generate``) gather the unit's parameters
     before it runs and free them after, as ``forward`` does. A no-op on modules that
@@ -286,3 +124,19 @@ def fsdp_class(cls: type, front: type = FSDPModule) -> type:
         _FSDP_CLASSES[key] = type(f"FSDP{cls.__name__}", (front, cls),
                                   {"_fullshard_original_class": cls})
     return _FSDP_CLASSES[key]
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """torch's ``share_comm_ctx``: the roots of ``modules`` (pipeline stages) use one set
+    of copy streams (core/streams.SharedCopies); collectives run on the process group's
+    streams in any case (Note [streams and events])."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules but got "
+                             f"{type(module).__name__}")
+    shared = SharedCopies()
+    for module in modules:
+        unit = module._unit
+        unit.shared_copies = shared
+        if unit.is_root:  # already initialized: move it now
+            unit.root.use_copies(shared)

@@ -51,13 +51,13 @@ class InstallOrderWarning(UserWarning):
 
 
 def _ours() -> dict[str, object]:
-    from . import api, controls
+    from . import api, fsdp_module
 
-    return {"fully_shard": api.fully_shard, "FSDPModule": api.FSDPModule,
-            "UnshardHandle": api.UnshardHandle,
+    return {"fully_shard": api.fully_shard, "FSDPModule": fsdp_module.FSDPModule,
+            "UnshardHandle": fsdp_module.UnshardHandle,
             "register_fsdp_forward_method": api.register_fsdp_forward_method,
-            "share_comm_ctx": controls.share_comm_ctx,
-            "GradientReductionHandle": controls.GradientReductionHandle}
+            "share_comm_ctx": api.share_comm_ctx,
+            "GradientReductionHandle": fsdp_module.GradientReductionHandle}
 
 
 def install() -> None:

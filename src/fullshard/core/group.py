@@ -1,4 +1,8 @@
-"""ParamGroup: one unit's parameters and their all-gather / reshard / reduce-scatter.
+"""ParamGroup: one unit's parameters, their flat shard and their all-gather / reshard.
+
+The gradient side (laying gradients out, the reduce-scatter, the sharded gradient
+buffers) is the group's ``grads`` (core/gradients.py); whether its backward is over,
+its ``signals`` (core/backward_signals.py).
 
 Note [mixed precision]
 With a ``param_dtype`` the fp32 flat shard is cast once into a pooled buffer that the
@@ -78,17 +82,14 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .collectives import (Pending, all_gather, all_reduce_sum, reduce_scatter_sum,
-                          skips_collectives)
+from .backward_signals import BackwardSignals
+from .collectives import Pending, all_gather, skips_collectives
 from .mapped import mapped_empty, page_out
-from .quantized_collectives import quantized_all_gather, quantized_reduce_scatter_sum
-from .gradients import (DEFAULT_REDUCE, PartialSum, PendingReduce, ReduceOptions,
-                        take_unsharded_grad)
+from .quantized_collectives import quantized_all_gather
+from .gradients import GradReduction
 from .param import ShardedParam
 from .post_forward import PostForwardShard
-from .schedule import (DIGEST_NUMEL, GatherPlan, backward_is_done, gather_plan, reduce_numel,
-                       reduce_plan, reduce_tail,
-                       shard_device_for)
+from .schedule import GatherPlan, gather_plan, shard_device_for
 from .streams import HostCopies, traced
 from .subclass_params import SubclassGather
 
@@ -161,27 +162,14 @@ class ParamGroup:
         self._gather: Pending | None = None
         self._cast_shard: torch.Tensor | None = None  # the shard in param_dtype, being sent
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
-        # Note [when a unit's backward is done]: forward calls whose inputs are watched and
-        # whose input gradients are still to come, those already computed in this
-        # backward, and forward calls with grad whose inputs needed none (never watched)
-        self.watches_live = 0
-        self.watches_fired = 0
-        self.unwatched_calls = 0
-        self.watch_epoch = 0  # bumped when a backward is forgotten: older watches are void
-        self.on_backward_done: Callable[[], None] | None = None
-        self._all_present: torch.Tensor | None = None
-        self._no_digest: torch.Tensor | None = None
+        self.signals = BackwardSignals()  # Note [when a unit's backward is done]
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
-        self._grad_key: tuple | None = None  # see Note [persistent sharded gradients]
-        self._grad_buffer: torch.Tensor | None = None
-        self._grad_views: list = []
         # the root's divergence guard and this group's unit code in its ledger
         # (Note [ranks agree on every collective]); None while there is no root or one rank
         self.guard: "Guard | None" = None
         self.guard_unit = -1
         self.merged_into: str | None = None  # the bucket that took over, once MERGED
-        self.partial_sum = PartialSum()  # set_requires_all_reduce(False) under HSDP
         # torch's set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
         self.all_gather_comm = None
         self.reduce_scatter_comm = None
@@ -190,6 +178,7 @@ class ParamGroup:
         self.quantize_weights = 0
         self.quantize_grads = 0
         self._gather_pooled = True  # the gather in flight writes a pooled buffer
+        self.grads = GradReduction(self)  # the gradient side (core/gradients.py)
 
     def _record(self, op: str, numel: int) -> None:
         """Enter a collective about to be issued in the root's ledger (Note [ranks agree on
@@ -263,8 +252,9 @@ class ParamGroup:
         that re-pointed parameters at its own flat shard would split what the optimizer
         updates from what the all-gather sends (Note [one storage is the shard])."""
         self.reshard()
-        self.flat_shard = self.unsharded = self._grad_buffer = None
-        self._copy_out_targets, self._grad_views = [], []
+        self.flat_shard = self.unsharded = None
+        self._copy_out_targets = []
+        self.grads.drop_buffers()
         self.merged_into = merged_into.unit_name
         self.state = GroupState.MERGED
 
@@ -513,212 +503,5 @@ class ParamGroup:
 
     def forget_backward(self) -> None:
         """Drop this group's gradients not yet reduced and its backward bookkeeping."""
-        self.end_backward()
-        self.watches_live = 0
-        self.watch_epoch += 1
-        self.partial_sum.total = None
-        for p in self.params:
-            p.accumulated_grad = None
-            if p.unsharded_param is not None:
-                p.unsharded_param.grad = None
-
-    @property
-    def backward_done(self) -> bool:
-        """The gradients of every watched forward input are computed and no forward call
-        went unwatched: the unit's backward is over (Note [when a unit's backward is
-        done])."""
-        return backward_is_done(self.watches_fired, self.watches_live, self.unwatched_calls)
-
-    def end_backward(self) -> None:
-        """Forget this backward's signals (the final callback; watches of forwards it did
-        not reach stay live until their graphs are freed)."""
-        self.watches_fired = 0
-        self.unwatched_calls = 0
-
-    # the three signals of Note [when a unit's backward is done]
-    def watch_started(self) -> None:
-        self.watches_live += 1
-
-    def watch_dropped(self) -> None:
-        """A watched forward's graph was freed without a backward through it."""
-        self.watches_live -= 1
-
-    def input_grads_ready(self) -> None:
-        self.watches_live -= 1
-        self.watches_fired += 1
-        if self.on_backward_done is not None:
-            self.on_backward_done()
-
-    def _presence_flags(self, had_grad: list[bool], like: torch.Tensor) -> torch.Tensor:
-        """One flag per trainable param; the all-present vector is cached (no host copy)."""
-        cached = self._all_present
-        if all(had_grad):
-            if cached is None or cached.numel() != len(had_grad) or cached.dtype != like.dtype \
-                    or cached.device != like.device:
-                cached = self._all_present = torch.ones(len(had_grad), dtype=like.dtype,
-                                                        device=like.device)
-            return cached
-        flags = torch.ones(len(had_grad), dtype=like.dtype, device=like.device)
-        for i, present in enumerate(had_grad):
-            if not present:
-                flags[i].fill_(0)  # a fill kernel: no host-to-device copy
-        return flags
-
-    def _digest(self, inspected: bool, like: torch.Tensor) -> torch.Tensor:
-        """The ledger's digest as DIGEST_NUMEL elements of 8 bits each (exact in any float
-        dtype), or zeros (cached) where nobody inspects it."""
-        if inspected:
-            return torch.tensor(self.guard.digest_bytes(), dtype=like.dtype, device=like.device)
-        cached = self._no_digest
-        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
-            cached = self._no_digest = torch.zeros(DIGEST_NUMEL, dtype=like.dtype,
-                                                   device=like.device)
-        return cached
-
-    def reduce_grads(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
-        """Start reducing the unsharded gradients (sum, asynchronously) and free them
-        (Note [gradient presence flags])."""
-        with traced("reduce_scatter", self.unit_name):
-            return self._reduce_grads(options)
-
-    def _reduce_grads(self, options: ReduceOptions) -> "PendingReduce | None":
-        """See ``reduce_grads``.
-
-        Note [gradient presence flags]
-        A parameter unused on one rank has no gradient there but may have one on
-        another. It is reduced as zeros, so every rank sends the same layout, and each
-        rank appends one flag per parameter (1 = I have a gradient) to every chunk: after
-        the reduce every rank knows which parameters got a gradient anywhere. Those get
-        the mean gradient (zeros counted for ranks that lacked it); the rest are set back
-        to ``grad=None`` when the reduction is settled (``UnknownPresence``), as in
-        single-process training and as torch's FSDP2 leaves a parameter no rank used.
-        Ranks that had every gradient locally never read the flags, and the others read
-        them only when the backward's gradients are settled, after the divergence check
-        (no device sync inside backward). With ``set_reduce_scatter_unused_params(True)``
-        every trainable parameter of a reduced unit gets a gradient, zeros where no rank
-        used it, as torch's FSDP2 does with that setting.
-        """
-        trainable = self.trainable()
-        if not trainable:
-            return None
-        w = self.world_size
-        ref = trainable[0].unsharded_local
-        grads = [take_unsharded_grad(p) for p in trainable]
-        had_grad = [True] * len(grads) if options.unused_as_zeros else [
-            g is not None for g in grads]
-        grads = [g if g is not None else torch.zeros_like(p.unsharded_local)
-                 for p, g in zip(trainable, grads)]
-        reduce_dtype = self.reduce_dtype or ref.dtype
-        if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
-            grads = [g.to(reduce_dtype) for g in grads]
-        grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
-        flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
-        numel = reduce_numel([p.layout.shard_numel for p in trainable])
-        comm = None if skips_collectives(w) else self.reduce_scatter_comm
-        plan = reduce_plan(shard_size=w, replicated=self.replicate_pg is not None,
-                           backend=dist.get_backend(self.pg), reduce_dtype=reduce_dtype,
-                           compute_device=ref.device, grad_dtype=self.flat_shard.dtype,
-                           grad_device=self.flat_shard.device)
-        if plan.all_reduce and options.all_reduce:
-            self._record("all-reduce", w * numel)
-        elif not skips_collectives(w):
-            self._record("reduce-scatter", w * numel)
-        # Note [ranks agree on every collective]: on gloo the ranks compare the digests
-        # (which include this reduction) before summing; elsewhere the digest is zeros
-        inspected = (not plan.all_reduce and comm is None and not self.quantize_grads
-                     and self.patience is not None and not skips_collectives(w)
-                     and self.replicate_pg is None and w == len(self.guard.ranks))
-        digest = self._digest(inspected, grads[0]).expand(w, -1)
-        full = (self.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
-                comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
-        # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
-        torch._chunk_cat(grads + [flags, digest], dim=0, num_chunks=w, out=full.view(w, numel))
-        del grads  # the unsharded gradients die here, before the receive buffers exist
-        for p in trainable:
-            p.unsharded_param.grad = None
-        dest, views = self._grad_destination(trainable, numel, self.flat_shard)
-        if plan.all_reduce:  # Note [shard groups of one rank]
-            if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
-                return PendingReduce(self.unit_name, trainable, had_grad, Pending(full, None),
-                                     self.pool, [full], views, dest, self.replicate_pg,
-                                     options, self.partial_sum, copies=self.copies)
-            self.partial_sum.add_into(full.view(-1))
-            pending = all_reduce_sum(full, self.replicate_pg, async_op=True)
-            return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
-                                 [full], views, dest, options=options, copies=self.copies)
-        if comm is not None:  # Note [custom collectives]
-            out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
-            work = comm(output_tensor=out, input_tensor=full, group=self.pg,
-                        op=dist.ReduceOp.SUM)
-            # ``full`` is the comm's (never pooled), but it must live until the collective
-            # has finished: an async comm reads it after this returns
-            return PendingReduce(self.unit_name, trainable, had_grad, Pending(out, work),
-                                 self.pool, [], views, dest, self.replicate_pg, options,
-                                 self.partial_sum, copies=self.copies, held=[full])
-        if self.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
-            out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
-                else dest
-            pending = quantized_reduce_scatter_sum(out, full, self.pg, self.quantize_grads,
-                                                   exact_tail=reduce_tail(len(trainable)),
-                                                   async_op=True)
-            return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
-                                 [full], views, dest, self.replicate_pg, options,
-                                 self.partial_sum, copies=self.copies)
-        scratch = self.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
-        out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
-        pending = reduce_scatter_sum(out, full, self.pg, async_op=True, scratch=scratch,
-                                     inspect=self.guard.inspector(numel) if inspected else None)
-        return PendingReduce(self.unit_name, trainable, had_grad, pending, self.pool,
-                             [full, scratch], views, dest, self.replicate_pg, options,
-                             self.partial_sum, copies=self.copies)
-
-    def accumulate_unsharded_grads(self) -> None:
-        """Without gradient sync: move this backward's unsharded gradients into a
-        per-parameter accumulator in ``reduce_dtype`` (bf16 sums lose precision fast), so
-        AccumulateGrad starts fresh next time; the synced backward reduces the sum."""
-        if self.reduce_dtype is None or self.reduce_dtype == self.compute_dtype:
-            return  # accumulating in .grad itself is exact enough
-        for p in self.trainable():
-            grad = p.local_grad(p.unsharded_param.grad)
-            if grad is None:
-                continue
-            p.unsharded_param.grad = None
-            if p.accumulated_grad is None:
-                p.accumulated_grad = grad.to(self.reduce_dtype)
-            else:
-                p.accumulated_grad += grad
-
-    def _new_grad_buffer(self, numel: int, ref: torch.Tensor) -> torch.Tensor:
-        """Sharded gradients beside ``ref`` (the flat shard); pinned when offloaded from
-        CUDA, so the copy from the device does not block (Note [streams and events])."""
-        pin = ref.device.type == "cpu" and self.compute_device.type == "cuda"
-        return torch.empty(numel, dtype=ref.dtype, device=ref.device, pin_memory=pin)
-
-    def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
-                          ) -> tuple[torch.Tensor, list | None]:
-        """Where the reduce-scatter writes, and the DTensor grads viewing it (None when
-        the result must be added to gradients that already exist).
-
-        Note [persistent sharded gradients]
-        After ``zero_grad()`` every step would allocate the sharded gradients and build
-        one DTensor per parameter (~3 ms per step for W2's 388 parameters). Groups up to
-        the pool's size limit (Note [which buffers are pooled]) instead keep one flat
-        gradient buffer and DTensor views of it, and hand the same objects out as
-        ``.grad`` again: the reduce-scatter writes straight into them. Larger groups get
-        fresh gradients every step: a kept buffer would stay allocated from
-        ``zero_grad`` through the next forward, on top of the activations (W3's peak
-        rose from 2.72 to 2.83 GiB when every group kept one). For small groups, a
-        ``.grad`` object kept across ``zero_grad(set_to_none=True)`` sees the next
-        step's values, as with DDP's ``gradient_as_bucket_view=True``.
-        """
-        if not self.pool.keeps(numel) or any(p.sharded_param.grad is not None
-                                             for p in trainable):
-            return self._new_grad_buffer(numel, ref), None
-        key = (tuple(map(id, trainable)), ref.dtype, ref.device)
-        if key != self._grad_key:
-            buf = self._new_grad_buffer(numel, ref)
-            shards = torch.split(buf, [p.layout.shard_numel for p in trainable]
-                                 + [len(trainable), DIGEST_NUMEL])
-            self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
-            self._grad_buffer, self._grad_key = buf, key
-        return self._grad_buffer, self._grad_views
+        self.signals.forget()
+        self.grads.forget()

@@ -55,6 +55,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .backward_signals import BackwardSignals
 from .divergence import DivergenceError, Guard, debug_enabled, guarded
 from .group import GroupState, ParamGroup
 from .init import lazy_init
@@ -121,7 +122,7 @@ def ensure_root(unit: UnitState) -> RootState:
     for u in root.units:
         u.ledger_code = unit_code(u.name)
     for group, members in root.members.items():
-        group.on_backward_done = partial(_on_backward_done, root, group)
+        group.signals.on_done = partial(_on_backward_done, root, group)
         group.guard = root.guard
         group.guard_unit = members[0].ledger_code
     return root
@@ -154,7 +155,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         recomputed = (group is not None and torch.is_grad_enabled()
                       and not unit.ran_forward_with_grad)
         unit.recomputed_with_grad |= recomputed
-        return _prepare_inputs(unit, group if recomputed else None, args, kwargs)
+        return _prepare_inputs(unit, group.signals if recomputed else None, args, kwargs)
     if unit is root.unit:
         _check_input_devices(unit, args, kwargs)
         _root_pre_forward(root)
@@ -169,10 +170,11 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         _prefetch(root, [u.group for u in unit.forward_prefetch])
     else:
         _prefetch(root, [root.next_group_in_forward(unit)])
-    return _prepare_inputs(unit, group if torch.is_grad_enabled() else None, args, kwargs)
+    watched = group.signals if group is not None and torch.is_grad_enabled() else None
+    return _prepare_inputs(unit, watched, args, kwargs)
 
 
-def _prepare_inputs(unit: UnitState, watched: ParamGroup | None, args: Any, kwargs: Any
+def _prepare_inputs(unit: UnitState, watched: BackwardSignals | None, args: Any, kwargs: Any
                     ) -> tuple[Any, Any] | None:
     """The inputs cast to ``param_dtype`` and watched for their gradients
     (``watch_input_grads``; not when ``watched`` is None) in one pass, or None to keep them: this runs
@@ -198,14 +200,14 @@ def _prepare_inputs(unit: UnitState, watched: ParamGroup | None, args: Any, kwar
     return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
 
 
-def _watch(group: ParamGroup, leaves: list) -> bool:
+def _watch(signals: BackwardSignals, leaves: list) -> bool:
     """Pass the leaves that require grad through _InputGradsReady (in place); whether any
     did. A call with none is counted unwatched (Note [when a unit's backward is done])."""
     slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not slots:
-        group.unwatched_calls += 1
+        signals.unwatched_calls += 1
         return False
-    watched = _InputGradsReady.apply(_Watch(group), *(leaves[i] for i in slots))
+    watched = _InputGradsReady.apply(_Watch(signals), *(leaves[i] for i in slots))
     for i, t in zip(slots, watched):
         leaves[i] = t
     return True
@@ -216,27 +218,27 @@ class _Watch:
     stops counting when its graph is freed without a backward through it. A watch made
     before the group forgot its backward (``reset_iter_state``) no longer counts."""
 
-    __slots__ = ("group", "fired", "epoch")
+    __slots__ = ("signals", "fired", "epoch")
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, signals: BackwardSignals):
+        self.signals = signals
         self.fired = False
-        self.epoch = getattr(group, "watch_epoch", 0)
-        group.watch_started()
+        self.epoch = getattr(signals, "epoch", 0)
+        signals.watch_started()
 
     def _counts(self) -> bool:
         if self.fired:  # a second backward through a retained graph: not counted
             return False
         self.fired = True
-        return self.epoch == getattr(self.group, "watch_epoch", 0)
+        return self.epoch == getattr(self.signals, "epoch", 0)
 
     def fire(self) -> None:
         if self._counts():
-            self.group.input_grads_ready()
+            self.signals.input_grads_ready()
 
     def __del__(self) -> None:
         if self._counts():
-            self.group.watch_dropped()
+            self.signals.watch_dropped()
 
 
 def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
@@ -271,16 +273,16 @@ class _InputGradsReady(torch.autograd.Function):
         return (None, *grads)
 
 
-def watch_input_grads(group: ParamGroup, args: Any, kwargs: Any) -> Any:
+def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
     """(args, kwargs) with the tensors that require grad passed through _InputGradsReady:
-    ``group.watch_started()`` runs now, ``group.input_grads_ready()`` once their
+    ``signals.watch_started()`` runs now, ``signals.input_grads_ready()`` once their
     gradients are computed, before the gradient reaches any hook on the tensors
-    themselves (the previous unit's pre-backward), or ``group.watch_dropped()`` when the
-    graph is freed first. The memory estimator's trace (memory/activations.py) watches
-    with its own ``group`` (anything with those three), so its events come in the
-    runtime's order."""
+    themselves (the previous unit's pre-backward), or ``signals.watch_dropped()`` when
+    the graph is freed first. The memory estimator's trace (memory/activations.py)
+    watches with a stand-in of its own (anything with those three and
+    ``unwatched_calls``), so its events come in the runtime's order."""
     leaves, spec = tree_flatten((args, kwargs))
-    if not _watch(group, leaves):
+    if not _watch(signals, leaves):
         return args, kwargs
     return tree_unflatten(leaves, spec)
 
@@ -377,7 +379,7 @@ def _start_backward(root: RootState) -> None:
 
 
 def _on_backward_done(root: RootState, group: ParamGroup) -> None:
-    if root.in_backward and group not in root.reduced and group.backward_done:
+    if root.in_backward and group not in root.reduced and group.signals.done:
         _post_backward(root, group)
 
 
@@ -389,9 +391,9 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
     if first.backward_prefetch is None and first.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(first)])
     if any(u.requires_gradient_sync for u in root.members[group]):
-        root.pending_reduce = group.reduce_grads(root.reduce_options(group))
+        root.pending_reduce = group.grads.reduce(root.reduce_options(group))
     else:  # accumulate unsharded until a backward with gradient sync reduces it all
-        group.accumulate_unsharded_grads()
+        group.grads.accumulate_unsharded()
     root.reduced.add(group)
 
 
@@ -417,7 +419,7 @@ def _final_callback(root: RootState) -> None:
     # else: the last reduce-scatter overlaps whatever comes next; the next backward,
     # forward or optimizer step completes it first (set_is_last_backward(False))
     for group in root.members:
-        group.end_backward()
+        group.signals.end_backward()
         if root.stays_gathered_after_backward(group):
             root.kept_gathered.add(group)
         else:

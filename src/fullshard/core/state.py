@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..policies import MixedPrecisionPolicy
 from .buffers import BufferPool
-from .gradients import DEFAULT_REDUCE, ReduceOptions, UnknownPresence
+from .gradients import DEFAULT_REDUCE, PendingReduce, ReduceOptions, UnknownPresence
 from .ledger import BACKWARD
-from .group import ParamGroup, PendingReduce
+from .group import ParamGroup
 from .schedule import PrefetchOrder, frees_after_forward
 from .streams import SharedCopies
 

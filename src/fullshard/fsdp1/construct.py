@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import FSDPModule, fsdp_class, fully_shard
+from ..api import fsdp_class, fully_shard
+from ..fsdp_module import FSDPModule
 from ..core.init import managed_modules
 from ..core.mesh import mesh_device_type
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

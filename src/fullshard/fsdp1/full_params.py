@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..api import FSDPModule
+from ..fsdp_module import FSDPModule
 from ..core.init import managed_modules
 from .state_dict import local_shard
 

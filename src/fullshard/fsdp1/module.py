@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import FSDPModule
+from ..fsdp_module import FSDPModule
 from .. import grad_norm
 from ..checkpoint import (StateDictOptions, get_optimizer_state_dict,
                           set_optimizer_state_dict)

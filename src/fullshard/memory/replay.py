@@ -333,7 +333,7 @@ class Replay:
         self._pending = self._reduce(group)
         self._reduced.add(group.index)
 
-    # -- reducing (ParamGroup.reduce_grads, PendingReduce.finish) ---------------------------
+    # -- reducing (GradReduction.reduce, PendingReduce.finish) -------------------------------
     def _reduce(self, group: _Group) -> tuple | None:
         s, layout = self.settings, group.layout
         if not layout.trainable:

@@ -24,8 +24,8 @@ def count_collectives():
     and those of tensor-subclass parameters count too; collectives over a group of one
     rank are not issued and not counted, unless ``collectives_at_one_rank`` is on)."""
     counts: Counter = Counter()
-    real_ag, real_rs = group_module.all_gather, group_module.reduce_scatter_sum
-    real_ar = group_module.all_reduce_sum
+    real_ag, real_rs = group_module.all_gather, gradients_module.reduce_scatter_sum
+    real_ar = gradients_module.all_reduce_sum
 
     def all_gather(out, shard, pg, async_op=False, **kwargs):
         if not skips_collectives(pg.size()):
@@ -43,10 +43,9 @@ def count_collectives():
         return real_ar(tensor, pg, async_op=async_op, **kwargs)
 
     patches = [(group_module, "all_gather", all_gather),
-               (group_module, "reduce_scatter_sum", reduce_scatter_sum),
+               (gradients_module, "reduce_scatter_sum", reduce_scatter_sum),
                (post_forward_module, "all_gather", all_gather),
                (subclass_module, "all_gather", all_gather),
-               (group_module, "all_reduce_sum", all_reduce_sum),
                (gradients_module, "all_reduce_sum", all_reduce_sum)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     for mod, name, fn in patches:

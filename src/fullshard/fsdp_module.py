@@ -1,68 +1,169 @@
-"""torch's ``FSDPModule`` setters that go beyond fullshard's core surface (2.13's, and
-those 2.15 added, on every torch: Note [torch versions]).
+"""``FSDPModule``: what every module passed to ``fully_shard`` becomes, and its handles.
 
-``FSDPModule`` inherits these. Each has torch's signature and semantics; the ones that
-tune NCCL internals fullshard does not have (separate communicators,
-process-group or symmetric-memory allocation, several reduce-scatter buffers in
-flight) validate their arguments and do nothing, as documented in the README's API
-table, because fullshard's schedule already does what they are for or has no such knob.
+Its methods are torch's ``FSDPModule`` API, with torch's signatures and semantics, on
+every torch fullshard supports (those torch 2.15 added too: Note [torch versions]).
+Each reads or changes the unit's state (``core/state.UnitState``, found with
+``unit_of``) or its group; the work itself happens in ``core/``. The ones that tune NCCL
+internals fullshard does not have (separate communicators, process-group or
+symmetric-memory allocation, several reduce-scatter buffers in flight) validate their
+arguments and do nothing, as documented in the README's API table, because fullshard's
+schedule already does what they are for or has no such knob.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .core import hooks
+from .core.load_check import check_fits
 from .core.quantized_collectives import DEFAULT_BLOCK_SIZE
-from .core.state import UnitState
-from .core.streams import SharedCopies
+from .core.state import UnitState, unit_of
+
+# Set while FSDPModule.to_empty runs (per thread): torch's _apply recursion into the units
+# carries no argument, and to_empty's values are undefined, so there is nothing to copy.
+_EMPTYING = threading.local()
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the gather."""
+
+    def __init__(self, unit: UnitState):
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit.group is not None:
+            self._unit.group.wait_unshard()
 
 
-class TorchControls:
-    """Mixed into FSDPModule: torch's setters for reduction, resharding and comm tuning."""
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` before reading the
+    gradients or starting the next forward (torch 2.15's name)."""
 
-    _unit: UnitState
+    def __init__(self, root):
+        self._root = root
+        self._invalidated = False
 
-    # -- helpers ---------------------------------------------------------------------------
-    def _units(self, recurse: bool) -> list[UnitState]:
-        """The units a setter applies to: those under this module, or (without ``recurse``)
-        this unit and the others its fully_shard call made (a list shares one group)."""
-        if not recurse:
-            return self._unit.created_with
-        return [m._unit for m in self.modules()  # type: ignore[attr-defined]
-                if isinstance(m, TorchControls)]
+    def invalidate(self) -> None:
+        """``reset_iter_state`` dropped the reduction this handle waits for."""
+        self._root, self._invalidated = None, True
 
-    def _set_unit_flag(self, flag: str, value: bool, recurse: bool) -> None:
-        """Set a boolean run-time toggle on this unit (and sharded submodules)."""
-        _expect_bool(f"set_{flag}", value)
-        for unit in self._units(recurse):
-            setattr(unit, flag, value)
+    def wait(self) -> None:
+        """Wait for the gradient reduction and release what it holds (once)."""
+        if self._invalidated:
+            raise RuntimeError("This gradient reduction handle was invalidated by "
+                               "reset_iter_state; its gradients were discarded")
+        root, self._root = self._root, None
+        if root is not None:
+            root.reduction_handle = None
+            root.settle_gradients()
 
-    def _check_not_merged(self, method: str, what: str) -> None:
-        """Units merged with others into one collective cannot differ from them."""
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (``isinstance`` checks both)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Containers rebuild themselves with self.__class__(...) (nn.Sequential slicing):
+        # construct the original class then.
+        orig = cls._fullshard_original_class
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_no_copy_message(self, "copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_no_copy_message(self, "pickling (torch.save of the module)"))
+
+    @property
+    def _unit(self) -> UnitState:
+        return unit_of(self)
+
+    # -- gathering and prefetching ------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now (e.g. to start the first gather before
+        forward). With ``async_op=True`` returns a handle whose ``wait()`` finishes it."""
         unit = self._unit
-        root = unit.root
-        if root is not None and unit.group is not None:
-            others = [u.name for u in root.members[unit.group] if u not in unit.created_with]
-            if others:
-                raise ValueError(
-                    f"{method} on {unit.name}: its parameters were merged with "
-                    f"{', '.join(others)} into one collective at the first forward, so its "
-                    f"{what} cannot differ from theirs. Call it right after "
-                    "fully_shard (before the first forward), or turn merging off with "
-                    "root.set_bucket_numel(0) then.")
+        hooks.ensure_root(unit)
+        unit.explicit_unshard = True
+        if unit.group is not None:
+            unit.group.unshard(async_op=async_op)
+        return UnshardHandle(unit) if async_op else None
 
-    def _set_reduce(self, method: str, **changes) -> None:
-        """Change this unit's reduction settings (with its fully_shard call's other units)."""
-        self._check_not_merged(method, "gradient reduction")
-        for u in self._unit.created_with:
-            u.reduce_options = dataclasses.replace(u.reduce_options, **changes)
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters and register the sharded ones."""
+        unit = self._unit
+        unit.explicit_unshard = False
+        if unit.group is not None:
+            unit.group.reshard()
 
-    # -- iteration state -------------------------------------------------------------------
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Gather ``modules`` asynchronously as soon as this module's forward starts,
+        instead of the implicit one group ahead (deeper prefetch, more memory)."""
+        self._unit.forward_prefetch = _prefetch_targets("set_modules_to_forward_prefetch",
+                                                        modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Gather ``modules`` asynchronously as soon as this module's backward starts,
+        instead of the implicit one group behind in forward order."""
+        self._unit.backward_prefetch = _prefetch_targets("set_modules_to_backward_prefetch",
+                                                         modules)
+
+    # -- gradient sync and the end of backward ----------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, backward keeps each unit's unsharded gradients (accumulating
+        across backward passes) instead of reduce-scattering them; the next backward
+        with ``True`` reduces everything accumulated. Trades memory for communication
+        in gradient accumulation; applies to sharded submodules too unless ``recurse``
+        is False."""
+        _set_flag(self, "requires_gradient_sync", requires_gradient_sync, recurse)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, parameters stay gathered after backward so the next forward
+        needs no all-gather (gradient accumulation with ``no_sync``). Set it back to
+        ``True`` for the last micro-batch: parameters gathered before an optimizer step
+        would be stale."""
+        _set_flag(self, "reshard_after_backward", reshard_after_backward, recurse)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Call on the root. With ``False`` the end of backward does not wait for the last
+        reduce-scatter: it overlaps the next micro-batch and completes at the next
+        backward, forward or ``optimizer.step()``. Read ``.grad`` only after one of those
+        (or after a backward with ``True``)."""
+        _set_flag(self, "is_last_backward", is_last_backward, recurse=False)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip gradient reduction (as FSDP1/DDP ``no_sync``); the
+        first backward after the block reduces everything accumulated."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def set_bucket_numel(self, numel: int) -> None:
+        """Merge adjacent small units under this root into one collective while their
+        unsharded size stays <= ``numel`` elements (default 2**20; 0 disables). Call it
+        on the root before the first forward; see Note [buckets: units share a group]."""
+        unit = self._unit
+        if unit.root is not None:
+            raise RuntimeError(
+                f"set_bucket_numel on {unit.name}: the units were already grouped at the first "
+                "forward/unshard; call it right after fully_shard, before running the model.")
+        if not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"set_bucket_numel: numel must be an int >= 0, got {numel!r}")
+        unit.bucket_numel = numel
+
+    # -- iteration state and resharding --------------------------------------------------
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: wait for collectives in flight,
         reshard every group and clear the iteration's bookkeeping, on the root. Gradients
@@ -77,12 +178,12 @@ class TorchControls:
                                   ) -> None:
         """Free (True) or keep (False) parameters after forward from now on; ``True`` on
         the root frees it too. A unit built with an int N keeps its N-way layout."""
-        self._set_unit_flag("reshard_after_forward", reshard_after_forward, recurse)
+        _set_flag(self, "reshard_after_forward", reshard_after_forward, recurse)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With ``False`` backward never gathers this unit's parameters: for units whose
         backward reads none of them (an embedding). Gradients are still reduced."""
-        self._set_unit_flag("unshard_in_backward", unshard_in_backward, recurse=False)
+        _set_flag(self, "unshard_in_backward", unshard_in_backward, recurse=False)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """On the root: the next forward's first gathers wait on ``event`` (recorded after
@@ -139,7 +240,7 @@ class TorchControls:
         capture), at the memory of holding them; ``False`` (the default) frees it. Applies
         to the unit's group: units merged into one collective share it."""
         _expect_bool("set_keep_unsharded_storage", keep)
-        for unit in self._units(recurse):
+        for unit in _units(self, recurse):
             if unit.group is not None:
                 unit.group.keep_unsharded_storage = keep
 
@@ -150,7 +251,7 @@ class TorchControls:
         group but not all-reduced across replicas; the sum is kept and added to the next
         reduction that does (gradient accumulation with only intra-group traffic)."""
         _expect_bool("set_requires_all_reduce", requires_all_reduce)
-        for unit in self._units(recurse):
+        for unit in _units(self, recurse):
             unit.reduce_options = dataclasses.replace(unit.reduce_options,
                                                       all_reduce=requires_all_reduce)
 
@@ -159,7 +260,7 @@ class TorchControls:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, "
                              f"got {factor!r}")
-        self._set_reduce("set_gradient_divide_factor", divide_factor=float(factor))
+        _set_reduce(self._unit, "set_gradient_divide_factor", divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: :meth:`set_gradient_divide_factor`."""
@@ -169,7 +270,7 @@ class TorchControls:
         """fullshard's collectives always sum and divide afterwards; with ``True`` an
         all-reduce hook sees the sum (divided after it), as with torch."""
         _expect_bool("set_force_sum_reduction_for_comms", enable)
-        self._set_reduce("set_force_sum_reduction_for_comms", force_sum=enable)
+        _set_reduce(self._unit, "set_force_sum_reduction_for_comms", force_sum=enable)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream=None) -> None:
@@ -188,7 +289,7 @@ class TorchControls:
             raise ValueError("stream cannot be set when using native HSDP")
         if stream is not None:
             hook = _on_stream(hook, stream, torch.get_device_module(self._unit.mesh.device_type))
-        self._set_reduce("set_all_reduce_hook", hook=hook)
+        _set_reduce(self._unit, "set_all_reduce_hook", hook=hook)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -199,7 +300,7 @@ class TorchControls:
         zeros standing for the missing gradients (Note [when a unit's backward is done],
         Note [gradient presence flags]); torch's FSDP2 needs True for that."""
         _expect_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for unit in self._units(recurse):  # a merged group reduces zeros if any unit asks
+        for unit in _units(self, recurse):  # a merged group reduces zeros if any unit asks
             unit.reduce_options = dataclasses.replace(
                 unit.reduce_options, unused_as_zeros=reduce_scatter_unused_params)
 
@@ -207,21 +308,12 @@ class TorchControls:
     def set_custom_all_gather(self, comm) -> None:
         """Gather this unit's parameters with ``comm`` (torch's ``AllGather``: ``allocate``
         plus a call), Note [custom collectives]."""
-        self._set_comm("set_custom_all_gather", "all_gather_comm", comm)
+        _set_comm(self._unit, "set_custom_all_gather", "all_gather_comm", comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """Reduce this unit's gradients with ``comm`` (torch's ``ReduceScatter``), called
         with ``op=ReduceOp.SUM``; the mean is taken afterwards, Note [custom collectives]."""
-        self._set_comm("set_custom_reduce_scatter", "reduce_scatter_comm", comm)
-
-    def _set_comm(self, method: str, attr: str, comm) -> None:
-        if not callable(comm) or not callable(getattr(comm, "allocate", None)):
-            raise TypeError(f"{method} on {self._unit.name}: expected a torch.distributed.fsdp "
-                            "Comm (an object with allocate(size, *, dtype, device) that is "
-                            f"called to run the collective), got {type(comm).__name__}.")
-        self._check_not_merged(method, "collective")
-        if self._unit.group is not None:
-            setattr(self._unit.group, attr, comm)
+        _set_comm(self._unit, "set_custom_reduce_scatter", "reduce_scatter_comm", comm)
 
     # -- quantized communication (fullshard's; ZeRO++'s qwZ and qgZ) -------------------------
     def set_quantized_communication(self, *, weights: bool = False, grads: bool = False,
@@ -240,7 +332,7 @@ class TorchControls:
                 or block_size < 32 or block_size % 32:
             raise ValueError(f"{method} on {self._unit.name}: block_size must be a positive "
                              f"multiple of 32 (elements per scale), got {block_size!r}.")
-        units = self._units(recurse)
+        units = _units(self, recurse)
         for unit in units:
             _check_quantizable(unit, units, weights, grads)
         for unit in units:
@@ -276,27 +368,94 @@ class TorchControls:
                              f"{backend!r}")
 
 
-class GradientReductionHandle:
-    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` before reading the
-    gradients or starting the next forward (torch 2.15's name)."""
+    # -- state dict and module moves -------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, except that a missing key (with ``strict``) or a
+        shape mismatch raises before anything is copied, naming the key: torch's own
+        load copies every entry that fits first and leaves a half-loaded model."""
+        check_fits(self, state_dict, "", strict, self._unit.name, FSDPModule)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def __init__(self, root):
-        self._root = root
-        self._invalidated = False
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty``: each unit's flat shard is allocated on ``device`` and,
+        the values being undefined, nothing is copied into it (a model built on the meta
+        device pays one allocation and no copy)."""
+        outer = getattr(_EMPTYING, "active", False)
+        _EMPTYING.active = True
+        try:
+            return super().to_empty(device=device, recurse=recurse)
+        finally:
+            _EMPTYING.active = outer
 
-    def invalidate(self) -> None:
-        """``reset_iter_state`` dropped the reduction this handle waits for."""
-        self._root, self._invalidated = None, True
+    def _apply(self, *args, **kwargs):
+        # .to()/.cuda()/to_empty() replace the DTensor parameters; re-point them at the
+        # unit's flat shard so gathers read what the module holds.
+        self.reshard()
+        ret = super()._apply(*args, **kwargs)
+        group = self._unit.group
+        if group is not None:
+            with torch.no_grad():
+                group.readopt(copy_values=not getattr(_EMPTYING, "active", False))
+        return ret
 
-    def wait(self) -> None:
-        """Wait for the gradient reduction and release what it holds (once)."""
-        if self._invalidated:
-            raise RuntimeError("This gradient reduction handle was invalidated by "
-                               "reset_iter_state; its gradients were discarded")
-        root, self._root = self._root, None
-        if root is not None:
-            root.reduction_handle = None
-            root.settle_gradients()
+
+# -- what the setters share -------------------------------------------------------------
+
+def _units(module: FSDPModule, recurse: bool) -> list[UnitState]:
+    """The units a setter applies to: those under ``module``, or (without ``recurse``)
+    its unit and the others its fully_shard call made (a list shares one group)."""
+    if not recurse:
+        return module._unit.created_with
+    return [m._unit for m in module.modules()  # type: ignore[attr-defined]
+            if isinstance(m, FSDPModule)]
+
+
+def _set_flag(module: FSDPModule, flag: str, value: bool, recurse: bool) -> None:
+    """Set a boolean run-time toggle on the module's unit (and sharded submodules)."""
+    _expect_bool(f"set_{flag}", value)
+    for unit in _units(module, recurse):
+        setattr(unit, flag, value)
+
+
+def _check_not_merged(unit: UnitState, method: str, what: str) -> None:
+    """Units merged with others into one collective cannot differ from them."""
+    root = unit.root
+    if root is not None and unit.group is not None:
+        others = [u.name for u in root.members[unit.group] if u not in unit.created_with]
+        if others:
+            raise ValueError(
+                f"{method} on {unit.name}: its parameters were merged with "
+                f"{', '.join(others)} into one collective at the first forward, so its "
+                f"{what} cannot differ from theirs. Call it right after "
+                "fully_shard (before the first forward), or turn merging off with "
+                "root.set_bucket_numel(0) then.")
+
+
+def _set_reduce(unit: UnitState, method: str, **changes) -> None:
+    """Change the unit's reduction settings (with its fully_shard call's other units)."""
+    _check_not_merged(unit, method, "gradient reduction")
+    for u in unit.created_with:
+        u.reduce_options = dataclasses.replace(u.reduce_options, **changes)
+
+
+def _set_comm(unit: UnitState, method: str, attr: str, comm) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(f"{method} on {unit.name}: expected a torch.distributed.fsdp "
+                        "Comm (an object with allocate(size, *, dtype, device) that is "
+                        f"called to run the collective), got {type(comm).__name__}.")
+    _check_not_merged(unit, method, "collective")
+    if unit.group is not None:
+        setattr(unit.group, attr, comm)
+
+
+def _prefetch_targets(method: str, modules) -> list[UnitState]:
+    targets = []
+    for i, m in enumerate(modules):
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{method}: modules[{i}] ({type(m).__name__}) is not sharded; "
+                             "pass modules that fully_shard was applied to.")
+        targets.append(m._unit)
+    return targets
 
 
 def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool,
@@ -332,25 +491,6 @@ def _expect_bool(method: str, value) -> None:
         raise TypeError(f"{method}: expected a bool, got {type(value).__name__}")
 
 
-def share_comm_ctx(modules: list[nn.Module]) -> None:
-    """torch's ``share_comm_ctx``: the roots of ``modules`` (pipeline stages) use one set
-    of copy streams (core/streams.SharedCopies); collectives run on the process group's
-    streams in any case (Note [streams and events])."""
-    for module in modules:
-        if not isinstance(module, TorchControls):
-            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules but got "
-                             f"{type(module).__name__}")
-    shared = SharedCopies()
-    for module in modules:
-        unit = module._unit
-        unit.shared_copies = shared
-        if unit.is_root:  # already initialized: move it now
-            unit.root.use_copies(shared)
-
-
-__all__ = ["GradientReductionHandle", "TorchControls", "share_comm_ctx"]
-
-
 def _on_stream(hook: Callable, stream, device_module) -> Callable:
     """``hook`` run on ``stream``, which first waits for the current stream; the current
     stream then waits for it (torch's ``set_all_reduce_hook(hook, stream=...)``)."""
@@ -361,3 +501,11 @@ def _on_stream(hook: Callable, stream, device_module) -> Callable:
             hook(output)
         current.wait_stream(stream)
     return run
+
+
+def _no_copy_message(module: nn.Module, what: str) -> str:
+    name = type(module)._fullshard_original_class.__name__
+    return (f"{what} of a sharded {name} is not supported: its "
+            "parameters are shards tied to this process group. Copy the state instead: "
+            "build another model, fully_shard it, and load this one's state_dict() (or save "
+            "it with fullshard.checkpoint / torch.distributed.checkpoint).")
