@@ -42,7 +42,7 @@ test-multinode: $(STAMP)
 # More combinations than `make test` has time for (tests/conftest.py lists them): CI runs
 # it after the multi-node lane.
 test-extended: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m extended
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m extended -n 2
 
 # The tests a developer runs often (under 2 minutes on 2 cores): everything but the tests
 # tests/conftest.py marks slow.

@@ -5,7 +5,9 @@
 ~1.5 s: multi-rank training runs, the trainer end to end, checkpoints on disk, measured
 memory) and runs in under 2 minutes. A new test is fast unless it carries the marker;
 ``pytest -m "not slow" --durations=20`` shows what to mark. ``@pytest.mark.extended``
-marks combinations too slow for ``make test`` (``make test-extended``, run by CI).
+marks what ``make test`` (under 10 minutes) has no time for: more combinations, the
+benchmark scripts' CPU runs, estimates at scale, integrations (``make test-extended``,
+run by CI).
 
 It also keeps CUDA out of the CPU lane on machines that have a GPU (tests/lanes.py);
 ``make test-gpu`` runs the CUDA lane, tests/gpu.
@@ -52,5 +54,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: over ~1.5 s; left out of `make test-fast`")
     config.addinivalue_line("markers", "soak: long runs, left out of `make test`; `make soak`")
     config.addinivalue_line("markers", "multinode: the multi-node lane, `make test-multinode`")
-    config.addinivalue_line("markers", "extended: more combinations than `make test` has "
-                                       "time for (a minute or more each); `make test-extended`")
+    config.addinivalue_line("markers", "extended: what `make test` has no time for (more "
+                                       "combinations, the benchmark scripts' CPU runs, "
+                                       "estimates at scale, integrations); `make test-extended`")

@@ -11,7 +11,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
@@ -41,7 +41,7 @@ def test_trainer_benchmark_times_the_trainer_beside_a_plain_loop():
     assert "| fullshard train |" in proc.stdout and "trainer / plain tokens/s:" in proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "disk_offload.py"), "--tiny", "--steps", "2",
@@ -54,7 +54,7 @@ def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
     assert list(tmp_path.iterdir()) == []  # state folders and the dd probe removed
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_quantized_comm_benchmark_counts_bytes_per_setting():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "quantized_comm.py"), "--tiny", "--steps", "2"],

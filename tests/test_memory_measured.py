@@ -97,7 +97,7 @@ def test_mixture_of_experts_estimate_within_10_percent_of_measured_peak():
         assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_bf16_estimate_counts_the_fp32_loss():
     """Under bf16 the loss runs over an fp32 copy of the logits (as trainers compute it):
     with a large vocabulary those are the step's largest tensors."""
@@ -115,7 +115,7 @@ def _mib(phases: dict) -> dict:
     return {p: round(v["peak_bytes"] / MIB) for p, v in phases.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_planned_configuration_runs_under_its_budget():
     """A budget below shard_grad_op's estimate: the plan has to reshard after forward or
     checkpoint activations, and the run it prescribes must stay under the budget."""
@@ -141,7 +141,7 @@ def _baseline() -> int:
     return MemoryTracker(warm_up=True).baseline_bytes
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_quantized_communication_estimate_within_10_percent_of_measured_peak():
     """int8 gathers and reductions: their send and receive buffers and the fp32 passes that
     dequantize are in the estimate (Note [quantized communication])."""

@@ -93,6 +93,7 @@ def test_bad_quantization_options_are_one_line_errors():
             estimate("gpt2-124m", **kw, **extra)
 
 
+@pytest.mark.extended
 def test_70b_qlora_fits_two_24gb_gpus_with_offload_and_checkpointing(capsys):
     """The FSDP+QLoRA recipe's case: Llama 70B, NF4 base, LoRA rank 64, bf16, two 24 GB
     GPUs. It needs CPU offload and activation checkpointing; the plan must find that."""
@@ -168,6 +169,7 @@ def _qlora_peak(config: dict) -> dict:
         input_ids=tokens, labels=tokens, use_cache=False).loss)
 
 
+@pytest.mark.extended
 def test_qlora_estimate_within_15_percent_of_measured_peak():
     """Measured -8% to -11% (torch 2.13 and 2.11): what the estimate misses is glibc's
     heap, fragmented by torchao's dequantization temporaries (docs/memory.md); a missing

@@ -166,7 +166,7 @@ def _fullshard(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers(tmp_path):
     """The whole flow as a person runs it: a Llama folder with a tokenizer, fullshard
     train on JSONL over 2 ranks, export, transformers loads and generates."""

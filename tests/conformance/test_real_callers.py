@@ -208,7 +208,7 @@ def _lightning_reference(ranks: list[dict]) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_lightning_model_parallel_strategy_trains_as_single_process(tmp_path):
     # Lightning steps with optimizer.step(closure): forward and backward run inside step()
     pytest.importorskip("lightning")
