@@ -20,7 +20,7 @@ import sys
 import pytest
 
 # Tests in subfolders (tests/conformance) import helpers of tests/ by module name, e.g.
-# ``from test_error_catalogue import matches_documented``.
+# ``from catalogue import matches_documented``.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import lanes  # noqa: E402 - found through the path set just above

@@ -8,85 +8,24 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fullshard import fully_shard
 from fullshard import checkpoint as ckpt
 from fullshard.testing import run_distributed
-from fullshard.gpt import GPT, GPTConfig, lm_loss
-
-CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
-
-
-def _model(layout="layers", meta=False):
-    torch.manual_seed(0)
-    if meta:
-        with torch.device("meta"):
-            model = GPT(CFG)
-    else:
-        model = GPT(CFG)
-    if layout == "plain":
-        return model
-    if layout == "layers":
-        for layer in model.layers:
-            fully_shard(layer)
-    fully_shard(model, reshard_after_forward=layout != "root_zero2")
-    return model
-
-
-def _step(model, opt, step):
-    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
-    loss = lm_loss(model(x), torch.roll(x, -1, 1))
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
-
-
-def _full(model):
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
-
-
-def _full_optim(model, opt):
-    """FQN -> state name -> full tensor (every rank gathers; tiny models only)."""
-    osd = ckpt.get_optimizer_state_dict(model, opt)["state"]
-    return {fqn: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                  for k, v in state.items()} for fqn, state in osd.items()}
-
-
-def _assert_same_optim(a, b):
-    assert a.keys() == b.keys()
-    for fqn in a:
-        for k in a[fqn]:
-            assert torch.equal(a[fqn][k], b[fqn][k]), (fqn, k)
-
-
-def _train_and_save(path, steps, save_at=None, with_optim=False):
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        losses.append(_step(model, opt, step))
-        if save_at is not None and step + 1 == save_at:
-            ckpt.save(os.path.join(path, f"step_{step + 1}"), model, opt,
-                      extra={"step": step + 1, "note": "hello"})
-    if with_optim:
-        return losses, _full(model), _full_optim(model, opt)
-    return losses, _full(model)
-
+from fullshard.gpt import GPT, GPTConfig
+from checkpoint_runs import (CFG, assert_same_optim, full_optim, full_state, sharded_gpt,
+                             train_and_save, train_step)
 
 def _resume(path, steps, layout="layers"):
-    model = _model(layout)
+    model = sharded_gpt(layout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = ckpt.load(path, model, opt)  # the parent: its `latest` is loaded
-    losses = [_step(model, opt, step) for step in range(extra["step"], steps)]
-    return extra, losses, _full(model)
+    losses = [train_step(model, opt, step) for step in range(extra["step"], steps)]
+    return extra, losses, full_state(model)
 
 
 @pytest.mark.slow
 def test_exact_resume_in_fresh_processes(tmp_path):
-    straight, final = run_distributed(_train_and_save, 2, str(tmp_path / "a"), 10)[0]
-    first, _ = run_distributed(_train_and_save, 2, str(tmp_path / "b"), 5, 5)[0]
+    straight, final = run_distributed(train_and_save, 2, str(tmp_path / "a"), 10)[0]
+    first, _ = run_distributed(train_and_save, 2, str(tmp_path / "b"), 5, 5)[0]
     assert first == straight[:5]
     extra, rest, resumed = run_distributed(_resume, 2, str(tmp_path / "b"), 10)[0]
     assert extra == {"step": 5, "note": "hello"}
@@ -99,12 +38,12 @@ def test_exact_resume_in_fresh_processes(tmp_path):
 
 
 def _load_full(path, layout, with_optim=False):
-    model = _model(layout, meta=layout != "plain")
+    model = sharded_gpt(layout, meta=layout != "plain")
     if layout != "plain":
         model.to_empty(device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if with_optim else None
     ckpt.load(path, model, opt)
-    return (_full(model), _full_optim(model, opt)) if with_optim else _full(model)
+    return (full_state(model), full_optim(model, opt)) if with_optim else full_state(model)
 
 
 @pytest.mark.parametrize("save_ws,load_ws,layout", [
@@ -112,32 +51,32 @@ def _load_full(path, layout, with_optim=False):
     (2, 2, "root_zero2")])
 @pytest.mark.slow
 def test_load_at_another_world_size_or_layout(tmp_path, save_ws, load_ws, layout):
-    _, saved, saved_optim = run_distributed(_train_and_save, save_ws, str(tmp_path), 2, 2,
+    _, saved, saved_optim = run_distributed(train_and_save, save_ws, str(tmp_path), 2, 2,
                                             True)[0]
     loaded, loaded_optim = run_distributed(_load_full, load_ws, str(tmp_path), layout, True)[0]
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
-    _assert_same_optim(saved_optim, loaded_optim)
+    assert_same_optim(saved_optim, loaded_optim)
 
 
 @pytest.mark.slow
 def test_load_into_plain_module_on_one_process(tmp_path):
-    _, saved, saved_optim = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2, True)[0]
+    _, saved, saved_optim = run_distributed(train_and_save, 2, str(tmp_path), 2, 2, True)[0]
     assert not dist.is_initialized()
-    model = _model("plain")
+    model = sharded_gpt("plain")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt.load(str(tmp_path), model, opt)
     for k, v in model.state_dict().items():
         assert torch.equal(saved[k], v), k
-    _assert_same_optim(saved_optim, _full_optim(model, opt))
+    assert_same_optim(saved_optim, full_optim(model, opt))
 
 
 def _die_during_second_save(path):
-    model = _model()
+    model = sharded_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _step(model, opt, 0)
+    train_step(model, opt, 0)
     ckpt.save(os.path.join(path, "step_1"), model, opt, extra={"step": 1})
-    _step(model, opt, 1)
+    train_step(model, opt, 1)
     real_save = ckpt.io.dcp.save
 
     def dying_save(*args, **kwargs):
@@ -149,7 +88,7 @@ def _die_during_second_save(path):
 
 
 def _load_step(path):
-    model = _model()
+    model = sharded_gpt()
     return ckpt.load(path, model)["step"]
 
 
@@ -166,7 +105,7 @@ def test_killed_save_leaves_previous_checkpoint_in_use(tmp_path):
 
 @pytest.mark.slow
 def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
-    run_distributed(_train_and_save, 2, str(tmp_path), 1, 1)
+    run_distributed(train_and_save, 2, str(tmp_path), 1, 1)
     step = tmp_path / "step_1"
     shard = sorted(p for p in step.iterdir() if p.suffix == ".distcp")[0]
     data = bytearray(shard.read_bytes())
@@ -178,7 +117,7 @@ def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
     with pytest.raises(AssertionError, match=f"{shard.name} is missing"):
         run_distributed(_load_step, 2, str(step))
     other = tmp_path / "other"
-    run_distributed(_train_and_save, 2, str(other), 1, 1)
+    run_distributed(train_and_save, 2, str(other), 1, 1)
     wide = nn.Sequential(nn.Linear(3, 5))
     with pytest.raises(ckpt.CheckpointError, match=r"does not fit this model: missing from "
                                                    r"the checkpoint: 0.bias, 0.weight \| in the "
@@ -191,9 +130,9 @@ def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
 
 
 def _state_dict_functions():
-    model = _model()
+    model = sharded_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _step(model, opt, 0)
+    train_step(model, opt, 0)
     rank = dist.get_rank()
     sharded = ckpt.get_model_state_dict(model)
     assert all(isinstance(v, DTensor) for v in sharded.values())
@@ -207,7 +146,7 @@ def _state_dict_functions():
     osd = ckpt.get_optimizer_state_dict(model, opt)
     assert "layers.0.attn.qkv.weight" in osd["state"]
     # a meta-initialized model loads rank 0's full state dict by broadcast
-    fresh = _model(meta=True)
+    fresh = sharded_gpt(meta=True)
     ckpt.set_model_state_dict(fresh, full, options=ckpt.StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True))
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
@@ -215,7 +154,7 @@ def _state_dict_functions():
         torch.testing.assert_close(fresh(x), model(x))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     ckpt.set_optimizer_state_dict(fresh, fresh_opt, osd)
-    assert _step(fresh, fresh_opt, 1) == _step(model, opt, 1)
+    assert train_step(fresh, fresh_opt, 1) == train_step(model, opt, 1)
     return True
 
 
@@ -240,27 +179,27 @@ def _load_with_torch_fsdp2(path):
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=os.path.join(path, "step_2"))
     set_model_state_dict(model, state["model"])
-    return _full(model)
+    return full_state(model)
 
 
 @pytest.mark.slow
 def test_torch_dcp_loads_the_checkpoint_into_fsdp2(tmp_path):
-    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    _, saved = run_distributed(train_and_save, 2, str(tmp_path), 2, 2)[0]
     loaded = run_distributed(_load_with_torch_fsdp2, 2, str(tmp_path))[0]
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
 
 
 def _async_save_then_keep_training(path):
-    model = _model()
+    model = sharded_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
-        _step(model, opt, step)
-    snapshot = _full(model)
+        train_step(model, opt, step)
+    snapshot = full_state(model)
     future = ckpt.save(os.path.join(path, "step_2"), model, opt, extra={"step": 2},
                        async_save=True)
     for step in range(2, 5):  # training goes on while the shards are written
-        _step(model, opt, step)
+        train_step(model, opt, step)
     assert future.result() == os.path.join(path, "step_2")
     # the next save waits for the one in flight, then commits after it
     ckpt.save(os.path.join(path, "step_5"), model, opt, extra={"step": 5}, async_save=True)
@@ -284,7 +223,7 @@ def test_cli_inspect_and_streamed_safetensors_export(tmp_path, capsys):
 
     from fullshard.cli import main
 
-    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    _, saved = run_distributed(train_and_save, 2, str(tmp_path), 2, 2)[0]
     assert main(["ckpt", "inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "world size 2, with optimizer state" in out and "checksums: ok" in out

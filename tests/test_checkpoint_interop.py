@@ -13,7 +13,7 @@ from fullshard import checkpoint as ckpt
 from fullshard.gpt import GPT
 from fullshard.testing import run_distributed
 
-from test_checkpoint import CFG, _full, _model, _step, _train_and_save
+from checkpoint_runs import CFG, full_state, sharded_gpt, train_and_save, train_step
 
 
 def _train_save_and_continue(path, shard_with_torch, layout):
@@ -29,24 +29,24 @@ def _train_save_and_continue(path, shard_with_torch, layout):
         torch_fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
-        _step(model, opt, step)
+        train_step(model, opt, step)
     model_state, optim_state = get_state_dict(model, opt)
     state = {"model": model_state, "optim": optim_state}
     if layout == "app":  # torch's recipe wraps both in one object
         state = {"app": state}
     dcp.save(state, checkpoint_id=path)
-    return [_step(model, opt, step) for step in range(2, 4)], _full(model)
+    return [train_step(model, opt, step) for step in range(2, 4)], full_state(model)
 
 
 def _resume_unverified(path):
-    model = _model()
+    model = sharded_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         extra = ckpt.load(path, model, opt)
     assert extra is None
     assert any(issubclass(w.category, ckpt.UnverifiedCheckpointWarning) for w in caught)
-    return [_step(model, opt, step) for step in range(2, 4)], _full(model)
+    return [train_step(model, opt, step) for step in range(2, 4)], full_state(model)
 
 
 def _assert_trains_on_alike(source, resumed):
@@ -72,11 +72,11 @@ def test_a_plain_module_checkpoint_resumes_in_fullshard_as_in_one_process(tmp_pa
 
 
 def _load_model_alone(path):
-    model = _model()
+    model = sharded_gpt()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ckpt.UnverifiedCheckpointWarning)
         ckpt.load(path, model)
-    return _full(model)
+    return full_state(model)
 
 
 @pytest.mark.slow
@@ -93,7 +93,7 @@ def test_a_bare_state_dict_saved_by_torch_loads_at_another_world_size(tmp_path):
 
 @pytest.mark.slow
 def test_torch_dcp_alone_loads_a_fullshard_checkpoint_into_a_plain_module(tmp_path):
-    _, saved = run_distributed(_train_and_save, 2, str(tmp_path), 2, 2)[0]
+    _, saved = run_distributed(train_and_save, 2, str(tmp_path), 2, 2)[0]
     model = GPT(CFG)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():

@@ -143,7 +143,7 @@ def test_an_unverified_checkpoint_that_cannot_be_read_is_one_line(tmp_path):
 def test_inspect_of_a_damaged_checkpoint_says_so_after_its_table(kind, tmp_path, capsys):
     """The table, then one line on stderr and exit code 1; a torch DCP checkpoint (no
     checksums) is read back tensor by tensor, which finds a file cut short."""
-    from test_error_catalogue import matches_documented
+    from catalogue import matches_documented
 
     path = (fullshard_checkpoint(str(tmp_path), small_model()) if kind == "fullshard"
             else torch_checkpoint(str(tmp_path / "torch")))

@@ -15,7 +15,7 @@ from fullshard.cli import memory as memory_cli
 from fullshard.cli import train as train_cli
 from fullshard.train.config import (ConfigError, OptimConfig, TrainConfig, get_preset, load_toml,
                                     scalar_fields, sections, to_toml, validate)
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 
 def _train_config(*argv: str):
@@ -202,7 +202,7 @@ def test_fullshard_run_names_a_program_it_cannot_open_in_one_line(argv, code, tm
     """As `python missing.py` does: one line, exit code 2, no traceback; `-m json` (a
     package without __main__) is named as such."""
     from fullshard.run import main
-    from test_error_catalogue import matches_documented, run_stderr_of
+    from catalogue import matches_documented, run_stderr_of
 
     monkeypatch.chdir(tmp_path)
     line = run_stderr_of(*argv)

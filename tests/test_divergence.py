@@ -10,7 +10,7 @@ from fullshard import fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.gpt import GPT, GPTConfig, lm_loss
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 

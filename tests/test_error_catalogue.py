@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from functools import partial
 from pathlib import Path
 
@@ -19,23 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from catalogue import _matches, documented, message_of, run_stderr_of
 from fullshard.testing import run_distributed
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
-_ENTRY = re.compile(r"^### (E\d+) [^\n]*\n(?:(?!^### ).)*?```text\n(.*?)\n```", re.S | re.M)
-
-
-def documented() -> dict[str, str]:
-    return {code: text.strip() for code, text in _ENTRY.findall(DOC.read_text())}
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the point is to report whatever is raised
-        return f"{type(err).__name__}: {err}"
-    return "NO ERROR RAISED"
-
 
 class _Pair(nn.Module):
     def __init__(self):
@@ -68,45 +52,45 @@ def _library_cases(tmp: str) -> dict[str, str]:
         fully_shard(model)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-    out["E01"] = _message(optimizer_first)
+    out["E01"] = message_of(optimizer_first)
 
     def child_after_parent():
         model = _Pair()
         fully_shard(model)
         fully_shard(model.a)
-    out["E02"] = _message(child_after_parent)
+    out["E02"] = message_of(child_after_parent)
 
     def twice():
         model = fully_shard(_Pair())
         fully_shard(model)
-    out["E03"] = _message(twice)
-    out["E05"] = _message(lambda: fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
+    out["E03"] = message_of(twice)
+    out["E05"] = message_of(lambda: fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
 
     def shared_across_units():
         model = _Pair()
         model.b.weight = model.a.weight
         fully_shard(model.a)
         fully_shard(model.b)
-    out["E06"] = _message(shared_across_units)
+    out["E06"] = message_of(shared_across_units)
 
     def zero_dim():
         model = nn.Linear(2, 2)
         model.scale = nn.Parameter(torch.tensor(1.0))
         fully_shard(model)
-    out["E07"] = _message(zero_dim)
+    out["E07"] = message_of(zero_dim)
 
     def integer_param():
         model = nn.Linear(2, 2)
         model.steps = nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
         fully_shard(model)
-    out["E08"] = _message(integer_param)
-    out["E09"] = _message(lambda: fully_shard(_mixed()))
-    out["E10"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
+    out["E08"] = message_of(integer_param)
+    out["E09"] = message_of(lambda: fully_shard(_mixed()))
+    out["E10"] = message_of(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
         "cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))))
-    out["E145"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
+    out["E145"] = message_of(lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(
         "cpu", (1, 2))))
-    out["E11"] = _message(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
-    out["E12"] = _message(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
+    out["E11"] = message_of(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
+    out["E12"] = message_of(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.int8)))
 
     def meta_at_forward():
@@ -114,54 +98,54 @@ def _library_cases(tmp: str) -> dict[str, str]:
             model = nn.Linear(4, 4)
         fully_shard(model)
         model(torch.randn(2, 4))
-    out["E13"] = _message(meta_at_forward)
+    out["E13"] = message_of(meta_at_forward)
 
     def plain_over_dtensor():
         model = fully_shard(nn.Linear(4, 4))
         model.weight = nn.Parameter(torch.zeros(4, 4))
         model(torch.randn(2, 4))
-    out["E14"] = _message(plain_over_dtensor)
+    out["E14"] = message_of(plain_over_dtensor)
 
     def plain_state_dict():
         torch.manual_seed(0)
         full = _Pair().state_dict()
         fully_shard(_Pair()).load_state_dict(full)
-    out["E167"] = _message(plain_state_dict)
-    out["E15"] = _message(lambda: fully_shard(nn.Linear(4, 4))(torch.randn(2, 4, device="meta")))
+    out["E167"] = message_of(plain_state_dict)
+    out["E15"] = message_of(lambda: fully_shard(nn.Linear(4, 4))(torch.randn(2, 4, device="meta")))
 
     def bucket_after_forward():
         model = fully_shard(nn.Linear(4, 4))
         model(torch.randn(2, 4))
         model.set_bucket_numel(0)
-    out["E16"] = _message(bucket_after_forward)
-    out["E17"] = _message(lambda: fully_shard(nn.Linear(4, 4)).set_requires_gradient_sync(1))
-    out["E18"] = _message(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="FULL_SHARD"))
-    out["E19"] = _message(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(
+    out["E16"] = message_of(bucket_after_forward)
+    out["E17"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).set_requires_gradient_sync(1))
+    out["E18"] = message_of(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="FULL_SHARD"))
+    out["E19"] = message_of(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(
         param_dtype=torch.float16, keep_low_precision_grads=True)))
-    out["E20"] = _message(lambda: FSDP.set_state_dict_type(
+    out["E20"] = message_of(lambda: FSDP.set_state_dict_type(
         FSDP(nn.Linear(2, 2)), StateDictType.LOCAL_STATE_DICT))
-    out["E21"] = _message(lambda: FSDP(nn.Linear(2, 2), sharding_strategy=(
+    out["E21"] = message_of(lambda: FSDP(nn.Linear(2, 2), sharding_strategy=(
         ShardingStrategy.FULL_SHARD), process_group=(dist.group.WORLD, dist.group.WORLD)))
-    out["E22"] = _message(lambda: FSDP(nn.Linear(2, 2), device_id=0))
+    out["E22"] = message_of(lambda: FSDP(nn.Linear(2, 2), device_id=0))
 
     def sync_meta():
         with torch.device("meta"):
             model = nn.Linear(2, 2)
         FSDP(model, sync_module_states=True, param_init_fn=lambda m: None)
-    out["E23"] = _message(sync_meta)
+    out["E23"] = message_of(sync_meta)
 
     def summon_rank0_writeback():
         model = FSDP(nn.Linear(2, 2))
         with FSDP.summon_full_params(model, rank0_only=True):
             pass
-    out["E24"] = _message(summon_rank0_writeback)
+    out["E24"] = message_of(summon_rank0_writeback)
 
     def reentrant():
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl, checkpoint_wrapper)
         apply_activation_checkpointing(_Pair(), checkpoint_wrapper_fn=partial(
             checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
-    out["E25"] = _message(reentrant)
+    out["E25"] = message_of(reentrant)
 
     def stale_optimizer():
         model = fully_shard(nn.Linear(4, 4))
@@ -170,7 +154,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
                               assign=True)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-    out["E36"] = _message(stale_optimizer)
+    out["E36"] = message_of(stale_optimizer)
 
     def local_tensor_replaced():
         model = fully_shard(nn.Linear(4, 4))
@@ -178,22 +162,22 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.weight._local_tensor = model.weight._local_tensor.clone()
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-    out["E37"] = _message(local_tensor_replaced)
-    out["E38"] = _message(lambda: fully_shard(nn.Linear(4, 4)).load_state_dict(
+    out["E37"] = message_of(local_tensor_replaced)
+    out["E38"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).load_state_dict(
         {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)}))
 
     from torch.distributed.tensor import Replicate, Shard
 
     from fullshard import DataParallelMeshDims
-    out["E40"] = _message(lambda: fully_shard(nn.Linear(5, 4),
+    out["E40"] = message_of(lambda: fully_shard(nn.Linear(5, 4),
                                               shard_placement_fn=lambda p: Shard(p.dim() - 1)))
-    out["E49"] = _message(lambda: fully_shard(nn.Linear(4, 4),
+    out["E49"] = message_of(lambda: fully_shard(nn.Linear(4, 4),
                                               shard_placement_fn=lambda p: Replicate()))
     dp_tp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
-    out["E41"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
+    out["E41"] = message_of(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
                                               dp_mesh_dims=DataParallelMeshDims(
                                                   shard=("dp", "tp"))))
-    out["E48"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
+    out["E48"] = message_of(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
                                               dp_mesh_dims=DataParallelMeshDims(shard="dp")))
 
     def setting_after_merge():
@@ -203,22 +187,22 @@ def _library_cases(tmp: str) -> dict[str, str]:
         fully_shard(model)
         model(torch.randn(2, 4))
         model.a.set_gradient_divide_factor(4.0)
-    out["E42"] = _message(setting_after_merge)
+    out["E42"] = message_of(setting_after_merge)
 
     def deepcopy_sharded():
         import copy
         copy.deepcopy(fully_shard(nn.Linear(4, 4)))
-    out["E43"] = _message(deepcopy_sharded)
-    out["E44"] = _message(lambda: fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None))
+    out["E43"] = message_of(deepcopy_sharded)
+    out["E44"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None))
 
     from torch.distributed.device_mesh import DeviceMesh
     rank0_only_mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; rank 1 is outside
     if dist.get_rank() == 1:
-        out["E35"] = _message(lambda: fully_shard(nn.Linear(2, 2), mesh=rank0_only_mesh))
+        out["E35"] = message_of(lambda: fully_shard(nn.Linear(2, 2), mesh=rank0_only_mesh))
 
     path = os.path.join(tmp, "step_1")
     ckpt.save(path, fully_shard(_Pair()))
-    out["E26"] = _message(lambda: ckpt.load(path, fully_shard(nn.Linear(4, 4))))
+    out["E26"] = message_of(lambda: ckpt.load(path, fully_shard(nn.Linear(4, 4))))
     dist.barrier()
     if dist.get_rank() == 0:  # flip bytes in one shard file
         shard = sorted(p for p in Path(path).iterdir() if p.suffix == ".distcp")[0]
@@ -226,8 +210,8 @@ def _library_cases(tmp: str) -> dict[str, str]:
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
     dist.barrier()
-    out["E27"] = _message(lambda: ckpt.load(path, fully_shard(_Pair())))
-    out["E28"] = _message(lambda: ckpt.load(os.path.join(tmp, "nothing_here"),
+    out["E27"] = message_of(lambda: ckpt.load(path, fully_shard(_Pair())))
+    out["E28"] = message_of(lambda: ckpt.load(os.path.join(tmp, "nothing_here"),
                                             fully_shard(_Pair())))
 
     def optimizer_does_not_fit():
@@ -237,7 +221,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
         sgd.step()
         saved = ckpt.save(os.path.join(tmp, "sgd", "step_1"), model, sgd)
         ckpt.load(saved, model, torch.optim.AdamW(model.parameters()))
-    out["E39"] = _message(optimizer_does_not_fit)
+    out["E39"] = message_of(optimizer_does_not_fit)
     out.update(_install_order_cases())
 
     def load_fails_on_one_rank():
@@ -257,7 +241,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
             ckpt.load(saved, model, sgd)
         finally:
             io.set_optimizer_state_dict = adopt
-    out["E160"] = _message(load_fails_on_one_rank)
+    out["E160"] = message_of(load_fails_on_one_rank)
 
     def load_hf_fails_on_one_rank():
         from safetensors.torch import save_file
@@ -279,7 +263,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
             ckpt.load_hf(model, path)
         finally:
             SafetensorsFiles.read = read
-    out["E206"] = _message(load_hf_fails_on_one_rank)
+    out["E206"] = message_of(load_hf_fails_on_one_rank)
 
     def save_fails_on_one_rank():
         import resource
@@ -294,7 +278,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
             ckpt.save(os.path.join(tmp, "full", "step_2"), model)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    out["E161"] = _message(save_fails_on_one_rank)
+    out["E161"] = message_of(save_fails_on_one_rank)
 
     def checkpoints_not_a_directory():
         from fullshard.train.checkpoints import check_shared
@@ -304,12 +288,12 @@ def _library_cases(tmp: str) -> dict[str, str]:
             open(os.path.join(run, "checkpoints"), "w").close()
         dist.barrier()
         check_shared(run)
-    out["E173"] = _message(checkpoints_not_a_directory)
+    out["E173"] = message_of(checkpoints_not_a_directory)
     if dist.get_rank() == 0:
         assert sorted(os.listdir(os.path.join(tmp, "full"))) == ["latest", "step_1"]
 
     from fullshard import DiskOffloadPolicy
-    out["E136"] = _message(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
+    out["E136"] = message_of(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
         path=os.path.join(tmp, "no-such-dir"))))
 
     def not_elementwise():
@@ -318,13 +302,13 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model = fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(path=tmp))
         model(torch.randn(2, 4)).sum().backward()
         Lion(model.parameters()).step()
-    out["E137"] = _message(not_elementwise)
+    out["E137"] = message_of(not_elementwise)
 
     def sparse_adam():
         model = fully_shard(nn.Linear(4, 4))
         model(torch.randn(2, 4)).sum().backward()
         torch.optim.SparseAdam(model.parameters()).step()
-    out["E168"] = _message(sparse_adam)
+    out["E168"] = message_of(sparse_adam)
 
     def disk_full():
         import resource
@@ -339,9 +323,9 @@ def _library_cases(tmp: str) -> dict[str, str]:
             opt.step()
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    out["E138"] = _message(disk_full)
+    out["E138"] = message_of(disk_full)
 
-    out["E141"] = _message(lambda: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh(
+    out["E141"] = message_of(lambda: fully_shard(nn.Linear(4, 4), mesh=init_device_mesh(
         "cpu", (2, 1), mesh_dim_names=("replicate", "shard"))).set_quantized_communication(
             grads=True))
 
@@ -357,7 +341,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model = fully_shard(nn.Linear(4, 4))
         model.set_custom_all_gather(Gather())
         model.set_quantized_communication(weights=True)
-    out["E142"] = _message(custom_and_quantized)
+    out["E142"] = message_of(custom_and_quantized)
     return out
 
 
@@ -377,14 +361,14 @@ def _install_order_cases() -> dict[str, str]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", fullshard.InstallOrderWarning)
-            out["E164"] = _message(fullshard.install)
+            out["E164"] = message_of(fullshard.install)
         fullshard.install()
         torch_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         torch_fully_shard(torch_child[0])
-        out["E162"] = _message(lambda: fullshard.fully_shard(torch_child))
+        out["E162"] = message_of(lambda: fullshard.fully_shard(torch_child))
         ours_child = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         fullshard.fully_shard(ours_child[1])
-        out["E163"] = _message(lambda: torch_fully_shard(ours_child))
+        out["E163"] = message_of(lambda: torch_fully_shard(ours_child))
     finally:
         fullshard.uninstall()
         del sys.modules["early_user_code"]
@@ -401,8 +385,8 @@ def _no_process_group_case() -> dict[str, str]:
     from fullshard import fully_shard
     from fullshard.testing import visible_gpus
     assert not dist.is_initialized()
-    return {"E04": _message(lambda: fully_shard(nn.Linear(2, 2))),
-            "E72": _message(lambda: run_distributed(_mixed, visible_gpus() + 1,
+    return {"E04": message_of(lambda: fully_shard(nn.Linear(2, 2))),
+            "E72": message_of(lambda: run_distributed(_mixed, visible_gpus() + 1,
                                                     backend="nccl"))}
 
 
@@ -427,7 +411,7 @@ def _checksum_cases(tmp: str) -> dict[str, str]:
         manifest["self_checksum"] = {kind: "0" * 32}  # sealed with it too
         with open(manifest_path, "w") as f:
             json.dump(manifest, f)
-        return _message(lambda: ckpt.load(path, model))
+        return message_of(lambda: ckpt.load(path, model))
 
     out = {"E71": load_with("blake3")}
     saved, sys.modules["xxhash"] = sys.modules.get("xxhash"), None  # as if not installed
@@ -483,20 +467,20 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
         on_meta = _WithBuffer()
     without_b = {k: v for k, v in pair.items() if not k.startswith("b.bias")}
     return {
-        "E195": _message(lambda: load_hf(_Pair(), bin_only)),
-        "E196": _message(lambda: load_hf(_Pair(), folder("missing", **without_b))),
-        "E197": _message(lambda: load_hf(_Pair(), folder("extra", **pair,
+        "E195": message_of(lambda: load_hf(_Pair(), bin_only)),
+        "E196": message_of(lambda: load_hf(_Pair(), folder("missing", **without_b))),
+        "E197": message_of(lambda: load_hf(_Pair(), folder("extra", **pair,
                                                           **{"c.weight": torch.ones(2)}))),
-        "E198": _message(lambda: load_hf(_Pair(), folder("shape", **{
+        "E198": message_of(lambda: load_hf(_Pair(), folder("shape", **{
             **pair, "a.weight": torch.ones(4, 3)}))),
-        "E199": _message(lambda: load_hf(_Pair(), folder("dtype", **{
+        "E199": message_of(lambda: load_hf(_Pair(), folder("dtype", **{
             **pair, "a.weight": torch.ones(4, 4, dtype=torch.int64)}))),
-        "E200": _message(lambda: load_hf(tagged, folder("tagged", **pair))),
-        "E201": _message(lambda: load_hf(on_meta, folder("meta", **pair))),
-        "E202": _message(lambda: load_hf(_Pair(), indexed)),
-        "E203": _message(lambda: load_hf(_Pair(), two_files)),
-        "E204": _message(lambda: load_hf(_Pair(), os.path.join(tmp, "hf", "gone"))),
-        "E205": _message(lambda: load_hf(_Pair(), text)),
+        "E200": message_of(lambda: load_hf(tagged, folder("tagged", **pair))),
+        "E201": message_of(lambda: load_hf(on_meta, folder("meta", **pair))),
+        "E202": message_of(lambda: load_hf(_Pair(), indexed)),
+        "E203": message_of(lambda: load_hf(_Pair(), two_files)),
+        "E204": message_of(lambda: load_hf(_Pair(), os.path.join(tmp, "hf", "gone"))),
+        "E205": message_of(lambda: load_hf(_Pair(), text)),
     }
 
 
@@ -530,7 +514,7 @@ def _verification_cases(tmp: str) -> dict[str, str]:
     def damaged(name: str, damage) -> str:
         path = fullshard_checkpoint(os.path.join(root, name))
         damage(path)
-        return _message(lambda: ckpt.load(path, small_model()))
+        return message_of(lambda: ckpt.load(path, small_model()))
 
     def cut_manifest(path):
         text = open(os.path.join(path, "fullshard.json")).read()
@@ -548,7 +532,7 @@ def _verification_cases(tmp: str) -> dict[str, str]:
 
 def _message_of_load(ckpt, path: str) -> str:
     from checkpoint_dirs import small_model
-    return _message(lambda: ckpt.load(path, small_model()))
+    return message_of(lambda: ckpt.load(path, small_model()))
 
 
 def _trainer_cases(tmp: str) -> dict[str, str]:
@@ -560,15 +544,15 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         _check_launch(args, resolve_config(args)[1])
 
     return {
-        "E73": _message(lambda: resolve("--optim.lr", "nan")),
-        "E74": _message(lambda: resolve("--steps", "ten")),
-        "E75": _message(lambda: resolve("--optim.lrr", "1")),
-        "E31": _message(lambda: resolve("--batch.val_fraction", "1.5")),
-        "E32": _message(lambda: resolve("--parallel.strategy", "zero3")),
-        "E33": _message(lambda: resolve("--resume", "--out", os.path.join(tmp, "empty"))),
-        "E170": _message(lambda: resolve("--model", f"hf:{_model_folder(tmp)}", "--lora.rank",
+        "E73": message_of(lambda: resolve("--optim.lr", "nan")),
+        "E74": message_of(lambda: resolve("--steps", "ten")),
+        "E75": message_of(lambda: resolve("--optim.lrr", "1")),
+        "E31": message_of(lambda: resolve("--batch.val_fraction", "1.5")),
+        "E32": message_of(lambda: resolve("--parallel.strategy", "zero3")),
+        "E33": message_of(lambda: resolve("--resume", "--out", os.path.join(tmp, "empty"))),
+        "E170": message_of(lambda: resolve("--model", f"hf:{_model_folder(tmp)}", "--lora.rank",
                                          "4", "--parallel.strategy", "no_shard")),
-        "E172": _message(_one_rank_shard_groups_quantized),
+        "E172": message_of(_one_rank_shard_groups_quantized),
     }
 
 
@@ -624,24 +608,24 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         f.write(to_toml(apply_overrides(get_preset("debug"), {
             "model": "hf:base", "lora.rank": 4}, "test")))
     return {
-        "E50": _message(without_tensorboard),
-        "E51": _message(lambda: resolve("--metrics.wandb", "team/project")),
-        "E52": _message(lambda: export_hf(alone, os.path.join(tmp, "hf"), 10**9)),
-        "E53": _message(lambda: parse_size("big")),
-        "E54": _message(lambda: export_hf(run, os.path.join(tmp, "hf"), 10**9)),
-        "E112": _message(lambda: resolve("--lora.rank", "4")),
-        "E135": _message(lambda: resolve("--parallel.strategy", "zero1",
+        "E50": message_of(without_tensorboard),
+        "E51": message_of(lambda: resolve("--metrics.wandb", "team/project")),
+        "E52": message_of(lambda: export_hf(alone, os.path.join(tmp, "hf"), 10**9)),
+        "E53": message_of(lambda: parse_size("big")),
+        "E54": message_of(lambda: export_hf(run, os.path.join(tmp, "hf"), 10**9)),
+        "E112": message_of(lambda: resolve("--lora.rank", "4")),
+        "E135": message_of(lambda: resolve("--parallel.strategy", "zero1",
                                          "--parallel.reshard-after-forward", "true")),
-        "E139": _message(lambda: resolve("--parallel.offload", "ssd")),
-        "E143": _message(lambda: resolve("--parallel.strategy", "no_shard",
+        "E139": message_of(lambda: resolve("--parallel.offload", "ssd")),
+        "E143": message_of(lambda: resolve("--parallel.strategy", "no_shard",
                                          "--parallel.quantize", "grads")),
-        "E144": _message(lambda: resolve("--parallel.offload", "cpu",
+        "E144": message_of(lambda: resolve("--parallel.offload", "cpu",
                                          "--parallel.offload-params", "true")),
-        "E140": _message(lambda: resolve("--parallel.offload",
+        "E140": message_of(lambda: resolve("--parallel.offload",
                                          "disk:" + os.path.join(tmp, "no-states-dir"))),
-        "E115": _message(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),
-        "E113": _message(lambda: export_adapters(run, os.path.join(tmp, "adapters"))),
-        "E114": _message(lambda: export_command(argparse.Namespace(
+        "E115": message_of(lambda: export_hf(lora_run, os.path.join(tmp, "hf"), 10**9)),
+        "E113": message_of(lambda: export_adapters(run, os.path.join(tmp, "adapters"))),
+        "E114": message_of(lambda: export_command(argparse.Namespace(
             dir=run, out=os.path.join(tmp, "adapters"), hf=True, adapters=True,
             max_shard_size=None))),
     }
@@ -670,33 +654,16 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
     parser = estimate_parser()
     return {
         "E76": stderr_of("estimate", "--world-size", "0"),
-        "E77": _message(lambda: check_text_file("data", binary)),
-        "E78": _message(lambda: check_output_dir("--out", a_file)),
-        "E79": _message(lambda: check_hf_model("--hf-config", os.path.join(tmp, "gone"))),
-        "E80": _message(lambda: _resolve(parser.parse_args(
+        "E77": message_of(lambda: check_text_file("data", binary)),
+        "E78": message_of(lambda: check_output_dir("--out", a_file)),
+        "E79": message_of(lambda: check_hf_model("--hf-config", os.path.join(tmp, "gone"))),
+        "E80": message_of(lambda: _resolve(parser.parse_args(
             ["--world-size", "6", "--reshard-after-forward", "4"]))),
-        "E81": _message(lambda: _resolve(parser.parse_args(
+        "E81": message_of(lambda: _resolve(parser.parse_args(
             ["--preset", "gpt2-124m", "--world-size", "8", "--seq", "4096"]))),
         "E165": run_stderr_of("missing.py"),
         "E166": run_stderr_of("-m", "no_such_module"),
     }
-
-
-def run_stderr_of(*argv: str) -> str:
-    """What ``python -m fullshard.run ARGV`` prints before running anything (in process)."""
-    import contextlib
-    import io
-
-    import fullshard
-    from fullshard.run import main
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
-            main(list(argv))
-    finally:
-        fullshard.uninstall()
-    return err.getvalue().strip()
 
 
 @pytest.fixture(scope="module")
@@ -713,16 +680,6 @@ def produced(tmp_path_factory) -> dict[str, str]:
     messages.update(ranks[0])
     messages["E35"] = ranks[1]["E35"]  # the rank outside the mesh
     return messages
-
-
-def _matches(doc_text: str, actual: str) -> bool:
-    pattern = ".*?".join(re.escape(part) for part in doc_text.split("…"))
-    return re.fullmatch(pattern, actual, re.S) is not None
-
-
-def matches_documented(code: str, actual: str) -> bool:
-    """Whether ``actual`` ("Type: message") is the text docs/errors.md gives for ``code``."""
-    return _matches(documented()[code], actual)
 
 
 def test_every_catalogue_entry_is_produced_by_a_test(produced):

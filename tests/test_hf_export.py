@@ -4,40 +4,21 @@ laid out as ``fullshard train`` lays it out). Hugging Face models trained with
 ``--model hf:DIR``: tests/test_train_hf.py."""
 
 import json
-import os
 
 import pytest
 import torch
 
 from fullshard import checkpoint
 from fullshard.cli import main
-from fullshard.train.config import apply_overrides, get_preset, to_toml
 from fullshard.train.hf_export import parse_size
-from fullshard.train.model import build_model
+from hf_folders import gpt_run_folder
 
 transformers = pytest.importorskip("transformers")
 
 
-def _gpt_run(out, **gpt) -> torch.nn.Module:
-    """OUT/config.toml and OUT/checkpoints/step_000003 of a debug-preset GPT."""
-    cfg = apply_overrides(get_preset("debug"), {f"gpt.{k}": v for k, v in gpt.items()},
-                          "test")
-    os.makedirs(out)
-    with open(os.path.join(out, "config.toml"), "w") as f:
-        f.write(to_toml(cfg))
-    torch.manual_seed(0)
-    model = build_model(cfg.gpt)
-    with torch.no_grad():  # biases and norms away from their initial 0 and 1
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    checkpoint.save(os.path.join(out, "checkpoints", "step_000003"), model,
-                    extra={"step": 3})
-    return model
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_gpt_exports_as_gpt2_with_the_same_logits(tmp_path, tied, capsys):
-    model = _gpt_run(str(tmp_path / "run"), tie_embeddings=tied)
+    model = gpt_run_folder(str(tmp_path / "run"), tie_embeddings=tied)
     out = tmp_path / "hf"
     assert main(["ckpt", "export", str(tmp_path / "run"), str(out), "--hf",
                  "--max-shard-size", "30KB"]) == 0
@@ -58,7 +39,7 @@ def test_the_gpt_exports_as_gpt2_with_the_same_logits(tmp_path, tied, capsys):
 
 
 def test_export_and_inspect_take_a_run_its_latest_file_or_a_step(tmp_path, capsys):
-    _gpt_run(str(tmp_path / "run"))
+    gpt_run_folder(str(tmp_path / "run"))
     run = tmp_path / "run"
     names = (run, run / "checkpoints", run / "checkpoints" / "latest",
              run / "checkpoints" / "step_000003")
@@ -91,7 +72,7 @@ def test_sizes_count_as_hugging_face_does():
     (["--max-shard-size", "1GB"], "--max-shard-size: applies to --hf exports only"),
 ])
 def test_bad_export_flags_are_one_line_errors(tmp_path, args, message, capsys):
-    _gpt_run(str(tmp_path / "run"))
+    gpt_run_folder(str(tmp_path / "run"))
     assert main(["ckpt", "export", str(tmp_path / "run"), str(tmp_path / "hf"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
@@ -99,7 +80,7 @@ def test_bad_export_flags_are_one_line_errors(tmp_path, args, message, capsys):
 
 def test_hf_export_of_a_checkpoint_outside_a_run_or_not_its_model_is_refused(tmp_path,
                                                                             capsys):
-    model = _gpt_run(str(tmp_path / "run"))
+    model = gpt_run_folder(str(tmp_path / "run"))
     alone = tmp_path / "alone" / "step_1"
     checkpoint.save(str(alone), model)
     assert main(["ckpt", "export", str(alone), str(tmp_path / "hf"), "--hf"]) == 2

@@ -20,7 +20,7 @@ from fullshard.cli import launch_flags
 from fullshard.cli import train as train_cli
 from fullshard.train.cluster import expand_hostlist, slurm_launch_settings
 from fullshard.train.config import ConfigError
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 # A negative value too: it must stay with its flag.
 RUN_FLAGS = ["--preset", "debug", "--steps", "5", "--out", "runs/x", "--seed", "-3"]

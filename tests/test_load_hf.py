@@ -271,10 +271,10 @@ def _hf_run(out: str, source: str) -> None:
 @pytest.mark.slow
 def test_fullshard_exports_load_back_sharded(tmp_path):
     from fullshard.cli import main
-    from test_hf_export import _gpt_run
+    from hf_folders import gpt_run_folder
     _save_models(str(tmp_path))
     runs = {}
-    _gpt_run(str(tmp_path / "gpt_run"), tie_embeddings=False)
+    gpt_run_folder(str(tmp_path / "gpt_run"), tie_embeddings=False)
     runs["gpt"] = (str(tmp_path / "gpt_run"), str(tmp_path / "gpt.safetensors"))
     assert main(["ckpt", "export", *runs["gpt"]]) == 0
     runs["gpt2"] = (str(tmp_path / "gpt_run"), str(tmp_path / "gpt2"))

@@ -9,7 +9,6 @@ CPU]), so each rank applies it first, as ``fullshard train`` does.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fullshard import fully_shard
 from fullshard.memory import MemoryTracker, estimate, plan, tune_cpu_allocator
@@ -42,23 +41,15 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
         apply_activation_checkpointing(model, lambda m: m in set(model.layers))
     model.to_empty(device="cpu")
     model.init_weights()
-    return tracked_steps(model, tracker, cfg.vocab_size, batch, SEQ,
-                         lambda tokens: lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1)))
-
-
-def tracked_steps(model, tracker: MemoryTracker, vocab_size: int, batch: int, seq: int,
-                  loss_of) -> dict:
-    """Two AdamW steps over what trains, each phase under ``tracker``: the second
-    step's report."""
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    batches = ((torch.randint(0, vocab_size, (batch, seq), generator=gen),) for _ in range(2))
-    return testing_memory.tracked_steps(model, tracker, batches, loss_of)
+    return testing_memory.tracked_token_steps(
+        model, tracker, cfg.vocab_size, batch, SEQ,
+        lambda tokens: lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1)))
 
 
 @pytest.mark.parametrize("world_size, d_model, n_layers", [
     (1, 768, 6),   # 67M parameters
     (2, 768, 8),   # 81M
-    (4, 640, 8),   # 60M
+    pytest.param(4, 640, 8, marks=pytest.mark.extended),   # 60M
 ])
 @pytest.mark.slow
 def test_estimate_within_10_percent_of_measured_peak(world_size, d_model, n_layers):

@@ -14,7 +14,7 @@ from fullshard.memory.allocator import release_free_heap
 from fullshard.memory.weights import FLOAT8_BYTES, NF4_BYTES
 from fullshard.testing import run_distributed
 from fullshard.gpt import PRESET_SHAPES, GPT
-from test_memory_measured import tracked_steps
+from fullshard.testing.memory import tracked_token_steps
 
 MIB, GIB = 2 ** 20, 2 ** 30
 # Llama 3 70B's shape (its published config.json, the fields the model is built from).
@@ -165,8 +165,9 @@ def _qlora_peak(config: dict) -> dict:
     # heap pages, free once the shards replace it, are not the step's (fullshard train
     # releases them the same way).
     release_free_heap()
-    return tracked_steps(model, tracker, config["vocab_size"], BATCH, SEQ, lambda tokens: model(
-        input_ids=tokens, labels=tokens, use_cache=False).loss)
+    return tracked_token_steps(model, tracker, config["vocab_size"], BATCH, SEQ,
+                               lambda tokens: model(input_ids=tokens, labels=tokens,
+                                                    use_cache=False).loss)
 
 
 @pytest.mark.extended

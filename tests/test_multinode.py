@@ -29,8 +29,8 @@ from fullshard.train.data import EpochSampler
 from fullshard.train.loop import build_optimizers, learning_rate, set_learning_rate
 from fullshard.train.model import build_model, build_workload
 from faults.sitecustomize import COUNT_COLLECTIVES, KILL_AT_STEP, KILL_RANK, environment
-from test_error_catalogue import matches_documented
-from test_train_cli import ENV, TIMEOUT_S
+from catalogue import matches_documented
+from train_runs import ENV, TIMEOUT_S
 
 STEPS, EVERY, SEQUENCES = 4, 2, 8  # SEQUENCES: a step's batch over all ranks
 RUN = ["--preset", "debug", "--steps", str(STEPS), "--checkpoint.every", str(EVERY),

@@ -21,7 +21,7 @@ from fullshard.projection.comm import collective_seconds
 from fullshard.projection.compute import block_seconds, rates_for
 from fullshard.projection.timeline import UnitCost, step_time
 
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 # -- published runs -----------------------------------------------------------------------
 # src/fullshard/projection/published_runs.csv: 230 published FSDP runs (docs/projection.md

@@ -10,7 +10,7 @@ import pytest
 from fullshard.cli import main
 from fullshard.projection import DEVICES, SHAPES, Cluster, rank_configurations
 
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 
 # -- command line ---------------------------------------------------------------------------

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fullshard import fully_shard
-from fullshard.gpt import GPT, GPTConfig, MoE, gpt_loss, lm_loss
+from fullshard.gpt import GPT, GPTConfig, gpt_loss, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import assert_same_weights, full_value
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 # 8 experts, top 2, 3 tokens per rank: an expert gets no token on a rank ~40% of the time
 MOE = GPTConfig(vocab_size=48, seq_len=3, d_model=32, n_layers=3, n_heads=2, n_experts=8,
@@ -328,7 +328,7 @@ class _QuantizedExperts(nn.Module):
     form, trainable adapters) behind a softmax router, top-1."""
 
     def __init__(self):
-        from test_quantized_allgather import D, QLoRALinear
+        from quantized_weights import D, QLoRALinear
         super().__init__()
         self.router = nn.Linear(D, 4)
         self.experts = nn.ModuleList(QLoRALinear("int8", D, D) for _ in range(4))
@@ -348,7 +348,7 @@ class _QuantizedExperts(nn.Module):
 
 
 def _quantized_experts_parity() -> float:
-    from test_quantized_allgather import D
+    from quantized_weights import D
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = nn.Sequential(_QuantizedExperts(), _QuantizedExperts())

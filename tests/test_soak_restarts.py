@@ -21,8 +21,7 @@ from fullshard import checkpoint
 from fullshard.testing import run_distributed
 from fullshard.train.config import DEFAULT_PRESET, get_preset
 from fullshard.train.model import build_model
-from test_train_cli import _metrics
-from test_train_reliability import _checkpoints, _fullshard_train_preset, _train_in_process
+from train_runs import checkpoints, fullshard_train_preset, metrics, train_in_process
 
 pytestmark = pytest.mark.soak
 
@@ -49,23 +48,23 @@ def _weights(out: str) -> dict[str, torch.Tensor]:
 
 def test_a_worker_killed_every_300_steps_ends_with_the_uninterrupted_weights(tmp_path):
     reference = str(tmp_path / "uninterrupted")
-    run_distributed(_train_in_process, 2, reference, DEFAULT_PRESET, FLAGS, timeout=3600)
+    run_distributed(train_in_process, 2, reference, DEFAULT_PRESET, FLAGS, timeout=3600)
     steps, ranks = _kills()
     out = str(tmp_path / "soak")
     fault = {**environment(KILL_AT_STEP, ",".join(map(str, steps))),
              KILL_RANK: ",".join(map(str, ranks))}
-    run = _fullshard_train_preset(out, DEFAULT_PRESET, FLAGS, "--max-restarts",
+    run = fullshard_train_preset(out, DEFAULT_PRESET, FLAGS, "--max-restarts",
                                   str(len(steps)), env=fault, timeout=3600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(re.findall(r"exitcode: -9\) local_rank: \d", run.stderr)) == len(steps)
     resumed = [int(s) for s in re.findall(r"resuming at step (\d+),", run.stderr)]
     assert resumed == [(s - 1) // EVERY * EVERY for s in steps], (resumed, steps)
-    records = [r for r in _metrics(out) if "loss" in r]
-    expected = [r for r in _metrics(reference) if "loss" in r]
+    records = [r for r in metrics(out) if "loss" in r]
+    expected = [r for r in metrics(reference) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in expected]
     got, want = _weights(out), _weights(reference)
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
-    assert _checkpoints(out)[0] == f"step_{STEPS:06d}"
+    assert checkpoints(out)[0] == f"step_{STEPS:06d}"

@@ -10,18 +10,11 @@ import time
 import pytest
 import torch
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-TIMEOUT_S = 240
-
+from train_runs import ENV, TIMEOUT_S, metrics
 
 def _fullshard_train(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fullshard", "train", *args], env=ENV,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def _metrics(out) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _checkpoint_step(out) -> int:
@@ -48,7 +41,7 @@ def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     reference = _fullshard_train("--preset", "debug", "--steps", "60", "--out", straight)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    got, want = _metrics(resumed), _metrics(straight)
+    got, want = metrics(resumed), metrics(straight)
     assert [r["step"] for r in got] == list(range(61))  # step 0: the first evaluation
     assert [r["loss"] for r in got[41:]] == [r["loss"] for r in want[41:]]
     assert got[60]["val_loss"] == want[60]["val_loss"]
@@ -86,7 +79,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and launcher.poll() is None:
-            if os.path.exists(os.path.join(out, "metrics.jsonl")) and len(_metrics(out)) > 5:
+            if os.path.exists(os.path.join(out, "metrics.jsonl")) and len(metrics(out)) > 5:
                 break
             time.sleep(0.5)
         metrics_before = (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -106,15 +99,15 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert refusal.startswith(f"fullshard train: --out {out}: another fullshard train is "
                               f"writing this run (pid {holder['pid']} on {holder['host']}, "
                               f"job {holder['job']}, since "), refusal
-    from test_error_catalogue import matches_documented
+    from catalogue import matches_documented
     assert matches_documented("E132", "ConfigError: " + refusal.removeprefix(
         "fullshard train: ")), refusal
-    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert metrics.startswith(metrics_before)  # the second job wrote nothing there
-    assert [r["step"] for r in _metrics(out)] == list(range(len(_metrics(out))))
+    metrics_after = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert metrics_after.startswith(metrics_before)  # the second job wrote nothing there
+    assert [r["step"] for r in metrics(out)] == list(range(len(metrics(out))))
     with open(os.path.join(out, ".lock")) as f:  # released with the job's processes
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    stopped = _metrics(out)[-1]["step"]
+    stopped = metrics(out)[-1]["step"]
     assert 5 <= stopped < 100000
     assert f"stopped at step {stopped} on request" in stderr
     assert _checkpoint_step(out) == stopped
@@ -148,7 +141,7 @@ def test_the_same_command_plus_resume_resumes(tmp_path, flags):
 def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):
     """--resume continues the run's own config.toml: a --preset naming another model, or
     --steps below the checkpoint's step, is refused instead of ignored."""
-    from test_error_catalogue import matches_documented
+    from catalogue import matches_documented
 
     out = str(tmp_path / "run")
     quick = ["--eval.every", "0", "--eval.sample-tokens", "0", "--out", out]
@@ -162,4 +155,4 @@ def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):
     assert fewer.returncode == 2, fewer.stderr[-3000:]
     line = next(text for text in fewer.stderr.splitlines() if "steps: 2 is below" in text)
     assert matches_documented("E134", "ConfigError: " + line.removeprefix("fullshard train: ")), line
-    assert _checkpoint_step(out) == 4 and [r["step"] for r in _metrics(out)] == list(range(5))
+    assert _checkpoint_step(out) == 4 and [r["step"] for r in metrics(out)] == list(range(5))

@@ -10,21 +10,13 @@ from fullshard.cli import train as train_cli
 from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.dashboards import TensorBoard, WandB, scalars
 from fullshard.train.packages import check_packages
+from train_runs import tensorboard_scalars
 
 RECORDS = [{"step": 0, "val_loss": 4.2},
            {"step": 1, "loss": 4.1, "lr": 1e-3, "peak_mem_bytes": 123456789,
             "peak_mem_bytes_per_rank": [123456789, 12], "grad_norm": 0.5},
            {"step": 2, "loss": 3.9, "lr": 2e-3, "peak_mem_bytes": 123456790,
             "peak_mem_bytes_per_rank": [123456790, 12], "grad_norm": 0.4, "val_loss": 3.8}]
-
-
-def tensorboard_scalars(out: str) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(out)
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-            for tag in events.Tags()["scalars"]}
 
 
 def test_tensorboard_event_files_hold_every_record_and_a_resume_drops_the_lost_steps(

@@ -19,18 +19,10 @@ from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.data import load_text
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-from test_train_dashboards import tensorboard_scalars
+from hf_folders import save_tiny_llama, write_jsonl_dataset
+from train_runs import tensorboard_scalars
 
 transformers = pytest.importorskip("transformers")
-
-
-def _save_llama(path: str) -> None:
-    """A Llama without a tokenizer in its folder: the trainer falls back to bytes."""
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
 def _bpe_tokenizer():
@@ -126,18 +118,12 @@ def _export_and_reload(run: str, out: str, max_shard_size: str):
     return model
 
 
-def _jsonl(path) -> None:
-    with open(path, "w") as f:
-        for paragraph in load_text()[:30_000].split("\n\n"):
-            f.write(json.dumps({"text": paragraph}) + "\n")
-
-
 @pytest.mark.slow
 def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
-    _save_llama(str(tmp_path / "llama"))
+    save_tiny_llama(str(tmp_path / "llama"))
     _save_gpt2_with_tokenizer(str(tmp_path / "gpt2"))
     data = tmp_path / "data.jsonl"
-    _jsonl(data)
+    write_jsonl_dataset(data)
     for name, tokenizer in (("llama", "bytes"), ("gpt2", "the model's tokenizer")):
         results = run_distributed(_fine_tune, 2, str(tmp_path / name), str(data),
                                   str(tmp_path / f"out-{name}"), timeout=240)
@@ -180,7 +166,7 @@ def test_fine_tune_a_llama_with_its_tokenizer_then_generate_with_transformers(tm
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    _jsonl(tmp_path / "data.jsonl")
+    write_jsonl_dataset(tmp_path / "data.jsonl")
     prompt = "ROMEO:"
     trained = _fullshard("train", "--preset", "debug", "--model", f"hf:{model_dir}",
                          "--data", str(tmp_path / "data.jsonl"), "--steps", "6",
@@ -219,13 +205,13 @@ def test_a_folder_with_safetensors_is_read_by_every_rank_one_without_by_rank_0(t
 
     from fullshard.train.model import build_workload
     streamed_dir, bin_dir = tmp_path / "llama", tmp_path / "bin_only"
-    _save_llama(str(streamed_dir))
+    save_tiny_llama(str(streamed_dir))
     bin_dir.mkdir()
     shutil.copy(streamed_dir / "config.json", bin_dir / "config.json")
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(streamed_dir)).state_dict()
     torch.save(saved, bin_dir / "pytorch_model.bin")
     data = tmp_path / "data.jsonl"
-    _jsonl(data)
+    write_jsonl_dataset(data)
 
     def workload(model_dir, rank: int):
         cfg = apply_overrides(get_preset("debug"), {"model": f"hf:{model_dir}",

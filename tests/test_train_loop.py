@@ -1,7 +1,5 @@
 """The training loop's options at world size 2, in-process through the test harness."""
 
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,27 +8,10 @@ from fullshard.testing import run_distributed
 from fullshard.train.config import ConfigError, apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
-
-QUIET = {"steps": 4, "eval.every": 0, "eval.sample_tokens": 0, "checkpoint.every": 0}
-
-
-def _losses(overrides: dict, preset: str = "debug") -> list[float] | None:
-    """Train ``preset`` with ``overrides``; rank 0 returns the step losses."""
-    cfg = apply_overrides(get_preset(preset), {**QUIET, **overrides}, "test")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    worker = Worker(rank, world, rank, world, torch.device("cpu"))
-    with tempfile.TemporaryDirectory() as out:
-        out = [out]
-        dist.broadcast_object_list(out)  # rank 0's directory for everyone
-        trainer = Trainer(cfg, out[0], worker)
-        trainer.run(resume=False)
-    if trainer.log is None:
-        return None
-    return [r["loss"] for r in trainer.log.records if "loss" in r]
-
+from train_runs import QUIET, train_losses
 
 def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
-    return {name: _losses(overrides) for name, overrides in variants.items()}
+    return {name: train_losses(overrides) for name, overrides in variants.items()}
 
 
 @pytest.mark.slow
@@ -81,7 +62,7 @@ def test_bf16_and_fp16_train_close_to_fp32():
 
 def _config_error(overrides: dict) -> str:
     try:
-        _losses(overrides)
+        train_losses(overrides)
     except ConfigError as err:
         return str(err)
     return "no error"
@@ -117,8 +98,8 @@ def test_moe_preset_trains_like_one_process():
     batches (each rank's and each micro-batch's load-balancing loss is its own batch's).
     With 8 assignments per rank, an expert often gets no token on one rank only."""
     small = {"steps": 6, "batch.batch_size": 1, "batch.seq_len": 4}
-    two = run_distributed(_losses, 2, small, "moe")[0]
-    one = run_distributed(_losses, 1, {**small, "batch.grad_accum": 2}, "moe")[0]
+    two = run_distributed(train_losses, 2, small, "moe")[0]
+    one = run_distributed(train_losses, 1, {**small, "batch.grad_accum": 2}, "moe")[0]
     assert len(two) == 6
     assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
 

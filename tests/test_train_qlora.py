@@ -10,7 +10,7 @@ from fullshard.train.config import apply_overrides, get_preset
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
 from fullshard.cli import main as fullshard_main
-from test_train_hf import _jsonl, _save_llama
+from hf_folders import save_tiny_llama, write_jsonl_dataset
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -79,8 +79,8 @@ def _qlora(model_dir: str, data: str, out: str, base: str) -> dict:
 @pytest.mark.parametrize("base", ["nf4", "fp32"])
 @pytest.mark.slow
 def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
-    _save_llama(str(tmp_path / "llama"))
-    _jsonl(tmp_path / "data.jsonl")
+    save_tiny_llama(str(tmp_path / "llama"))
+    write_jsonl_dataset(tmp_path / "data.jsonl")
     out = run_distributed(_qlora, 2, str(tmp_path / "llama"), str(tmp_path / "data.jsonl"),
                           str(tmp_path / "run"), base, timeout=240)[0]
     assert out["adapters"] and all(".lora_" in n for n in out["adapters"])
@@ -107,8 +107,8 @@ def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
 
 def _run_losses(model_dir: str, data: str, base: str, batch_size: int,
                 extra: dict | None = None) -> list | None:
-    from test_train_loop import _losses
-    return _losses({"model": f"hf:{model_dir}", "data": data, "batch.seq_len": 16,
+    from train_runs import train_losses
+    return train_losses({"model": f"hf:{model_dir}", "data": data, "batch.seq_len": 16,
                     "batch.batch_size": batch_size, "optim.lr": 1e-2,
                     "optim.warmup_steps": 1, "lora.rank": 4, "lora.base": base,
                     **(extra or {})})
@@ -124,12 +124,12 @@ def _composed(model_dir: str, data: str) -> dict | None:
             for name, extra in variants.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
     # On a CPU-only machine host and device are one: offload runs its copies, not a
     # transfer between devices
-    _save_llama(str(tmp_path / "llama"))
-    _jsonl(tmp_path / "data.jsonl")
+    save_tiny_llama(str(tmp_path / "llama"))
+    write_jsonl_dataset(tmp_path / "data.jsonl")
     out = run_distributed(_composed, 2, str(tmp_path / "llama"), str(tmp_path / "data.jsonl"),
                           timeout=300)[0]
     assert len(out["plain"]) == 4
@@ -142,8 +142,8 @@ def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
 @pytest.mark.parametrize("base", ["nf4", "fp32"])
 @pytest.mark.slow
 def test_qlora_at_two_ranks_trains_as_one_process_on_the_same_batches(tmp_path, base):
-    _save_llama(str(tmp_path / "llama"))
-    _jsonl(tmp_path / "data.jsonl")
+    save_tiny_llama(str(tmp_path / "llama"))
+    write_jsonl_dataset(tmp_path / "data.jsonl")
     args = (str(tmp_path / "llama"), str(tmp_path / "data.jsonl"), base)
     sharded = run_distributed(_run_losses, 2, *args, 2, timeout=240)[0]
     single = run_distributed(_run_losses, 1, *args, 4, timeout=240)[0]
@@ -183,10 +183,10 @@ def test_nf4_block_sizes_fall_back_to_the_whole_weight_so_fully_shard_names_it()
     to_nf4(torch.randn(32, 32), *nf4_block_sizes(32 * 32, 3))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(tmp_path):
-    _save_llama(str(tmp_path / "llama"))
-    _jsonl(tmp_path / "data.jsonl")
+    save_tiny_llama(str(tmp_path / "llama"))
+    write_jsonl_dataset(tmp_path / "data.jsonl")
     args = (str(tmp_path / "llama"), str(tmp_path / "data.jsonl"))
     straight = run_distributed(_run, 2, *args, str(tmp_path / "straight"), 4, False,
                                timeout=240)[0]
@@ -200,5 +200,5 @@ def test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run(t
     # at another world size the NF4 shards (their blocks chosen per world size) cannot
     # load: one line naming the world size it resumes at, before anything is read
     refused = run_distributed(_refused, 1, *args, str(tmp_path / "resumed"), timeout=240)[0]
-    from test_error_catalogue import matches_documented
+    from catalogue import matches_documented
     assert matches_documented("E171", refused), refused

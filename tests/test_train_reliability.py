@@ -4,21 +4,18 @@ checkpoint save (``fullshard train`` subprocesses, faults injected by faults/sit
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config import apply_overrides, get_preset
-from fullshard.train.launch import Worker
-from fullshard.train.loop import Trainer
+from fullshard.train.config import get_preset
 from fullshard.train.model import build_model
 from faults.sitecustomize import KILL_AT_STEP, KILL_IN_SAVE, POISON_AT_STEP, environment
-from test_error_catalogue import matches_documented
-from test_train_cli import ENV, TIMEOUT_S, _metrics
+from catalogue import matches_documented
+from train_runs import (checkpoints, fullshard_train_preset, metrics,
+                        train_in_process)
 
 STEPS, EVERY = 12, 4
 FLAGS = {"steps": STEPS, "checkpoint.every": EVERY, "eval.every": 0, "eval.sample_tokens": 0}
@@ -26,24 +23,7 @@ FLAGS = {"steps": STEPS, "checkpoint.every": EVERY, "eval.every": 0, "eval.sampl
 
 def _fullshard_train(out: str, *flags: str, env: dict | None = None
                      ) -> subprocess.CompletedProcess:
-    return _fullshard_train_preset(out, "debug", FLAGS, *flags, env=env)
-
-
-def _fullshard_train_preset(out: str, preset: str, fields: dict, *flags: str,
-                            env: dict | None = None, timeout: float = TIMEOUT_S
-                            ) -> subprocess.CompletedProcess:
-    options = [f"--{k}={v}" for k, v in fields.items()]
-    return subprocess.run(
-        [sys.executable, "-m", "fullshard", "train", "--preset", preset, *options,
-         "--out", out, *flags], env={**ENV, **(env or {})}, capture_output=True, text=True,
-        timeout=timeout)
-
-
-def _checkpoints(out: str) -> tuple[str, list[str]]:
-    """``latest``, and every entry of the checkpoint directory but ``latest``."""
-    directory = os.path.join(out, "checkpoints")
-    with open(os.path.join(directory, "latest")) as f:
-        return f.read().strip(), sorted(set(os.listdir(directory)) - {"latest"})
+    return fullshard_train_preset(out, "debug", FLAGS, *flags, env=env)
 
 
 def _final_weights(out: str) -> dict[str, torch.Tensor]:
@@ -53,14 +33,7 @@ def _final_weights(out: str) -> dict[str, torch.Tensor]:
 
 
 def _train_uninterrupted(out: str) -> None:
-    _train_in_process(out, "debug", FLAGS)
-
-
-def _train_in_process(out: str, preset: str, fields: dict) -> None:
-    """The trainer's run in this rank's process (under run_distributed)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = apply_overrides(get_preset(preset), fields, "test")
-    Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu"))).run(resume=False)
+    train_in_process(out, "debug", FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +42,12 @@ def uninterrupted(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor
     trainer computes the same bits there as under torchrun)."""
     out = str(tmp_path_factory.mktemp("uninterrupted"))
     run_distributed(_train_uninterrupted, 2, out)
-    return [r["loss"] for r in _metrics(out) if "loss" in r], _final_weights(out)
+    return [r["loss"] for r in metrics(out) if "loss" in r], _final_weights(out)
 
 
 def _assert_same_result(out: str, uninterrupted) -> None:
     losses, weights = uninterrupted
-    records = _metrics(out)
+    records = metrics(out)
     assert [r["step"] for r in records] == list(range(STEPS + 1))
     assert [r["loss"] for r in records if "loss" in r] == losses
     got = _final_weights(out)
@@ -83,14 +56,14 @@ def _assert_same_result(out: str, uninterrupted) -> None:
         assert torch.equal(got[name], tensor), name
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     out = str(tmp_path / "run")
     # No restarts: look at the debris.
     killed = _fullshard_train(out, env=environment(KILL_IN_SAVE, 8))
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert re.search(r"exitcode: -9\) local_rank: 0", killed.stderr)
-    latest, entries = _checkpoints(out)
+    latest, entries = checkpoints(out)
     assert (latest, entries) == ("step_000004", [".step_000008.tmp", "step_000004"])
     partial = os.listdir(os.path.join(out, "checkpoints", ".step_000008.tmp"))
     assert any(name.endswith(".distcp") for name in partial)  # shards written, not committed
@@ -100,7 +73,7 @@ def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, un
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 4," in resumed.stderr
     _assert_same_result(out, uninterrupted)
-    assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
+    assert checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
 
 
 @pytest.mark.slow
@@ -125,8 +98,8 @@ def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path
     assert "resuming" not in run.stderr
     good = step - 1  # checkpoints every step: the last finite step is the latest one
     assert step == 4 and latest == f"step_{good:06d}"
-    assert _checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(1, good + 1)][-2:])
-    assert [r["step"] for r in _metrics(out)] == list(range(step))  # nothing of the bad step
+    assert checkpoints(out) == (latest, [f"step_{s:06d}" for s in range(1, good + 1)][-2:])
+    assert [r["step"] for r in metrics(out)] == list(range(step))  # nothing of the bad step
 
 
 @pytest.mark.slow
@@ -148,5 +121,5 @@ def test_workers_killed_mid_step_and_in_a_save_restart_and_leave_nothing_on_disk
     assert re.findall(r"resuming at step (\d+),", run.stderr) == ["4", "8"], run.stderr[-3000:]
     assert "memory: estimated peak" in run.stderr
     _assert_same_result(out, uninterrupted)
-    assert _checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
+    assert checkpoints(out) == ("step_000012", ["step_000008", "step_000012"])
     assert os.listdir(offload) == []

@@ -11,7 +11,7 @@ import torch.nn as nn
 from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import full_value
-from test_error_catalogue import matches_documented
+from catalogue import matches_documented
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
 

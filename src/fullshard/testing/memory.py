@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..memory import MemoryTracker
@@ -27,3 +28,12 @@ def tracked_steps(model: nn.Module, tracker: MemoryTracker, batches: Iterable,
             optim.zero_grad(set_to_none=True)
         report = tracker.step_report()
     return report
+
+
+def tracked_token_steps(model: nn.Module, tracker: MemoryTracker, vocab_size: int, batch: int,
+                        seq: int, loss_of: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """Two AdamW steps over random token batches (seeded by the rank), each phase under
+    ``tracker``: the second step's report."""
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    batches = ((torch.randint(0, vocab_size, (batch, seq), generator=gen),) for _ in range(2))
+    return tracked_steps(model, tracker, batches, loss_of)
