@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import apply_overrides, get_preset, validate
+from fullshard.train.config import get_preset, validate
+from fullshard.train.flags import apply_overrides
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
 

@@ -13,8 +13,9 @@ import pytest
 from fullshard.cli import main
 from fullshard.cli import memory as memory_cli
 from fullshard.cli import train as train_cli
-from fullshard.train.config import (ConfigError, OptimConfig, TrainConfig, get_preset, load_toml,
+from fullshard.train.config import (ConfigError, OptimConfig, TrainConfig, get_preset,
                                     scalar_fields, sections, to_toml, validate)
+from fullshard.train.flags import load_toml
 from catalogue import matches_documented
 
 

@@ -577,7 +577,8 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
 
     from fullshard import checkpoint
     from fullshard.cli.train import build_parser, resolve_config
-    from fullshard.train.config import apply_overrides, get_preset, to_toml
+    from fullshard.train.config import get_preset, to_toml
+    from fullshard.train.flags import apply_overrides
     from fullshard.cli.ckpt import _export as export_command
     from fullshard.train.adapter_export import export_adapters
     from fullshard.train.hf_export import export_hf, parse_size

@@ -13,7 +13,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "fullshard"
 # Bottom first. A module may import from its own layer and the layers below it.
 LAYERS = [
     {"torch_version"},                                     # the installed torch, read once
-    {"policies", "gpt"},                                   # plain data and a plain model
+    {"policies", "gpt", "errors", "bounds"},               # plain data, a plain model, checks
     {"core"},                                              # the runtime
     {"fsdp_module", "api"},                                # the FSDP2 front
     {"optim", "whole_matrix", "offload", "grad_norm", "wrap", "activation_checkpointing",

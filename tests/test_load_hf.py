@@ -256,7 +256,8 @@ def _hf_run(out: str, source: str) -> None:
     """OUT/config.toml of a ``--model hf:SOURCE`` run and a checkpoint of the model with
     its weights moved away from the saved ones."""
     from fullshard import checkpoint
-    from fullshard.train.config import apply_overrides, get_preset, to_toml
+    from fullshard.train.config import get_preset, to_toml
+    from fullshard.train.flags import apply_overrides
     cfg = apply_overrides(get_preset("debug"), {"model": f"hf:{source}"}, "test")
     os.makedirs(out)
     with open(os.path.join(out, "config.toml"), "w") as f:

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from fullshard.cli import train as train_cli
-from fullshard.train.config import apply_overrides, get_preset
+from fullshard.train.config import get_preset
+from fullshard.train.flags import apply_overrides
 from fullshard.train.dashboards import TensorBoard, WandB, scalars
 from fullshard.train.packages import check_packages
 from train_runs import tensorboard_scalars

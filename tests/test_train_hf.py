@@ -15,7 +15,8 @@ from fullshard import FSDPModule
 from fullshard.checkpoint.safetensors_files import SafetensorsFiles
 from fullshard.cli import main as fullshard_main
 from fullshard.testing import run_distributed
-from fullshard.train.config import apply_overrides, get_preset
+from fullshard.train.config import get_preset
+from fullshard.train.flags import apply_overrides
 from fullshard.train.data import load_text
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import ConfigError, apply_overrides, get_preset
+from fullshard.train.config import ConfigError, get_preset
+from fullshard.train.flags import apply_overrides
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
 from train_runs import QUIET, train_losses

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fullshard.cli import train as train_cli
-from fullshard.train.config import (PRESETS, ConfigError, OptimConfig, apply_overrides,
-                                    get_preset, load_toml, to_toml, validate)
+from fullshard.train.config import PRESETS, ConfigError, OptimConfig, get_preset, to_toml, validate
+from fullshard.train.flags import apply_overrides, load_toml
 from fullshard.train.data import EpochSampler, validation_batches
 from fullshard.train.loop import learning_rate, step_or_skip
 from fullshard.train.metrics import expected_memory_line

@@ -12,7 +12,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from fullshard.train.config import apply_overrides, get_preset
+from fullshard.train.config import get_preset
+from fullshard.train.flags import apply_overrides
 from fullshard.train.launch import Worker
 from fullshard.train.loop import Trainer
 

@@ -69,7 +69,7 @@ def _run(argv: list[str]) -> int:
 
 def _is_usage_error(err: Exception) -> bool:
     from ..checkpoint import CheckpointError
-    from ..train.errors import ConfigError
+    from ..errors import ConfigError
 
     return isinstance(err, (ConfigError, CheckpointError))
 

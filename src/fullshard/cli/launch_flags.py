@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 from typing import Mapping
 
-from ..train.bounds import Bounds, flag_type
+from ..bounds import Bounds, flag_type
 from ..train.cluster import slurm_launch_settings
 from ..train.launch import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, LaunchOptions
 from .parsing import OneLineParser
 
 PROG = "fullshard train"
-# The bounds of the numeric launch flags (train/bounds.py); LaunchOptions.check then
+# The bounds of the numeric launch flags (bounds.py); LaunchOptions.check then
 # checks what Slurm supplied and the rules between flags (--node-rank below --nnodes).
 NPROC = flag_type(int, Bounds(1, 2 ** 12))
 NNODES = flag_type(int, Bounds(1, 2 ** 16))

@@ -20,13 +20,13 @@ from ..memory.estimate import (OPTIMIZER_STATES, STRATEGIES, estimate, estimate_
 from ..memory.plan import plan
 from ..memory.weights import QUANTIZE
 from ..memory.zero_table import format_zero_table
-from ..train.bounds import Bounds, flag_type
+from ..bounds import Bounds, flag_type
 from ..train.config import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
 from ..train.paths import check_hf_model
 from .parsing import OneLineParser, check_seq
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The bounds of every number these commands read (checked by train/bounds.py).
+# The bounds of every number these commands read (checked by bounds.py).
 WORLD_SIZE = flag_type(int, Bounds(1, 2 ** 16))  # beyond the largest jobs run
 BATCH = flag_type(int, Bounds(1, 2 ** 20))
 SEQ = flag_type(int, Bounds(1, 2 ** 24))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..train.errors import ConfigError
+from ..errors import ConfigError
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -25,13 +25,13 @@ from ..projection.calibrate import (achieved_flops, calibrated_cpu, fit_link,
 from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
 from ..projection.shapes import hf_shape_fields
-from ..train.bounds import Bounds, flag_type
-from ..train.errors import ConfigError
+from ..bounds import Bounds, flag_type
+from ..errors import ConfigError
 from ..train.paths import check_hf_model
 from .parsing import OneLineParser, check_seq
 
 GiB = 2**30
-# The bounds of every number these commands read (checked by train/bounds.py).
+# The bounds of every number these commands read (checked by bounds.py).
 GPUS = Bounds(1, 2 ** 20)
 PER_NODE = flag_type(int, Bounds(1, 1024))
 BATCH = flag_type(int, Bounds(1, 2 ** 20))

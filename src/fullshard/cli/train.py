@@ -36,9 +36,9 @@ from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_che
                                  resumes_after_restart)
 from ..train.cluster import check_worker_environment, local_place
 from ..train.config import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
-                            get_preset, load_toml, validate)
+                            get_preset, validate)
 from ..train.data import BUILTIN
-from ..train.flags import help_text, parse_flags
+from ..train.flags import help_text, load_toml, parse_flags
 from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, agree_on_attempt,
                             is_worker, launch, start_worker, stop_worker)
 from ..train.packages import check_packages

@@ -58,7 +58,8 @@ from .. import checkpoint
 from ..checkpoint.agreement import on_every_rank
 from ..checkpoint.verify import verified_extra
 from .agreement import counted
-from .config import ConfigError, TrainConfig, load_toml
+from .config import ConfigError, TrainConfig
+from .flags import load_toml
 from .launch import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -52,7 +52,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -61,13 +60,8 @@ import tomli_w
 import tyro
 
 from ..gpt import PRESET_SHAPES, GPTConfig
-from .bounds import Bounds, within
-from .errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
-    import tomli as tomllib
+from ..bounds import Bounds, within
+from ..errors import ConfigError
 
 Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
 Quantize = Literal["none", "weights", "grads", "weights,grads"]
@@ -431,61 +425,10 @@ def get_preset(name: str) -> TrainConfig:
     return copy.deepcopy(PRESETS[name])
 
 
-# -- command-line strings and TOML files: through tyro (train/flags.py) -----------------
-
-def apply_overrides(cfg: TrainConfig, values: dict[str, Any], source: str) -> TrainConfig:
-    """A copy of ``cfg`` with ``{"optim.lr": value, ...}`` applied; values are strings as
-    typed on a command line, or typed values (from TOML, or Python). ``source`` (the
-    file, or "command line") prefixes the error an unknown field or bad value raises."""
-    from .flags import parse_flags  # flags.py builds on this module's dataclasses
-
-    return parse_flags(cfg, [f"--{name}={_as_text(name, value, source)}"
-                             for name, value in values.items()], source)
-
-
-def _as_text(name: str, value: Any, source: str) -> str:
-    """A typed value as the text the flag parser reads back to it."""
-    if value is None:
-        return "auto"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)):
-        return repr(value)
-    # A TOML array, table or date: no field holds one (a string of it would pass as text).
-    raise ConfigError(f"{source}: {name}: expected a number, true/false or text, got "
-                      f"{value!r}")
-
-
-def load_toml(cfg: TrainConfig, path: str) -> TrainConfig:
-    """``cfg`` with the values of the TOML file at ``path`` applied. TOML mirrors the
-    dataclasses: top-level fields, then one table per section."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: no such file {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"--config: {path} is a directory; give a TOML file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--config: {path} is not UTF-8 text; give a TOML file") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML ({err})") from None
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            if key not in SECTIONS:
-                raise ConfigError(f"{path}: unknown section [{key}] (sections: "
-                                  f"{', '.join(SECTIONS)})")
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
-    return apply_overrides(cfg, flat, path)
-
+# -- the configuration as TOML (read back by flags.load_toml) ---------------------------
 
 def to_toml(cfg: TrainConfig) -> str:
-    """``cfg`` as TOML that :func:`load_toml` reads back to an equal config (None, which
+    """``cfg`` as TOML that ``flags.load_toml`` reads back to an equal config (None, which
     TOML lacks, is written as "auto", which every field that may be None reads back)."""
     data = dataclasses.asdict(cfg)
     for table in [data] + [data[name] for name in SECTIONS]:

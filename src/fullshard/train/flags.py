@@ -3,7 +3,7 @@
 tyro builds the flags from the dataclasses in train/config.py: one per field, named
 ``--section.field`` (``--section.field_name`` and ``--section.field-name`` both work),
 typed by the annotation, listed in ``--help`` with the docstring written under the field.
-TOML values go through the same parser (config.load_toml turns them into flags), so a
+TOML values go through the same parser (load_toml, below, turns them into flags), so a
 file and a command line accept and refuse the same values.
 
 Why tyro rather than draccus (the two libraries in use for this; torchtitan uses tyro,
@@ -26,13 +26,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from typing import Any
 
 import tyro
 from tyro import _errors as tyro_errors
 
 from .config import _FALSE, _TRUE, SECTIONS, TrainConfig, scalar_fields
-from .errors import ConfigError
+from ..errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport
+    import tomli as tomllib
 
 PROG = "fullshard train"
 COMMAND_LINE = "command line"
@@ -170,3 +176,54 @@ def _one_line(printed: str, source: str) -> str:
             break
         parts.append(" ".join(text.split()))
     return f"{source}: " + ("; ".join(parts) or "the flags were refused (see --help)")
+
+
+# -- dotted names and TOML files, through the same parser ------------------------------
+
+def apply_overrides(cfg: TrainConfig, values: dict[str, Any], source: str) -> TrainConfig:
+    """A copy of ``cfg`` with ``{"optim.lr": value, ...}`` applied; values are strings as
+    typed on a command line, or typed values (from TOML, or Python). ``source`` (the
+    file, or "command line") prefixes the error an unknown field or bad value raises."""
+    return parse_flags(cfg, [f"--{name}={_as_text(name, value, source)}"
+                             for name, value in values.items()], source)
+
+
+def _as_text(name: str, value: Any, source: str) -> str:
+    """A typed value as the text the flag parser reads back to it."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A TOML array, table or date: no field holds one (a string of it would pass as text).
+    raise ConfigError(f"{source}: {name}: expected a number, true/false or text, got "
+                      f"{value!r}")
+
+
+def load_toml(cfg: TrainConfig, path: str) -> TrainConfig:
+    """``cfg`` with the values of the TOML file at ``path`` applied. TOML mirrors the
+    dataclasses: top-level fields, then one table per section."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config: {path} is a directory; give a TOML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config: {path} is not UTF-8 text; give a TOML file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if key not in SECTIONS:
+                raise ConfigError(f"{path}: unknown section [{key}] (sections: "
+                                  f"{', '.join(SECTIONS)})")
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return apply_overrides(cfg, flat, path)
