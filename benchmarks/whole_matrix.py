@@ -9,7 +9,7 @@ the hidden matrices and AdamW on the rest (the embeddings, norms and biases), as
 recipe does; fullshard steps each Muon matrix whole on one rank (Note [whole-matrix
 optimizers]). Reported: the median ``optimizer.step()`` time of each and their difference,
 split into the whole-matrix exchange (fullshard's two all-to-alls and the assembling of
-whole tensors) and the rest (the stock step: Newton-Schulz in bf16, which a CPU computes
+whole tensors; the second waits for the slowest owner's step) and the rest (the stock step: Newton-Schulz in bf16, which a CPU computes
 slowly whatever the sharding), the bytes the whole-matrix step sends per step (every
 rank's all-to-alls, summed) against the least a whole-matrix step can move (each matrix's
 gradient to one rank and its update back: 2 x (N-1)/N of the matrices), and rank 0's peak
@@ -57,24 +57,28 @@ def _build(kind: str):
 def _worker(steps: int, warmup: int) -> dict:
     from fullshard import whole_matrix
     rank, world = dist.get_rank(), dist.get_world_size()
-    exchange = {"s": 0.0}
+    exchange = {"before": 0.0, "after": 0.0}
     for name in ("before", "after"):
         real_fn = getattr(whole_matrix, name)
 
-        def timed(*a, _real=real_fn, **k):
+        def timed(*a, _real=real_fn, _name=name, **k):
             start = time.perf_counter()
             try:
                 return _real(*a, **k)
             finally:
-                exchange["s"] += time.perf_counter() - start
+                exchange[_name] += time.perf_counter() - start
         setattr(whole_matrix, name, timed)
     runs = {kind: _build(kind) for kind in ("adamw", "muon")}
     sent = {"bytes": 0}
     real = dist.all_to_all_single
 
-    def counted(output, input, *args, **kwargs):
-        sent["bytes"] += input.numel() * input.element_size()
-        return real(output, input, *args, **kwargs)
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                **kwargs):
+        # what leaves this rank: its chunk for itself is a local copy
+        me, n = dist.get_rank(group), dist.get_world_size(group)
+        own = input_split_sizes[me] if input_split_sizes else input.numel() // n
+        sent["bytes"] += (input.numel() - own) * input.element_size()
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
     dist.all_to_all_single = counted
     times: dict[str, list[float]] = {kind: [] for kind in runs}
@@ -85,7 +89,7 @@ def _worker(steps: int, warmup: int) -> dict:
         for kind, (model, opts) in runs.items():
             lm_loss(model(x), torch.roll(x, -1, 1)).backward()
             dist.barrier()
-            before, exchanged = sent["bytes"], exchange["s"]
+            before, exchanged = sent["bytes"], dict(exchange)
             start = time.perf_counter()
             for opt in opts:
                 opt.step()
@@ -97,7 +101,7 @@ def _worker(steps: int, warmup: int) -> dict:
                 times[kind].append(elapsed.item())
                 if kind == "muon":
                     sent_per_step.append(sent["bytes"] - before)
-                    exchange_per_step.append(exchange["s"] - exchanged)
+                    exchange_per_step.append({k: exchange[k] - exchanged[k] for k in exchange})
     dist.all_to_all_single = real
     matrices, _ = _hidden_matrices(runs["muon"][0])
     matrix_bytes = sum(p.numel() * p.element_size() for p in matrices)
@@ -105,7 +109,8 @@ def _worker(steps: int, warmup: int) -> dict:
     dist.all_reduce(total_sent)
     import resource
     return {"median_s": {k: statistics.median(v) for k, v in times.items()},
-            "exchange_s": statistics.median(exchange_per_step),
+            "exchange_s": {k: statistics.median(e[k] for e in exchange_per_step)
+                           for k in ("before", "after")},
             "sent_bytes": total_sent.item(), "matrix_bytes": matrix_bytes,
             "minimum_bytes": 2 * (world - 1) / world * matrix_bytes,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -127,10 +132,14 @@ def main(argv=None) -> None:
     print("| optimizer | median step() (ms) |\n|---|---:|")
     for kind, t in med.items():
         print(f"| {kind} | {t * 1e3:.1f} |")
+    ex = out["exchange_s"]
     print(f"\nMuon's step over AdamW's: +{(med['muon'] - med['adamw']) * 1e3:.1f} ms "
-          f"({med['muon'] / med['adamw']:.2f}x), of which the whole-matrix exchange (rank 0) "
-          f"{out['exchange_s'] * 1e3:.1f} ms and the stock step the rest")
-    print(f"bytes sent per step by every rank together: {out['sent_bytes'] / 2**20:.1f} MiB; "
+          f"({med['muon'] / med['adamw']:.2f}x). On rank 0: gathering whole matrices "
+          f"{ex['before'] * 1e3:.1f} ms; sending the updates back "
+          f"{ex['after'] * 1e3:.1f} ms, which includes waiting for the slowest owner's "
+          f"stock step; the rest is rank 0's own stock step (Newton-Schulz in bf16)")
+    print(f"bytes sent to other ranks per step, every rank together: "
+          f"{out['sent_bytes'] / 2**20:.1f} MiB; "
           f"the least a whole-matrix step moves: {out['minimum_bytes'] / 2**20:.1f} MiB "
           f"({out['sent_bytes'] / out['minimum_bytes']:.2f}x); hidden matrices "
           f"{out['matrix_bytes'] / 2**20:.1f} MiB")
