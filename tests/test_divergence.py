@@ -204,3 +204,32 @@ def test_ranks_at_different_collective_functions_both_name_them(tmp_path):
     assert text.count("rank 0: fullshard.checkpoint.save (check-in 1), rank 1: "
                       "fullshard.checkpoint.load (check-in 1)") == 2, text[-3000:]
     assert matches_documented("E131", _raised(text, "CollectiveError")), text[-3000:]
+
+
+# -- models no longer used ------------------------------------------------------------------
+def _unused_model_alive_on_one_rank():
+    """A model that ran a forward with grad and no backward is dropped; the cyclic garbage
+    collector frees it on rank 0 and not yet on rank 1. The next optimizer.step() settles
+    every live root: one with nothing reduced must not compare records, or rank 1's check
+    of it would meet rank 0's check of another model."""
+    import gc
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    unused = fully_shard(torch.nn.Linear(16, 16))
+    unused(x)
+    if dist.get_rank() == 0:
+        del unused
+        gc.collect()
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model[0].weight.full_tensor().sum().item()
+
+
+def test_a_model_alive_on_some_ranks_only_is_not_checked_at_the_step():
+    first, second = run_distributed(_unused_model_alive_on_one_rank, 2, timeout=120)
+    assert first == second

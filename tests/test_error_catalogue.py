@@ -38,12 +38,6 @@ def _sharded(model, **kwargs):
 
 def _library_cases(tmp: str) -> dict[str, str]:
     """The cases that need a process group (world size 2)."""
-    # Dozens of models share these two ranks' divergence exchange, some failing on one rank
-    # only. A rank that waits a slice (a tenth of the arrival timeout) in a collective of
-    # one model posts a stalled record that its peer may meet at a check of another, and
-    # the two models' records are then compared as one's. Slices longer than this test
-    # keep that comparison out of it.
-    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "3000"
     from torch.distributed.device_mesh import init_device_mesh
 
     from fullshard import (FSDP, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy,

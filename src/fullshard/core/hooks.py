@@ -399,6 +399,7 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
 
 def _final_callback(root: RootState) -> None:
     root.backward_count += 1
+    root.backward_since_settle = True
     # before the final reductions take more gradients; a parameter used outside its unit
     # is a trait of the model, so a few backward passes and then every 16th show it
     late = (_late_gradients(root) if root.backward_count <= 2 or root.backward_count % 16 == 0

@@ -133,6 +133,7 @@ class RootState:
     def __init__(self, unit: UnitState, units: list[UnitState]):
         self.unit = unit
         self.units = units
+        self.backward_since_settle = False  # a backward ended since the last settle
         self.members: dict[ParamGroup, list[UnitState]] = {}
         for u in units:
             if u.group is not None:
@@ -255,8 +256,13 @@ class RootState:
         host: afterwards every ``.grad`` holds its final value."""
         self.finish_pending_reduce()
         self.copies.settle()
-        if self.guard is not None:  # the ranks agreed on what they reduced (or it raises)
+        # the ranks agreed on what they reduced (or it raises). Only after a backward:
+        # optimizer.step() settles every live root, and a model no longer used may be
+        # collected on one rank and not yet on another; a check on some ranks only would
+        # pair with another model's on the rest.
+        if self.guard is not None and self.backward_since_settle:
             self.guard.ensure_agreed(BACKWARD)
+        self.backward_since_settle = False
         unknown, self.unknown_presence = self.unknown_presence, []
         for presence in unknown:  # after the copies: offloaded flags are on the host now
             presence.resolve()
