@@ -1,7 +1,7 @@
 """Checkpoint save/load throughput per rank (fullshard.checkpoint).
 
     OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py [--world-size 2] [--repeats 3] [--options]
-        [--cold]
+        [--cold] [--backend nccl]
 
 Saves a GPT (W1's shape: d=512, 8 layers, vocab 8192) with its AdamW state, then loads
 it into fresh sharded model and optimizer, and reports MB/s per rank: this rank's share
@@ -16,6 +16,9 @@ costs, which other work disturbs least). ``--options`` also times the checksum o
 fullshard chose from: sha256 or XXH3, each hashed while written or read back after the
 write. ``--cold`` drops both checkpoints' files from the page cache before every load
 (``posix_fadvise(DONTNEED)``, no privileges needed), so that loads read the disk.
+``--backend nccl`` puts each rank's model and optimizer state on its own GPU (at world
+size 1 the shard group still gathers through NCCL, as FSDP2's does): saves copy the
+shards to the host, loads copy them back.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from fullshard import checkpoint as ckpt
 from fullshard.checkpoint import checksums, hashing_writer
 from fullshard import fully_shard
-from fullshard.testing import run_distributed
+from fullshard.testing import collectives_at_one_rank, rank_device, run_distributed
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8)
@@ -42,12 +45,13 @@ CFG = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8
 
 def _sharded():
     torch.manual_seed(0)
-    model = GPT(CFG)
+    device = rank_device()
+    model = GPT(CFG).to(device)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, CFG.vocab_size, (1, 16))
+    x = torch.randint(0, CFG.vocab_size, (1, 16), device=device)
     lm_loss(model(x), x).backward()
     opt.step()
     opt.zero_grad()
@@ -122,6 +126,7 @@ _ENTRIES = hashing_writer.HashingWriter.entries
 
 
 def worker(root: str, repeats: int, options: list[str], cold: bool = False) -> dict:
+    collectives_at_one_rank()
     # fullshard and DCP each save from, and load into, models of their own (built alike):
     # what one implementation's load leaves in a model and its optimizer (DTensor state
     # or plain, as each state-dict path sets it) must not change what the other one costs.
@@ -185,15 +190,17 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="drop both checkpoints from the page cache before each load, "
                         "so that loads read the disk")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                        help="nccl: each rank's state on its own GPU")
     args = parser.parse_args()
     options = list(OPTIONS) if args.options else [SHIPPED]
     with tempfile.TemporaryDirectory(prefix="fullshard-ckpt-bench-") as root:
         res = run_distributed(worker, args.world_size, root, args.repeats, options,
-                              args.cold, timeout=3600)[0]
+                              args.cold, timeout=3600, backend=args.backend)[0]
     per_rank_mb = res["bytes"] / args.world_size / 1e6
     print(f"command: {' '.join(sys.argv)}")
     print(f"checkpoint {res['bytes'] / 1e6:.0f} MB (model + AdamW state), world size "
-          f"{args.world_size}, {per_rank_mb:.0f} MB per rank"
+          f"{args.world_size}, {per_rank_mb:.0f} MB per rank, backend {args.backend}"
           + (", loads from a cold page cache\n" if args.cold else "\n"))
     print("| checksums | operation | fullshard median s | MB/s per rank | torch DCP median s | "
           "/ DCP, medians | / DCP, median of pairs | / DCP, rank 0 CPU s, median of pairs |\n"

@@ -18,6 +18,8 @@ Steps, in order, each a process of its own with a time limit inside one budget
   memory        benchmarks/gpu_memory.py: the estimate against the measured peak under a
                 24 GiB cap: plain, QLoRA (NF4 + LoRA) and float8 (skipped, with a line
                 saying so, where torchao or peft is missing)
+  checkpoint    benchmarks/checkpoint_io.py --backend nccl: fullshard.checkpoint save and
+                load (checksums verified) against torch DCP, the state on the GPU
   gpu-bench     benchmarks/gpu.py --quick: G1-G4 x {fullshard, FSDP2, plain loop}, last,
                 so that it has whatever the budget has left (about 290 s on an H200)
 
@@ -93,6 +95,10 @@ def _trainer_summary(output: str, _out: str) -> list[str]:
     return lines
 
 
+def _checkpoint_summary(output: str, _out: str) -> list[str]:
+    return _last_lines(output, ("checkpoint ", "|"))
+
+
 def _memory_summary(output: str, _out: str) -> list[str]:
     return _last_lines(output, ("plain", "qlora", "float8"))
 
@@ -104,12 +110,15 @@ def steps(args: argparse.Namespace) -> list[Step]:
             "-p", "no:cacheprovider"] + (["--collect-only"] if dry else [])
     bench = [PY, os.path.join(BENCH, "gpu.py"), "--json", os.path.join(out, "gpu-bench.json")]
     bench += (["--tiny", "--device", "cpu", "--nproc", "1", "--workloads", "G1,G3",
-               "--impls", "plain,fullshard"] if dry else ["--quick", "--timeout", "120"])
+               "--impls", "plain,fullshard"] if dry else
+              ["--quick", "--timeout", "120", "--workloads", "G1,G2,G4,G3"])
     trainer = [PY, os.path.join(BENCH, "trainer.py")] + (
         ["--preset", "debug", "--rounds", "1", "--block", "2"] if dry else
-        ["--preset", "gpt2-124m", "--batch-size", "8", "--rounds", "3", "--block", "5"])
+        ["--preset", "gpt2-124m", "--batch-size", "8", "--rounds", "6", "--block", "10"])
     memory = [PY, os.path.join(BENCH, "gpu_memory.py"), "--json",
               os.path.join(out, "gpu-memory.json")] + (["--dry-run"] if dry else [])
+    checkpoint = [PY, os.path.join(BENCH, "checkpoint_io.py"), "--world-size", "1"] + (
+        ["--repeats", "1"] if dry else ["--repeats", "3", "--backend", "nccl"])
     wheels = args.wheels
     pip = [PY, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels or "."]
     listed = [PY, "-m", "pip", "list", "--format=freeze"]
@@ -122,6 +131,7 @@ def steps(args: argparse.Namespace) -> list[Step]:
         Step("trainer-compiled", [] if dry else [trainer + ["--compile"]], 90, {},
              _trainer_summary),
         Step("memory", [memory], 90, {}, _memory_summary),
+        Step("checkpoint", [checkpoint], 60, {"OMP_NUM_THREADS": "1"}, _checkpoint_summary),
         # last, with what the budget has left: eleven runs of ~25 s on an H200
         Step("gpu-bench", [bench], 360, {}, _bench_summary),
     ]

@@ -22,8 +22,9 @@ def test_the_gpu_check_runs_every_step_on_cpu(tmp_path):
     table = report.split("| step | status | seconds |\n|---|---|---:|\n")[1].split("\n\n")[0]
     rows = dict(line.split(" | ")[:2] for line in table.splitlines())
     assert set(rows) == {"| install", "| install-torchao", "| cuda-lane", "| gpu-bench",
-                         "| trainer", "| trainer-compiled", "| memory"}
+                         "| trainer", "| trainer-compiled", "| memory", "| checkpoint"}
     assert rows["| gpu-bench"] == rows["| trainer"] == rows["| memory"] == "ok"
+    assert rows["| checkpoint"] == "ok" and "| load (verify, read, reshard) |" in report
     assert rows["| cuda-lane"].startswith("skipped: pytest ran no test")
     assert "the CUDA lane needs a CUDA GPU" in report
     bench = json.loads((tmp_path / "gpu-bench.json").read_text())
