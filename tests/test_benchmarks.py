@@ -4,6 +4,7 @@ built)."""
 
 import pytest
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -66,3 +67,21 @@ def test_quantized_comm_benchmark_counts_bytes_per_setting():
     ratios = {name: [float(c) for c in row.split("|")[3:6:2]] for name, row in rows.items()}
     assert ratios["none"] == [1.0, 1.0]
     assert ratios["weights"][0] < 0.3 and ratios["grads"][1] < 0.3  # fp32 -> int8 + scales
+
+
+@pytest.mark.extended
+def test_hf_import_benchmark_times_each_import_and_the_memory_per_rank():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hf_import.py"), "--world-size", "2",
+         "--repeats", "1", "--layers", "2", "--hidden", "256"],
+        capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:]
+            for line in proc.stdout.splitlines() if line.startswith("| ")}
+    for op in ("read once", "load_hf", "rank 0 + broadcast"):
+        seconds, ratio = (float(x.strip(" |")) for x in rows[op])
+        assert seconds > 0 and ratio > 0, (op, rows[op])
+    assert float(rows["read once"][1].strip(" |")) == 1.0
+    for rank in ("0", "1"):  # each rank holds its shards (~36 MB of 72) and one tensor more
+        shards, largest, rise = (float(x) for x in rows[rank][:3])
+        assert 30 <= shards <= 40 and 0 < rise <= shards + largest, rows[rank]
