@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,17 @@ class PartialSum:
             self.total = None
 
 
+class _Packed(NamedTuple):
+    """A reduction's send buffer and what it was built with (GradReduction._pack)."""
+
+    full: torch.Tensor           # world x numel, rank-major, in the reduce dtype
+    had_grad: list[bool]         # per trainable parameter: a local gradient existed
+    numel: int                   # one rank's chunk, flags and digest included
+    plan: object                 # core/schedule.reduce_plan's answer
+    comm: object                 # the unit's custom reduce-scatter, or None
+    inspected: bool              # the chunk's digest is compared in the collective
+
+
 class GradReduction:
     """One group's gradient side: lays this backward's unsharded gradients out, starts
     their reduce-scatter (or all-reduce), and keeps the sharded gradient buffers that
@@ -272,6 +283,48 @@ class GradReduction:
             return None
         w = g.world_size
         ref = trainable[0].unsharded_local
+        full, had_grad, numel, plan, comm, inspected = self._pack(trainable, options)
+        reduce_dtype = full.dtype
+        dest, views = self._grad_destination(trainable, numel, g.flat_shard)
+        # what every reduction below hands its PendingReduce; the buffers it holds and
+        # whether it all-reduces across replicas after the collective differ
+        pending_reduce = functools.partial(
+            PendingReduce, g.unit_name, trainable, had_grad, pool=g.pool, views=views,
+            dest=dest, options=options, copies=g.copies)
+        across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
+        if plan.all_reduce:  # Note [shard groups of one rank]
+            if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
+                return pending_reduce(pending=Pending(full, None), buffers=[full], **across)
+            self.partial_sum.add_into(full.view(-1))
+            return pending_reduce(pending=all_reduce_sum(full, g.replicate_pg, async_op=True),
+                                  buffers=[full])
+        if comm is not None:  # Note [custom collectives]
+            out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
+            work = comm(output_tensor=out, input_tensor=full, group=g.pg,
+                        op=dist.ReduceOp.SUM)
+            # ``full`` is the comm's (never pooled), but it must live until the collective
+            # has finished: an async comm reads it after this returns
+            return pending_reduce(pending=Pending(out, work), buffers=[], held=[full], **across)
+        if g.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
+            out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
+                else dest
+            pending = quantized_reduce_scatter_sum(out, full, g.pg, g.quantize_grads,
+                                                   exact_tail=reduce_tail(len(trainable)),
+                                                   async_op=True)
+            return pending_reduce(pending=pending, buffers=[full], **across)
+        scratch = g.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
+        out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
+        pending = reduce_scatter_sum(out, full, g.pg, async_op=True, scratch=scratch,
+                                     inspect=g.guard.inspector(numel) if inspected else None)
+        return pending_reduce(pending=pending, buffers=[full, scratch], **across)
+
+    def _pack(self, trainable: list[ShardedParam], options: ReduceOptions) -> "_Packed":
+        """The unsharded gradients laid out rank-major in one send buffer in the reduce
+        dtype, each rank's chunk ending in the presence flags and the ledger digest; the
+        gradients themselves are dropped. Also what the reduction needs to know about it."""
+        g = self.group
+        w = g.world_size
+        ref = trainable[0].unsharded_local
         grads = [take_unsharded_grad(p) for p in trainable]
         had_grad = [True] * len(grads) if options.unused_as_zeros else [
             g is not None for g in grads]
@@ -305,38 +358,7 @@ class GradReduction:
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
-        dest, views = self._grad_destination(trainable, numel, g.flat_shard)
-        # what every reduction below hands its PendingReduce; the buffers it holds and
-        # whether it all-reduces across replicas after the collective differ
-        pending_reduce = functools.partial(
-            PendingReduce, g.unit_name, trainable, had_grad, pool=g.pool, views=views,
-            dest=dest, options=options, copies=g.copies)
-        across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
-        if plan.all_reduce:  # Note [shard groups of one rank]
-            if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
-                return pending_reduce(pending=Pending(full, None), buffers=[full], **across)
-            self.partial_sum.add_into(full.view(-1))
-            return pending_reduce(pending=all_reduce_sum(full, g.replicate_pg, async_op=True),
-                                  buffers=[full])
-        if comm is not None:  # Note [custom collectives]
-            out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
-            work = comm(output_tensor=out, input_tensor=full, group=g.pg,
-                        op=dist.ReduceOp.SUM)
-            # ``full`` is the comm's (never pooled), but it must live until the collective
-            # has finished: an async comm reads it after this returns
-            return pending_reduce(pending=Pending(out, work), buffers=[], held=[full], **across)
-        if g.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
-            out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
-                else dest
-            pending = quantized_reduce_scatter_sum(out, full, g.pg, g.quantize_grads,
-                                                   exact_tail=reduce_tail(len(trainable)),
-                                                   async_op=True)
-            return pending_reduce(pending=pending, buffers=[full], **across)
-        scratch = g.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
-        out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
-        pending = reduce_scatter_sum(out, full, g.pg, async_op=True, scratch=scratch,
-                                     inspect=g.guard.inspector(numel) if inspected else None)
-        return pending_reduce(pending=pending, buffers=[full, scratch], **across)
+        return _Packed(full, had_grad, numel, plan, comm, inspected)
 
     def accumulate_unsharded(self) -> None:
         """Without gradient sync: move this backward's unsharded gradients into a

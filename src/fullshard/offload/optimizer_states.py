@@ -179,14 +179,19 @@ class DiskStates:
                 group["params"] = params
         for i, p in enumerate(self.params):
             names = stepped_names.get(i) or tuple(real[i]) or self.on_disk[i]
-            if not names:
-                continue
-            self.on_disk[i] = names
-            kept = stepped_small.get(i, small[i])
-            local = p._local_tensor
-            opt.state[p] = {**kept, **{n: _wrap_like(p, torch.empty(
-                local.shape, dtype=files.dtypes[n], device="meta")) for n in names}}
+            if names:
+                self._leave_on_disk(opt, i, names, stepped_small.get(i, small[i]))
         self._prefetched = self._read(0, None)  # overlaps the next forward and backward
+
+    def _leave_on_disk(self, opt: torch.optim.Optimizer, i: int, names: tuple[str, ...],
+                       kept: dict) -> None:
+        """Parameter ``i``'s per-element states ``names`` are in the files now: its entry
+        in ``opt.state`` holds meta tensors of their shapes and dtypes in their place,
+        beside its small states ``kept`` (the step count)."""
+        p = self.params[i]
+        self.on_disk[i] = names
+        opt.state[p] = {**kept, **{n: _wrap_like(p, torch.empty(
+            p._local_tensor.shape, dtype=self.files.dtypes[n], device="meta")) for n in names}}
 
     def _read(self, chunk: int, real: list[dict] | None):
         """Queue the read of ``chunk`` if any of its parameters has states only on disk."""
