@@ -79,7 +79,7 @@ def _promises(strategy_name):
     out = {"fwd": fwd, "bwd": bwd, "rows": rows, "local_rows": local_rows,
            "units": units, "world": world, "placements": [str(p) for p in w.placements]}
     group = model.layers[0]._unit.group
-    out["aliases"] = group.unsharded is group.flat_shard
+    out["aliases"] = group.unsharded.is_shard
     return out
 
 

@@ -58,8 +58,8 @@ def _offload_where_things_live():
         "states_cpu": all(v.device.type == "cpu" for s in opt.state.values()
                           for v in s.values() if torch.is_tensor(v) and v.dim() > 0),
         # the gathered copy is a separate buffer on the compute device
-        "separate_unsharded": group.unsharded is not None
-        and group.unsharded.untyped_storage().data_ptr() != group.flat_shard.data_ptr(),
+        "separate_unsharded": group.unsharded.built
+        and group.unsharded.tensor.untyped_storage().data_ptr() != group.flat_shard.data_ptr(),
     }
     return checks
 

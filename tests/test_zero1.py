@@ -50,7 +50,7 @@ def _addresses() -> dict:
         opt.zero_grad()
         values.append(model.blocks[0][0].weight.full_tensor().clone())
         # between steps the parameters are sharded DTensors, their gathered storage kept
-        kept.append(unit_of(model.blocks[0]).group.unsharded.untyped_storage().size() > 0)
+        kept.append(unit_of(model.blocks[0]).group.unsharded.tensor.untyped_storage().size() > 0)
     return {"same_addresses": all(s == seen[0] for s in seen),
             "stepped": not torch.equal(values[0], values[-1]), "kept": all(kept)}
 

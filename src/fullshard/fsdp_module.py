@@ -242,7 +242,7 @@ class FSDPModule:
         _expect_bool("set_keep_unsharded_storage", keep)
         for unit in _units(self, recurse):
             if unit.group is not None:
-                unit.group.keep_unsharded_storage = keep
+                unit.group.unsharded.keep_storage = keep
 
     # -- gradient reduction -----------------------------------------------------------------
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True

@@ -160,7 +160,7 @@ def _keep_storage(keep: bool) -> dict:
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
-    held = model.blocks[1]._unit.group.unsharded.untyped_storage().nbytes()
+    held = model.blocks[1]._unit.group.unsharded.tensor.untyped_storage().nbytes()
     return {"same_addresses": len(set(addresses[1:])) == 1, "held_after_step": held}
 
 

@@ -31,7 +31,7 @@ def plan_buckets(units: "list[UnitState]", bucket_numel: int,
                  root: "UnitState | None" = None) -> "list[list[UnitState]]":
     """Runs of adjacent, compatible units whose unsharded sizes sum to <= bucket_numel."""
     return plan_runs([u for u in units if u.group is not None],
-                     lambda u: u.group.world_size * u.group.shard_numel,
+                     lambda u: u.group.world_size * u.group.storage.numel,
                      lambda first, u: _compatible(first, u, root), bucket_numel)
 
 
@@ -75,7 +75,8 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
         merged = ParamGroup(params, first.pg, name, first.param_dtype, first.reduce_dtype,
                             first.replicate_pg, first.post_forward_size,
                             offload=first.offload, compute_device=first.compute_device)
-        merged.keep_unsharded_storage = any(u.group.keep_unsharded_storage for u in run)
+        merged.unsharded.keep_storage = any(u.group.unsharded.keep_storage
+                                               for u in run)
         merged.quantize_weights, merged.quantize_grads = first.quantize_weights, first.quantize_grads
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:

@@ -13,7 +13,8 @@ cast back into the fp32 gradient buffer, so the optimizer sees fp32 gradients ne
 to fp32 parameters and states.
 
 A unit is what one ``fully_shard`` call manages. Its parameters share three flat
-buffers, so each transition is one collective and one copy:
+buffers, so each transition is one collective and one copy (the first two are the
+group's ``storage``, core/shard_storage.py, and ``unsharded``, core/unsharded_buffer.py):
 
 * ``flat_shard``   (S elements): this rank's padded shards, param after param. The
   DTensor parameters' local tensors are views into it, so the optimizer updates it
@@ -75,7 +76,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -84,12 +84,14 @@ import torch.distributed as dist
 from .buffers import BufferPool
 from .backward_signals import BackwardSignals
 from .collectives import Pending, all_gather, skips_collectives
-from .mapped import mapped_empty, page_out
+from .mapped import page_out
 from .quantized_collectives import quantized_all_gather
+from .shard_storage import ShardStorage
+from .unsharded_buffer import UnshardedBuffer
 from .gradients import GradReduction
 from .param import ShardedParam
 from .post_forward import PostForwardShard
-from .schedule import GatherPlan, gather_plan, shard_device_for
+from .schedule import GatherPlan, gather_plan
 from .streams import HostCopies, traced
 from .subclass_params import SubclassGather
 
@@ -134,13 +136,11 @@ class ParamGroup:
         subclass = [p for p in params if p.extension is not None]
         self.subclass = SubclassGather(subclass, pg, mesh, unit_name) if subclass else None
         self.mp_policy = mp_policy
-        # set_keep_unsharded_storage(True): reshard keeps the gathered storage allocated,
-        # so the unsharded parameters keep their addresses (CUDA graphs), at its memory
-        self.keep_unsharded_storage = False
         self.offload = offload  # Note [CPU offload]
         for p in params:  # the optimizer hook asks a parameter (Note [optimizer states on disk])
             p.offload = offload
-        self._compute_device = compute_device
+        # the flat shard (core/shard_storage.py)
+        self.storage = ShardStorage(self.flat_params, unit_name, offload, compute_device)
         self.post_forward_size = post_forward_size
         self.post_forward: PostForwardShard | None = (
             PostForwardShard(pg, post_forward_size) if post_forward_size else None)
@@ -153,12 +153,8 @@ class ParamGroup:
         self.world_size = pg.size()
         self.unit_name = unit_name
         self.state = GroupState.SHARDED
-        self.shard_sizes = [p.layout.shard_numel for p in self.flat_params]
-        self.shard_numel = sum(self.shard_sizes)
-        self._dim0_only = all(p.layout.dim == 0 for p in self.flat_params)  # Note [shards on another dim]
-        self.flat_shard: torch.Tensor | None = None
-        self.unsharded: torch.Tensor | None = None
-        self._copy_out_targets: list[torch.Tensor] = []
+        # the gathered parameters (core/unsharded_buffer.py)
+        self.unsharded = UnshardedBuffer(self.storage, self.world_size)
         self._gather: Pending | None = None
         self._cast_shard: torch.Tensor | None = None  # the shard in param_dtype, being sent
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
@@ -208,43 +204,20 @@ class ParamGroup:
                 f"fully_shard({self.unit_name}): all parameters of one unit must share a dtype "
                 f"to be gathered in one collective; found {found}. Cast them to one dtype or "
                 "shard the differing submodules in their own fully_shard call.")
-        self._compute_device = device
-        if any(t.is_meta for t in originals):
-            self.flat_shard = torch.empty(self.shard_numel, dtype=originals[0].dtype,
-                                          device="meta")
-        else:
-            self.flat_shard = self._new_flat_shard(originals[0].dtype, self.shard_device(device))
-        for p, view in zip(self.flat_params, self._shard_views(self.flat_shard)):
-            p.shard_from(full[p], view, requires_grad=requires_grad[p])
+        self.storage.fill(full, requires_grad, originals[0].dtype, device)
         for p in self.subclass.params if self.subclass is not None else ():
             p.shard_subclass(full[p], self.unit_name, requires_grad=requires_grad[p],
-                             device=self.shard_device(device))
-        if self.shard_on_disk and not self.flat_shard.is_meta:
-            page_out(self.flat_shard)
-
-    def shard_device(self, device: torch.device) -> torch.device:
-        """Where the flat shard lives when parameters are computed on ``device``."""
-        return shard_device_for(self.offload is not None, device)
+                             device=self.storage.device_for(device))
 
     @property
-    def shard_on_disk(self) -> bool:
-        """Whether the flat shard is a file mapping (Note [parameters on disk])."""
-        return getattr(self.offload, "params", False)
-
-    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.shard_on_disk and device.type == "cpu":  # Note [parameters on disk]
-            return mapped_empty(self.shard_numel, dtype, os.fspath(self.offload.path),
-                                self.unit_name)
-        pin = (self.offload is not None and self.offload.pin_memory and device.type == "cpu"
-               and self.compute_device.type == "cuda")
-        return torch.empty(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+    def flat_shard(self) -> torch.Tensor | None:
+        """This rank's shards of the unit's plain parameters, in one tensor (the storage's)."""
+        return self.storage.tensor
 
     @property
     def compute_device(self) -> torch.device:
         """Where gathered parameters live and forward/backward run."""
-        if self.offload is not None or self.flat_shard is None:
-            return self._compute_device
-        return self.flat_shard.device
+        return self.storage.compute_device
 
     def retire(self, merged_into: "ParamGroup") -> None:
         """This group's parameters now live in ``merged_into`` (a bucket of small units,
@@ -252,8 +225,8 @@ class ParamGroup:
         that re-pointed parameters at its own flat shard would split what the optimizer
         updates from what the all-gather sends (Note [one storage is the shard])."""
         self.reshard()
-        self.flat_shard = self.unsharded = None
-        self._copy_out_targets = []
+        self.storage.tensor = None
+        self.unsharded.forget()
         self.grads.drop_buffers()
         self.merged_into = merged_into.unit_name
         self.state = GroupState.MERGED
@@ -273,24 +246,10 @@ class ParamGroup:
         self.reshard()
         first = (self.flat_params or self.params)[0].refs[0]
         current = first.module._parameters[first.name]
-        local = getattr(current, "_local_tensor", current)
-        device = local.device if local.is_meta else self.shard_device(local.device)
-        if self.offload is None and not local.is_meta:
-            self._compute_device = local.device  # .to()/.cuda() moved the module
-        if self.flat_shard is None or (self.flat_shard.device, self.flat_shard.dtype) != (
-                device, local.dtype):
-            self.flat_shard = (torch.empty(self.shard_numel, dtype=local.dtype, device=device)
-                               if device.type == "meta" else
-                               self._new_flat_shard(local.dtype, device))
-            self.unsharded = None
-            self._copy_out_targets = []
-        for p, view in zip(self.flat_params, self._shard_views(self.flat_shard)):
-            p.readopt(view, copy_values)
+        if self.storage.readopt(getattr(current, "_local_tensor", current), copy_values):
+            self.unsharded.forget()  # built again, for the new shard's device and dtype
         for p in self.subclass.params if self.subclass is not None else ():
             p.readopt(None)
-
-    def _shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.split(flat, self.shard_sizes))
 
     @property
     def aliases_shard(self) -> bool:
@@ -305,20 +264,6 @@ class ParamGroup:
                            compute_device=self.compute_device, offload=self.offload is not None,
                            post_forward=self.post_forward is not None)
 
-    def _build_unsharded(self) -> None:
-        """Allocate the unsharded buffer and the persistent unsharded params (once)."""
-        w = self.world_size
-        self.unsharded = self.flat_shard if self.aliases_shard else torch.empty(
-            w * self.shard_numel, dtype=self.compute_dtype, device=self.compute_device)
-        writer = self.unsharded.data  # own version counter: see Note [unsharded params are persistent views]
-        self._writer = writer
-        self._copy_out_targets = [v.view(w, -1) for v in torch.split(
-            writer, [w * n for n in self.shard_sizes])]
-        for p, view in zip(self.flat_params,
-                           torch.split(self.unsharded, [w * n for n in self.shard_sizes])):
-            p.make_unsharded(view)
-        self._free_unsharded_storage()
-
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype parameters are gathered and computed in."""
@@ -330,9 +275,10 @@ class ParamGroup:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
         self._check_live("unshard")
         if self.state is GroupState.POST_FORWARD:
-            self._alloc_unsharded_storage()
-            self._record("all-gather (post-forward subgroup)", self._writer.numel())
-            self._gather = self.post_forward.gather_into(self._writer, async_op=async_op,
+            self.unsharded.allocate()
+            writer = self.unsharded.writer
+            self._record("all-gather (post-forward subgroup)", writer.numel())
+            self._gather = self.post_forward.gather_into(writer, async_op=async_op,
                                                          patience=self.patience)
             self._gather_is_direct = True
             self.state = GroupState.GATHERING
@@ -341,23 +287,23 @@ class ParamGroup:
             return
         if self.state is not GroupState.SHARDED:
             return
-        if self.unsharded is None:
-            self._build_unsharded()
+        if not self.unsharded.built:
+            self.unsharded.build(self.aliases_shard, self.compute_dtype, self.compute_device)
         if self.subclass is not None:  # Note [tensor-subclass parameters]
             self._record("all-gather (tensor-subclass parameters)", len(self.subclass.params))
             self.subclass.start(self.mp_policy, self.pool, async_op, self.compute_device)
             if not self.flat_params:
-                self._gather, self._gather_is_direct = Pending(self.unsharded, None), True
+                self._gather, self._gather_is_direct = Pending(self.unsharded.tensor, None), True
                 self.state = GroupState.GATHERING
                 if not async_op:
                     self.wait_unshard()
                 return
         if skips_collectives(self.world_size):  # Note [shard groups of one rank]
-            self._gather = Pending(self.unsharded, None)
-            if self.unsharded is not self.flat_shard:  # cast / to the device: the copy
-                self._alloc_unsharded_storage()     # stream, so a prefetch overlaps compute
+            self._gather = Pending(self.unsharded.tensor, None)
+            if not self.unsharded.is_shard:  # cast / to the device: the copy
+                self.unsharded.allocate()     # stream, so a prefetch overlaps compute
                 with self.copies.to_device() as ordered, traced("copy_in", self.unit_name):
-                    self._writer.copy_(self.flat_shard, non_blocking=True)
+                    self.unsharded.writer.copy_(self.flat_shard, non_blocking=True)
                     self._gather = ordered(self._gather)
             self._gather_is_direct = True
             self.state = GroupState.GATHERING
@@ -368,18 +314,18 @@ class ParamGroup:
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
         comm = self.all_gather_comm
-        self._record("all-gather", self.world_size * self.shard_numel)
+        self._record("all-gather", self.world_size * self.storage.numel)
         # On CUDA the copy-in and the collective run on the copy stream while compute goes
         # on (Note [streams and events]); ``ordered`` makes the caller's stream wait for it.
         with self.copies.to_device() as ordered, traced("all_gather", self.unit_name):
             if self._gather_plan().send:  # the one copy-in: cast / offload
-                send = self._cast_shard = self.pool.take(self.shard_numel, dtype, device)
+                send = self._cast_shard = self.pool.take(self.storage.numel, dtype, device)
                 send.copy_(self.flat_shard, non_blocking=True)
-                if self.shard_on_disk:  # a pageable source: copied once copy_ returns
+                if self.storage.on_disk:  # a pageable source: copied once copy_ returns
                     page_out(self.flat_shard)
-            out = (self.pool.take(self.world_size * self.shard_numel, dtype, device)
+            out = (self.pool.take(self.world_size * self.storage.numel, dtype, device)
                    if comm is None else
-                   comm.allocate((self.world_size * self.shard_numel,), dtype=dtype,
+                   comm.allocate((self.world_size * self.storage.numel,), dtype=dtype,
                                  device=device))
             if comm is None and self.quantize_weights:  # Note [quantized communication]
                 pending = quantized_all_gather(out, send, self.pg, self.quantize_weights,
@@ -405,13 +351,13 @@ class ParamGroup:
             return
         gathered = self._gather.wait(f"all-gather of {self.unit_name}", self.patience)
         self._gather = None
-        if self.shard_on_disk:  # the collective read the shard itself (no copy-in)
+        if self.storage.on_disk:  # the collective read the shard itself (no copy-in)
             page_out(self.flat_shard)
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
             self._release_cast_shard()
-            self._alloc_unsharded_storage()
+            self.unsharded.allocate()
             with traced("copy_out", self.unit_name):
-                self._copy_out(gathered.view(self.world_size, -1))
+                self.unsharded.copy_out(gathered.view(self.world_size, -1))
             self._give_gathered(gathered)
             self.copies.reads_done()  # the copy stream's blocks: Note [streams and events]
         if self.subclass is not None:
@@ -423,24 +369,12 @@ class ParamGroup:
             p.register(up)
         self.state = GroupState.UNSHARDED
 
-    def _copy_out(self, rows: torch.Tensor) -> None:
-        """Move the rank-major gathered shards into the param-major unsharded buffer: one
-        copy for dim-0 shards, a strided copy per parameter sharded on another dim
-        (Note [shards on another dim])."""
-        if self._dim0_only:
-            torch.split_with_sizes_copy(rows, self.shard_sizes, dim=1,
-                                        out=self._copy_out_targets)
-            return
-        for p, src, dst in zip(self.flat_params, torch.split(rows, self.shard_sizes, dim=1),
-                               self._copy_out_targets):
-            p.layout.copy_gathered(self.world_size, src, dst)
-
     @outside_inference_mode
     def reshard_after_forward(self) -> None:
         """Free the parameters after forward; with a post-forward group (hpZ, Note
         [resharding after forward to a smaller group]) keep this rank's chunk first."""
         if self.post_forward is not None and self.state is GroupState.UNSHARDED:
-            self.post_forward.keep(self._writer)
+            self.post_forward.keep(self.unsharded.writer)
             self.reshard()
             self.state = GroupState.POST_FORWARD
         else:
@@ -466,8 +400,8 @@ class ParamGroup:
         else:
             for p in self.params:
                 p.register(p.sharded_param)
-        self._free_unsharded_storage()
-        if self.subclass is not None and not self.keep_unsharded_storage:
+        self.unsharded.free()
+        if self.subclass is not None and not self.unsharded.keep_storage:
             self.subclass.free()
         self.state = GroupState.SHARDED
 
@@ -479,23 +413,6 @@ class ParamGroup:
         if self._cast_shard is not None:
             self.pool.give(self._cast_shard)
             self._cast_shard = None
-
-    def _alloc_unsharded_storage(self) -> None:
-        if self.unsharded is self.flat_shard:
-            return
-        storage = self.unsharded.untyped_storage()
-        nbytes = self.unsharded.numel() * self.unsharded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-
-    def _free_unsharded_storage(self) -> None:
-        if self.unsharded is self.flat_shard:
-            return  # Note [shard groups of one rank]: the shard is the parameter
-        if self.keep_unsharded_storage:  # set_keep_unsharded_storage: addresses stay fixed
-            return
-        storage = self.unsharded.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
 
     # -- gradients ------------------------------------------------------------------------
     def trainable(self) -> list[ShardedParam]:

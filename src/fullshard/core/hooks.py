@@ -409,7 +409,7 @@ def _final_callback(root: RootState) -> None:
         if group is None or group in root.reduced:
             continue
         if u.ran_forward_with_grad or u.recomputed_with_grad or (
-                root.reduce_options(group).unused_as_zeros and group.unsharded is not None):
+                root.reduce_options(group).unused_as_zeros and group.unsharded.built):
             _post_backward(root, group)
     if late:
         if root.guard is not None:

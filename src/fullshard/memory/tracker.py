@@ -58,8 +58,9 @@ def _buffer_bytes(units: list, params: list[torch.Tensor]) -> dict[str, int]:
         if group not in groups:
             groups.add(group)
             counts["sharded parameters"] += _nbytes(group.flat_shard)
-            if group.unsharded is not None and group.unsharded is not group.flat_shard:
-                counts["unsharded parameters"] += group.unsharded.untyped_storage().nbytes()
+            gathered = group.unsharded
+            if gathered.built and not gathered.is_shard:
+                counts["unsharded parameters"] += gathered.tensor.untyped_storage().nbytes()
             chunk = getattr(group.post_forward, "chunk", None)
             counts["unsharded parameters"] += _nbytes(chunk)
             if group.subclass is not None:  # their own bytes (NF4: half a byte a value)
