@@ -23,6 +23,8 @@ from fullshard.core.group import ParamGroup
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.memory import estimate
 from fullshard.memory import replay as replay_module
+from fullshard.memory.byte_ledger import BytePool
+from fullshard.memory.reduction_replay import ReductionReplay
 from fullshard.memory.units import find_units
 from fullshard.testing import run_distributed
 from fullshard.wrap import auto_wrap
@@ -155,9 +157,9 @@ def _train_and_record(cfg: GPTConfig, kwargs: dict) -> list:
 def _replay_and_record(mp: pytest.MonkeyPatch, cfg: GPTConfig, world: int, kwargs: dict) -> list:
     log: list = []
     keep: dict = {}
-    _record(mp, replay_module._Group, replay_module._Pool, log, keep)
+    _record(mp, replay_module._Group, BytePool, log, keep)
     Replay = replay_module.Replay
-    step, reduce, finish = Replay._step, Replay._reduce, Replay._finish_pending_reduce
+    step, reduce, finish = Replay._step, ReductionReplay._reduce, ReductionReplay.finish
     replays: list = []
 
     def logged_step(self):
@@ -172,15 +174,15 @@ def _replay_and_record(mp: pytest.MonkeyPatch, cfg: GPTConfig, world: int, kwarg
         return pending
 
     def logged_finish(self):
-        pending = self._pending
+        pending = self.pending
         result = finish(self)
         if pending is not None:
             log.append(("reduced", id(pending[0])))
         return result
 
     mp.setattr(Replay, "_step", logged_step)
-    mp.setattr(Replay, "_reduce", logged_reduce)
-    mp.setattr(Replay, "_finish_pending_reduce", logged_finish)
+    mp.setattr(ReductionReplay, "_reduce", logged_reduce)
+    mp.setattr(ReductionReplay, "finish", logged_finish)
     estimate(cfg, world_size=world, batch_size=BATCH, seq_len=SEQ, device="cpu",
              process_baseline=0, **kwargs)
 

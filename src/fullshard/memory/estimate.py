@@ -22,7 +22,8 @@ from ..policies import DiskOffloadPolicy, MixedPrecisionPolicy
 from .activations import StepTrace, trace_step
 from .models import LossOf, workload_for
 from .process import current_rss_bytes
-from .replay import CATEGORIES, Replay, RunSettings
+from .byte_ledger import CATEGORIES
+from .replay import Replay, RunSettings
 from .units import find_units, layout_groups
 from .weights import WeightBytes, adapt_weights, check_weights
 

@@ -30,26 +30,18 @@ moment, is the peak; the breakdown is what was alive then.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..core.buffers import FreeLists
 from ..core.quantized_collectives import ROWS_PER_PASS, wire_bytes
-from ..core.schedule import (GatherPlan, PrefetchOrder, ReducePlan, backward_is_done,
-                             frees_after_forward, gather_plan, reduce_plan, shard_device_for)
+from ..core.schedule import (GatherPlan, PrefetchOrder, backward_is_done,
+                             frees_after_forward, gather_plan, shard_device_for)
 from .activations import StepTrace
+from .reduction_replay import ReductionReplay
+from .byte_ledger import (ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, OPTIMIZER,
+                          SHARDED_PARAMS, UNSHARDED, BytePool, ByteLedger, Peak, round_up)
 from .units import GroupLayout
-
-SHARDED_PARAMS = "sharded parameters"
-GRADIENTS = "gradients"
-OPTIMIZER = "optimizer states"
-UNSHARDED = "unsharded parameters"
-ACTIVATIONS = "activations"
-COMMUNICATION = "communication buffers"
-CATEGORIES = (SHARDED_PARAMS, GRADIENTS, OPTIMIZER, UNSHARDED, ACTIVATIONS, COMMUNICATION)
-
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -78,70 +70,6 @@ class RunSettings:
         return shard_device_for(self.offload, self.device)
 
 
-def _round_up(numel: int, to: int = 4096) -> int:
-    return -(-numel // to) * to
-
-
-@dataclass
-class Peak:
-    total: int = -1
-    breakdown: dict[str, int] = field(default_factory=dict)
-
-
-class _Ledger:
-    """Bytes alive per category, for the device and (offload) the host."""
-
-    def __init__(self):
-        self.device: Counter = Counter()
-        self.host = 0
-        self.host_peak = 0  # the most host memory alive at once (offloaded gradients included)
-        self._live: dict[object, tuple[str, int, bool]] = {}
-
-    def alloc(self, key: object, category: str, nbytes: int, on_host: bool = False) -> None:
-        assert key not in self._live, key
-        self._live[key] = (category, nbytes, on_host)
-        if on_host:
-            self.host += nbytes
-            self.host_peak = max(self.host_peak, self.host)
-        else:
-            self.device[category] += nbytes
-
-    def free(self, key: object) -> None:
-        category, nbytes, on_host = self._live.pop(key)
-        if on_host:
-            self.host -= nbytes
-        else:
-            self.device[category] -= nbytes
-
-    def holds(self, key: object) -> bool:
-        return key in self._live
-
-
-class _Pool(FreeLists[tuple]):
-    """BufferPool with byte counts: the same keys (all on the compute device), the same
-    free lists and keep-or-drop rule."""
-
-    def __init__(self, ledger: _Ledger, max_numel: int):
-        super().__init__(max_numel)
-        self.ledger = ledger
-        self._count = 0
-
-    def take(self, numel: int, dtype: torch.dtype) -> tuple:
-        handle = self.pop((numel, dtype))
-        if handle is None:
-            self._count += 1
-            handle = ("pool", self._count, numel, dtype)
-            self.ledger.alloc(handle, COMMUNICATION, numel * dtype.itemsize)
-        return handle
-
-    def give(self, handle: tuple | None) -> None:
-        if handle is None:
-            return
-        _, _, numel, dtype = handle
-        if not self.push((numel, dtype), numel, handle):
-            self.ledger.free(handle)
-
-
 @dataclass
 class _Group:
     layout: GroupLayout
@@ -164,6 +92,36 @@ class _Group:
         return self.layout.after_forward.post_forward_size
 
 
+def allocate_model_states(ledger: ByteLedger, groups: list[_Group], s: RunSettings) -> int:
+    """Enter what a step holds throughout in ``ledger``: each group's shard and its
+    optimizer states (on the host with offload), the staging sets for states on disk, the
+    one shard paged in at a time for parameters on disk. The bytes kept in files."""
+    on_disk = 0  # trainable shard elements whose states live on disk
+    disk_param_bytes = paged_shard = 0  # params=True: on disk, largest paged in
+    for g in groups:
+        shard = g.layout.shard_numel * s.param_dtype.itemsize \
+            + round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))
+        if s.params_on_disk:  # Note [parameters on disk]: resident while copied in
+            disk_param_bytes += shard
+            paged_shard = max(paged_shard, shard)
+        else:
+            ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
+        trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
+        if s.states_on_disk:
+            on_disk += trainable
+            continue
+        ledger.alloc(("states", g.index), OPTIMIZER,
+                     s.optimizer_states * trainable * s.param_dtype.itemsize, s.offload)
+    if s.states_on_disk and on_disk and s.optimizer_states:
+        # Note [optimizer states on disk]: three staging sets of one chunk each
+        chunk = min(round_up(s.states_on_disk), round_up(on_disk))
+        ledger.alloc("disk staging", OPTIMIZER,
+                     3 * chunk * s.optimizer_states * s.param_dtype.itemsize, True)
+    if paged_shard:  # one unit's shard paged in at a time, counted throughout
+        ledger.alloc("paged shard", SHARDED_PARAMS, paged_shard, True)
+    return on_disk * s.optimizer_states * s.param_dtype.itemsize + disk_param_bytes
+
+
 class Replay:
     """One fullshard training step as byte counts (see the module note)."""
 
@@ -171,8 +129,8 @@ class Replay:
                  unit_names: list[str]):
         self.settings = settings
         self.trace = trace
-        self.ledger = _Ledger()
-        self.pool = _Pool(self.ledger, settings.pool_max_numel)
+        self.ledger = ByteLedger()
+        self.pool = BytePool(self.ledger, settings.pool_max_numel)
         self.groups = [_Group(g, i) for i, g in enumerate(groups)]
         self.group_of_unit = {u: g for g in self.groups for u in g.layout.units}
         self.group_of_param = {p.key: g for g in self.groups for p in g.layout.trainable}
@@ -181,39 +139,11 @@ class Replay:
         self.peaks: dict[str, Peak] = {}
         self.activations = 0
         self.phase = "forward"
-        self._pending: tuple | None = None
+        self.reductions = ReductionReplay(settings, self.ledger, self.pool, self._sample,
+                                          self._sample_with)
         self._reduced: set[int] = set()
         self._forward_done: set[int] = set()
-        self._allocate_model_states()
-
-    # -- steady state -----------------------------------------------------------------
-    def _allocate_model_states(self) -> None:
-        s = self.settings
-        self.on_disk = 0  # trainable shard elements whose states live on disk
-        self.disk_param_bytes = self.paged_shard = 0  # params=True: on disk, largest paged in
-        for g in self.groups:
-            shard = g.layout.shard_numel * s.param_dtype.itemsize \
-                + round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))
-            if s.params_on_disk:  # Note [parameters on disk]: resident while copied in
-                self.disk_param_bytes += shard
-                self.paged_shard = max(self.paged_shard, shard)
-            else:
-                self.ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
-            trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
-            if s.states_on_disk:
-                self.on_disk += trainable
-                continue
-            self.ledger.alloc(("states", g.index), OPTIMIZER,
-                              s.optimizer_states * trainable * s.param_dtype.itemsize, s.offload)
-        if s.states_on_disk and self.on_disk and s.optimizer_states:
-            # Note [optimizer states on disk]: three staging sets of one chunk each
-            chunk = min(_round_up(s.states_on_disk), _round_up(self.on_disk))
-            self.ledger.alloc("disk staging", OPTIMIZER,
-                              3 * chunk * s.optimizer_states * s.param_dtype.itemsize, True)
-        if self.paged_shard:  # one unit's shard paged in at a time, counted throughout
-            self.ledger.alloc("paged shard", SHARDED_PARAMS, self.paged_shard, True)
-        self.disk_bytes = self.on_disk * s.optimizer_states * s.param_dtype.itemsize \
-            + self.disk_param_bytes
+        self.disk_bytes = allocate_model_states(self.ledger, self.groups, settings)
 
     def run(self, steps: int = 2) -> dict[str, Peak]:
         """Replay ``steps`` steps; the peaks of the last one (pools warmed up)."""
@@ -261,7 +191,7 @@ class Replay:
     def _on_pre_forward(self, unit: int) -> None:
         group = self.group_of_unit.get(unit)
         if unit == self.root_unit:
-            self._finish_pending_reduce()
+            self.reductions.finish()
             for g in self.groups:
                 if g.state != "sharded":
                     self._reshard(g)
@@ -322,77 +252,16 @@ class Replay:
         for g in sorted(self.groups, key=lambda g: first[g.index]):
             if g.index not in self._reduced:
                 self._post_backward(g)
-        self._finish_pending_reduce()
+        self.reductions.finish()
         for g in self.groups:
             self._reshard(g)
         self._reduced.clear()
 
     def _post_backward(self, group: _Group) -> None:
-        self._finish_pending_reduce()  # at most one reduction in flight
+        self.reductions.finish()  # at most one reduction in flight
         self._reshard(group)  # before the reduction allocates its buffers
-        self._pending = self._reduce(group)
+        self.reductions.start(group)
         self._reduced.add(group.index)
-
-    # -- reducing (GradReduction.reduce, PendingReduce.finish) -------------------------------
-    def _reduce(self, group: _Group) -> tuple | None:
-        s, layout = self.settings, group.layout
-        if not layout.trainable:
-            return None
-        w, numel = layout.shard_size, layout.reduce_numel
-        full = self.pool.take(w * numel, s.reduce_dtype)
-        self._sample()  # the unsharded gradients are copied into ``full``, then freed
-        for p in layout.trainable:
-            if self.ledger.holds(("ugrad", p.key)):
-                self.ledger.free(("ugrad", p.key))
-        self._grad_destination(group)
-        plan = self._reduce_plan(group)
-        if plan.all_reduce:  # all-reduced in ``full``, then copied over
-            self._sample()
-            return group, full, None, None
-        quantized = s.quantize_grads and w > 1  # Note [quantized communication]
-        scratch = self.pool.take(w * numel, s.reduce_dtype) \
-            if plan.scratch and not quantized else None
-        out = None
-        if plan.output:
-            out = ("out", group.index)
-            self.ledger.alloc(out, COMMUNICATION, numel * s.reduce_dtype.itemsize)
-        if quantized:  # int8 chunks to send and as many received, until the sum
-            per_rank = wire_bytes(numel - len(layout.trainable), s.quantize_grads) \
-                + 4 * len(layout.trainable)
-            self.ledger.alloc(("q_reduce", group.index), COMMUNICATION, 2 * w * per_rank)
-        self._sample()
-        return group, full, scratch, out
-
-    def _grad_destination(self, group: _Group) -> None:
-        """Note [persistent sharded gradients]: small groups keep one gradient buffer,
-        allocated by their first reduction; larger ones get fresh gradients."""
-        s, numel = self.settings, group.layout.reduce_numel
-        group.persistent_grads = self.pool.keeps(numel)
-        if not self.ledger.holds(("grad", group.index)):
-            self.ledger.alloc(("grad", group.index), GRADIENTS,
-                              numel * s.param_dtype.itemsize, s.offload)
-
-    def _reduce_plan(self, group: _Group) -> ReducePlan:
-        s = self.settings
-        return reduce_plan(shard_size=group.layout.shard_size, replicated=s.replicated,
-                           backend=s.backend, reduce_dtype=s.reduce_dtype,
-                           compute_device=s.device, grad_dtype=s.param_dtype,
-                           grad_device=s.shard_device)
-
-    def _finish_pending_reduce(self) -> None:
-        if self._pending is None:
-            return
-        group, full, scratch, out = self._pending
-        self._pending = None
-        if self.ledger.holds(("q_reduce", group.index)):  # fp32 sum, a pass of rows
-            numel = group.layout.reduce_numel
-            self._sample_with((1 + min(ROWS_PER_PASS, group.layout.shard_size)) * numel * 4)
-        self.pool.give(full)
-        self.pool.give(scratch)
-        if out is not None:
-            self.ledger.free(out)
-        if self.ledger.holds(("q_reduce", group.index)):
-            self.ledger.free(("q_reduce", group.index))
 
     # -- gathering (ParamGroup.unshard, wait_unshard, reshard) -------------------------------
     def _unsharded_bytes(self, group: _Group) -> int:
