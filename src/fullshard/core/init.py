@@ -26,6 +26,7 @@ from . import arrival, divergence
 from .buckets import merge_small_units
 from .group import GroupState, ParamGroup, outside_inference_mode
 from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
+from .mesh_fit import check_units_fit_root
 from .torch_errors import FullyShardArgumentError, torch_first
 from .param import ParamRef, ShardedParam
 from .registry import SHARDED_ORIGINALS, is_sharded_param
@@ -338,6 +339,7 @@ def _class_name(module: nn.Module) -> str:
 def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
     """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
     merge small adjacent units into shared groups (core/buckets.py)."""
+    check_units_fit_root(unit, all_units)
     for u in all_units:
         if u.group is None:
             continue
