@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from catalogue import matches_documented, message_of
 from fullshard import checkpoint as ckpt
@@ -285,3 +285,24 @@ def test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes():
     for rank, messages in enumerate(run_distributed(_misfits, 4)):
         for code, message in messages.items():
             assert matches_documented(code, message), f"rank {rank} {code}: {message}"
+
+
+def _own_mesh_placement() -> str:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
+                                                                  ShardPlacementResult)
+    world, _ = _meshes(1, 2)
+    info = FSDPMeshInfo(world["ep"], shard_mesh_dim=0)
+    model = ExpertModel()
+    return message_of(lambda: fully_shard(
+        model.blocks[0], mesh=world["ep"],
+        shard_placement_fn=lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=info)))
+
+
+@pytest.mark.slow
+def test_a_placement_on_a_mesh_of_its_own_is_refused_naming_the_parameter():
+    # torch 2.13's per-parameter meshes (shard_placement_fn returning ShardPlacementResult)
+    fsdp_common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    if not hasattr(fsdp_common, "ShardPlacementResult"):
+        pytest.skip("this torch has no ShardPlacementResult")
+    for message in run_distributed(_own_mesh_placement, 2):
+        assert matches_documented("E212", message), message
