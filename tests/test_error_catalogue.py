@@ -722,6 +722,11 @@ _TESTED_ELSEWHERE = {
            "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
     "E34": "tests/test_train_reliability.py::"
            "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
+    **{code: "tests/test_expert_meshes.py::"
+              "test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes"
+       for code in ("E210", "E211")},  # world size 4, an (efsdp, ep) mesh
+    "E212": "tests/test_expert_meshes.py::"
+            "test_a_placement_on_a_mesh_of_its_own_is_refused_naming_the_parameter",
     # world size 4, a (dp, tp) mesh
     "E45": "tests/conformance/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",

@@ -92,6 +92,15 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def top_k_routing(router: nn.Module, tokens: torch.Tensor, top_k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mixtral's routing: the router's probabilities over experts, each token's ``top_k``
+    experts (``chosen``) and their probabilities renormalized over those k (``weights``)."""
+    probs = router(tokens).softmax(dim=-1)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    return probs, weights / weights.sum(dim=-1, keepdim=True), chosen
+
+
 class MoE(nn.Module):
     """A mixture of expert MLPs, Mixtral-style: each token goes to the ``top_k`` experts
     its router scores highest, weighted by their probabilities renormalized over those k.
@@ -109,9 +118,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = self.router(tokens).softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs, weights, chosen = top_k_routing(self.router, tokens, self.top_k)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
             token, slot = self._routed(chosen, e)

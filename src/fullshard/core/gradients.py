@@ -68,7 +68,8 @@ class PendingReduce:
                  pool: BufferPool, buffers: list[torch.Tensor | None], views: list | None,
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
                  options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None,
-                 copies: HostCopies | None = None, held: list[torch.Tensor] = ()):
+                 copies: HostCopies | None = None, held: list[torch.Tensor] = (),
+                 data_parallel_size: int = 1):
         self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
@@ -82,14 +83,18 @@ class PendingReduce:
         self._options = options
         self._partial = partial  # the group's sum kept by all_reduce=False
         self._copies = copies    # copies to offloaded (host) gradients, Note [streams and events]
+        # the ranks this group's gradients are summed over (its shard group times its
+        # replicas): the default divisor. A unit on a sub-mesh (experts on their own mesh)
+        # divides by its own mesh's size, not its root's, as torch's FSDP2 does.
+        self._data_parallel_size = data_parallel_size
 
-    def finish(self, world_size: int, patience=None) -> "UnknownPresence | None":
+    def finish(self, patience=None) -> "UnknownPresence | None":
         """Average the reduction into the sharded ``.grad``s; what is returned (when some
         parameter lacked a gradient here) says which may have had none anywhere."""
         with traced("finish_reduce", self.unit_name):
-            return self._finish(world_size, patience)
+            return self._finish(patience)
 
-    def _finish(self, world_size: int, patience) -> "UnknownPresence | None":
+    def _finish(self, patience) -> "UnknownPresence | None":
         out = self.pending.wait(f"gradient reduction of {self.unit_name}", patience)
         options = self._options
         if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
@@ -100,7 +105,7 @@ class PendingReduce:
             self._partial.add_into(out)
             all_reduce_sum(out, self._replicate_pg,
                            what=f"gradient all-reduce across replicas of {self.unit_name}")
-        divisor = options.divide_factor or world_size
+        divisor = options.divide_factor or self._data_parallel_size
         grads = out[:out.numel() - reduce_tail(len(self.params))]  # without flags and digest
         if options.hook is not None and options.force_sum:
             options.hook(grads)
@@ -290,7 +295,8 @@ class GradReduction:
         # whether it all-reduces across replicas after the collective differ
         pending_reduce = functools.partial(
             PendingReduce, g.unit_name, trainable, had_grad, pool=g.pool, views=views,
-            dest=dest, options=options, copies=g.copies)
+            dest=dest, options=options, copies=g.copies,
+            data_parallel_size=w * (g.replicate_pg.size() if g.replicate_pg is not None else 1))
         across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
         if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it

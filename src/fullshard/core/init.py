@@ -26,6 +26,7 @@ from . import arrival, divergence
 from .buckets import merge_small_units
 from .group import GroupState, ParamGroup, outside_inference_mode
 from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
+from .mesh_fit import check_units_fit_root
 from .torch_errors import FullyShardArgumentError, torch_first
 from .param import ParamRef, ShardedParam
 from .registry import SHARDED_ORIGINALS, is_sharded_param
@@ -149,6 +150,13 @@ def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
         if placement is None:
             continue
         ndim = p.to_local().dim() if isinstance(p, DTensor) else p.dim()
+        if hasattr(placement, "mesh_info"):  # torch 2.13's ShardPlacementResult
+            raise NotImplementedError(
+                f"fully_shard({label}): shard_placement_fn returned "
+                f"{type(placement).__name__} for parameter '{refs[0].fqn}', a mesh of its "
+                "own; fullshard shards each fully_shard call over one mesh. Shard the "
+                "module holding such parameters by itself first, fully_shard(module, "
+                "mesh=...), then its parent; return Shard(dim) or None here.")
         if not isinstance(placement, Shard):
             raise FullyShardArgumentError(torch_first(
                 f"Expected Shard, got {type(placement)}: {placement}",
@@ -338,6 +346,7 @@ def _class_name(module: nn.Module) -> str:
 def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
     """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
     merge small adjacent units into shared groups (core/buckets.py)."""
+    check_units_fit_root(unit, all_units)
     for u in all_units:
         if u.group is None:
             continue

@@ -236,7 +236,7 @@ class RootState:
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
-            unknown = pending.finish(self.unit.mesh.size(), self.patience)
+            unknown = pending.finish(self.patience)
             if unknown is not None:
                 self.unknown_presence.append(unknown)
 
