@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from .exchange import (Item, agree, by_group, comm_device, exchange, numel, rows, same_bits,
+from .exchange import (Item, agree, all_to_all, by_group, comm_device, numel, rows, same_bits,
                        shard_group)
 from .kept import Kept, describe, forget, kept_for
 
@@ -230,7 +230,7 @@ def _gather_group(opt, step: WholeStep, group_items: list[Item]) -> None:
     receive = [sum((1 + changed + len(names)) * numel(item, r)
                    for item, changed, _, names in plan if item.owner == me)
                for r in range(world)]
-    got = exchange(pg, sends, receive, ref.dtype, device)
+    got = all_to_all(pg, sends, receive, ref.dtype, device)
     offsets = [0] * world
     for item, changed, present, names in plan:
         if item.owner != me:
@@ -278,7 +278,7 @@ def _return_group(step: WholeStep, group_items: list[Item],
                 sends[r].append(value.detach().narrow(0, first, count))
     receive = [sum(numel(item, me) for item in group_items if item.owner == r)
                for r in range(world)]
-    got = exchange(pg, sends, receive, ref.dtype, comm_device(pg, ref))
+    got = all_to_all(pg, sends, receive, ref.dtype, comm_device(pg, ref))
     if got and got[0].device != ref.device:  # kept beside the shards, to compare there
         got = [g.to(ref.device) for g in got]
     offsets = [0] * world

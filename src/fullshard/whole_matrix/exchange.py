@@ -53,7 +53,7 @@ def comm_device(pg: dist.ProcessGroup, ref: torch.Tensor) -> torch.device:
     return ref.device
 
 
-def exchange(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_numel: list[int],
+def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_numel: list[int],
              dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """All-to-all of ``sends[r]`` (flattened, concatenated) to each rank r; returns what each
     rank sent here, flat, on ``device``."""

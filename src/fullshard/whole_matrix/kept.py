@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .exchange import Item, by_group, comm_device, exchange, numel, rows
+from .exchange import Item, all_to_all, by_group, comm_device, numel, rows
 
 
 class Kept:
@@ -93,7 +93,7 @@ def _release_group(opt, kept: Kept, group_items: list[Item]) -> None:
             sends[r].extend(state[k].narrow(0, first, count) for k in names)
     receive = [sum(len(names) * numel(item, me) for item, (names, _) in zip(group_items, described)
                    if item.owner == r) for r in range(world)]
-    got = exchange(pg, sends, receive, ref.dtype, comm_device(pg, ref))
+    got = all_to_all(pg, sends, receive, ref.dtype, comm_device(pg, ref))
     offsets = [0] * world
     for item, (names, scalars) in zip(group_items, described):
         p, n = item.param, numel(item, me)
