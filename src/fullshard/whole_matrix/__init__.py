@@ -9,8 +9,8 @@ instead steps every such parameter whole, once, on one rank, and moves per step 
 what that needs:
 
 * Each parameter is owned by one rank of its shard group, chosen the same way on every
-  rank: greedily by the step's cost (rows x columns x the smaller of the two, the
-  Newton-Schulz matmuls), largest first, to the least loaded rank. Every sharded
+  rank: greedily by the step's cost (the Newton-Schulz matmuls, 2 m^2 n + m^3 for an
+  m x n matrix, m <= n), largest first, to the least loaded rank. Every sharded
   parameter the optimizer holds is placed, with a gradient this step or not, so owners
   stay put from step to step (they keep state, below) until ``param_groups`` change.
 * Before the step, one all-to-all per shard group sends every rank's rows of each
@@ -169,8 +169,11 @@ def _kept(opt: torch.optim.Optimizer, owners: list[list]) -> Kept:
 
 
 def _cost(shape: torch.Size) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on an m x n matrix (m <= n): the Gram
+    matrix and the product back, m x m x n each, and the Gram matrix squared, m^3."""
     rows_, cols = shape[0], max(1, shape.numel() // max(1, shape[0]))
-    return rows_ * cols * min(rows_, cols)
+    m, n = min(rows_, cols), max(rows_, cols)
+    return 2 * m * m * n + m ** 3
 
 
 def _check_supported(opt: torch.optim.Optimizer, sp) -> None:
