@@ -3,17 +3,19 @@
     OMP_NUM_THREADS=1 python benchmarks/whole_matrix.py --world-size 2
     OMP_NUM_THREADS=1 python benchmarks/whole_matrix.py --world-size 4 --steps 6
 
-Two copies of the W1 GPT (d=512, 8 layers, vocab 8192, batch 8 x 128 per rank) train side
-by side, steps interleaved: one with AdamW on every parameter, one with torch.optim.Muon on
-the hidden matrices and AdamW on the rest (the embeddings, norms and biases), as the Muon
-recipe does; fullshard steps each Muon matrix whole on one rank (Note [whole-matrix
-optimizers]). Reported: the median ``optimizer.step()`` time of each and their difference,
-split into the whole-matrix exchange (fullshard's two all-to-alls and the assembling of
-whole tensors; the second waits for the slowest owner's step) and the rest (the stock step: Newton-Schulz in bf16, which a CPU computes
-slowly whatever the sharding), the bytes the whole-matrix step sends per step (every
-rank's all-to-alls, summed) against the least a whole-matrix step can move (each matrix's
-gradient to one rank and its update back: 2 x (N-1)/N of the matrices), and rank 0's peak
-RSS.
+Two copies of the W1 GPT (d=512, 8 layers, vocab 8192, batch 8 x 128 per rank; or a
+smaller one: --d-model, --layers) train side by side, steps interleaved: one with AdamW on
+every parameter, one with torch.optim.Muon on the hidden matrices and AdamW on the rest
+(the embeddings, norms and biases), as the Muon recipe does; fullshard steps each Muon
+matrix whole on one rank (Note [whole-matrix optimizers]). Reported: the median
+``optimizer.step()`` time of each and their difference, split into the whole-matrix
+exchange (fullshard's agreement and two all-to-alls and the assembling of whole
+gradients; the second waits for the slowest owner's step) and the rest (the stock step:
+Newton-Schulz in bf16, which a CPU computes slowly whatever the sharding); the bytes the
+whole-matrix step sends per step (every rank's all-to-alls and agreements, summed; the
+first step apart, which also brings every parameter to its owner) against the least a
+whole-matrix step can move (each matrix's gradient to one rank and its update back:
+2 x (N-1)/N of the matrices); and rank 0's peak RSS.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
         print(f"| {kind} | {t * 1e3:.1f} |")
     ex = out["exchange_s"]
     print(f"\nMuon's step over AdamW's: +{(med['muon'] - med['adamw']) * 1e3:.1f} ms "
-          f"({med['muon'] / med['adamw']:.2f}x). On rank 0: gathering whole matrices "
+          f"({med['muon'] / med['adamw']:.2f}x). On rank 0: sending the gradients to the owners "
           f"{ex['before'] * 1e3:.1f} ms; sending the updates back "
           f"{ex['after'] * 1e3:.1f} ms, which includes waiting for the slowest owner's "
           f"stock step; the rest is rank 0's own stock step (Newton-Schulz in bf16)")
