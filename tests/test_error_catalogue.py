@@ -712,6 +712,8 @@ _TESTED_ELSEWHERE = {
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E151": "tests/test_whole_matrix.py::"
             "test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
+    "E225": "tests/test_whole_matrix_state.py::"
+            "test_states_loaded_on_some_ranks_only_are_refused_on_every_rank",
     "E150": "tests/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",

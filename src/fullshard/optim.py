@@ -15,7 +15,7 @@ DTensors. Outside ``step()`` the optimizer sees DTensors, as in FSDP2.
 
 Optimizers that need whole matrices (``torch.optim.Muon``, or any class declared with
 ``register_whole_matrix_optimizer``) step each parameter whole on one rank (Note
-[whole-matrix optimizers] in whole_matrix.py). Other optimizers that reduce over a
+[whole-matrix optimizers] in whole_matrix/__init__.py). Other optimizers that reduce over a
 whole parameter (LAMB/LARS trust ratios, any subclass) are left alone: they keep the
 DTensor path. torch optimizers whose implementation fails on DTensor shards (SparseAdam,
 LBFGS over an unevenly sharded parameter) are refused at their first step, naming the

@@ -110,8 +110,9 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         activation_checkpointing: every unit but the root recomputes its forward.
         batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
         optimizer: adamw, adam, muon, sgd, sgd-momentum, adagrad or rmsprop (muon: its one
-            state on every parameter, and the whole matrices its step assembles, Note
-            [whole-matrix optimizers]).
+            state on every parameter, the owners' whole copies and each rank's rows as
+            last written, and the whole gradients its step assembles, Note [whole-matrix
+            optimizers]).
         device: ``cuda`` (NCCL; figures comparable to torch.cuda.max_memory_allocated)
             or ``cpu`` (gloo; figures comparable to peak RSS).
         bucket_numel: fullshard's small-unit merging threshold (set_bucket_numel).

@@ -112,6 +112,11 @@ def allocate_model_states(ledger: ByteLedger, groups: list[_Group], s: RunSettin
             continue
         ledger.alloc(("states", g.index), OPTIMIZER,
                      s.optimizer_states * trainable * s.param_dtype.itemsize, s.offload)
+        if s.whole_matrix and trainable:
+            # Note [whole-matrix optimizers]: the owners' whole copies of the
+            # parameters (about 1/N of them each) and each rank's rows as last written
+            ledger.alloc(("whole copies", g.index), OPTIMIZER,
+                         2 * trainable * s.param_dtype.itemsize, s.offload)
     if s.states_on_disk and on_disk and s.optimizer_states:
         # Note [optimizer states on disk]: three staging sets of one chunk each
         chunk = min(round_up(s.states_on_disk), round_up(on_disk))
@@ -399,9 +404,10 @@ class Replay:
         shards = [p.shard_numel(g.layout.shard_size) * s.param_dtype.itemsize
                   for g in self.groups for p in g.layout.trainable]
         if s.whole_matrix and shards and not s.offload:
-            # Note [whole-matrix optimizers]: what arrived and the whole tensors assembled
-            # from it, each (1 + 1 + states) shards' worth (a rank owns about 1/N of them)
-            temporaries = 2 * (2 + s.optimizer_states) * sum(shards)
+            # Note [whole-matrix optimizers]: the gradients' rows in flight, then what
+            # arrived and the owned whole gradients (a rank owns about 1/N of them); the
+            # return's send beside its receive alike
+            temporaries = 2 * sum(shards)
         elif s.offload or not shards or not s.optimizer_states:
             temporaries = 0  # offloaded: the step runs on the host
         elif s.foreach_optimizer:

@@ -1,0 +1,97 @@
+"""The collectives of a whole-matrix step (Note [whole-matrix optimizers]): where each
+parameter's rows live, one all-to-all of flat pieces per shard group, and the small
+agreement on what has to travel."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from ..core.param import ShardLayout
+
+
+class Item(NamedTuple):
+    """One sharded parameter of the optimizer and the rank that steps it whole."""
+    param: DTensor
+    sp: object               # its ShardedParam
+    pg: dist.ProcessGroup    # its shard group
+    owner: int               # the rank (within ``pg``) that steps it whole
+
+
+def shard_group(p: DTensor) -> dist.ProcessGroup:
+    dim = next(i for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+    return p.device_mesh.get_group(dim)
+
+
+def rows(item: Item, rank: int) -> tuple[int, int]:
+    """(first row, rows) of the parameter on ``rank`` of its shard group."""
+    lay = ShardLayout.of(item.sp.layout.shape, rank, item.sp.world_size, 0)
+    return min(rank * lay.rows_per_rank, lay.shape[0]), lay.valid_rows
+
+
+def numel(item: Item, rank: int) -> int:
+    """Elements of the parameter's rows on ``rank``."""
+    return rows(item, rank)[1] * item.sp.layout.row_numel
+
+
+def by_group(items: list[Item]) -> list[list[Item]]:
+    """The items split by shard group, each list in the items' order."""
+    groups: dict[int, list[Item]] = {}
+    for item in items:
+        groups.setdefault(id(item.pg), []).append(item)
+    return list(groups.values())
+
+
+def comm_device(pg: dist.ProcessGroup, ref: torch.Tensor) -> torch.device:
+    """Where the collectives run: the mesh's device (an offloaded shard is copied there)."""
+    backend = str(dist.get_backend(pg))
+    if "nccl" in backend and ref.device.type == "cpu":
+        return torch.device("cuda", torch.cuda.current_device())
+    return ref.device
+
+
+def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_numel: list[int],
+             dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """All-to-all of ``sends[r]`` (flattened, concatenated) to each rank r; returns what each
+    rank sent here, flat, on ``device``."""
+    send_numel = [sum(t.numel() for t in pieces) for pieces in sends]
+    send = torch.empty(sum(send_numel), dtype=dtype, device=device)
+    offset = 0
+    for t in (t for pieces in sends for t in pieces):  # one copy in, no intermediate cat
+        send[offset:offset + t.numel()].view_as(t).copy_(t)
+        offset += t.numel()
+    received = torch.empty(sum(receive_numel), dtype=dtype, device=device)
+    if pg.size() == 1:
+        received.copy_(send)
+    else:
+        dist.all_to_all_single(received, send, receive_numel, send_numel, group=pg)
+    del send  # freed before the caller assembles whole tensors from what arrived
+    return list(torch.split(received, receive_numel))
+
+
+def agree(pg: dist.ProcessGroup, local: list[list[int]], device: torch.device) -> list[tuple]:
+    """Each rank's small integers per item (a row of ``local`` each), reduced over the shard
+    group to (the largest, the smallest) of each: one all-reduce of a few bytes per item,
+    so that every rank decides alike what the step's all-to-alls carry."""
+    if not local:
+        return []
+    mine = torch.tensor(local, dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine], dim=1)
+    if pg.size() > 1:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+    width = mine.shape[1]
+    return [(tuple(row[:width]), tuple(-v for v in row[width:])) for row in both.tolist()]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (``torch.equal`` takes -0.0 for 0.0 and a NaN
+    for unequal to itself; a whole-matrix step must see exactly the values its shards hold)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(bits), b.view(bits))
+    return torch.equal(a, b)
