@@ -12,16 +12,11 @@ from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import full_value
 from catalogue import matches_documented
+from whole_matrix_runs import max_diff, mlp_blocks, shard_blocks, train_steps
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
 
 STEPS = 4
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)  # 37 rows: uneven shards at 2, 3 and 4 ranks
-    return nn.Sequential(*[nn.Sequential(nn.Linear(24, 37), nn.ReLU(), nn.Linear(37, 24))
-                           for _ in range(3)])
 
 
 def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
@@ -31,38 +26,6 @@ def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
             torch.optim.AdamW(others, lr=1e-3)]
 
 
-def _batches(step: int, world: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return [torch.randn(4, 24, generator=gen) for _ in range(world)]
-
-
-def _shard(model: nn.Module, **kwargs) -> nn.Module:
-    for block in model:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def _train(model, opts, steps, rank, world, first=0, micro_batches=1, sharded=True):
-    for step in range(first, first + steps):
-        for micro in range(micro_batches):
-            xs = _batches(step * micro_batches + micro, world)
-            if sharded:
-                if micro_batches > 1:
-                    model.set_requires_gradient_sync(micro == micro_batches - 1)
-                model(xs[rank]).square().mean().backward()
-            else:
-                (sum(model(x).square().mean() for x in xs) / world).backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-
-
-def _max_diff(model, reference) -> float:
-    return max((full_value(p.detach()) - q.detach()).abs().max().item()
-               for p, q in zip(model.parameters(), reference.parameters()))
-
-
 def _parity(**kwargs) -> dict:
     """Two references: one process given the sharded run's reduced gradients, stepped by
     the stock optimizers (the step itself: exactly equal), and one process training on
@@ -70,19 +33,19 @@ def _parity(**kwargs) -> dict:
     Muon's bf16 Newton-Schulz turns into ~1e-3 relative differences)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = kwargs.pop("micro_batches", 1)
-    model = _shard(_model(), **kwargs)
-    same_grads, one_process = _model(), _model()
+    model = shard_blocks(mlp_blocks(), **kwargs)
+    same_grads, one_process = mlp_blocks(), mlp_blocks()
     opts = [_optimizers(m) for m in (model, same_grads, one_process)]
     for step in range(STEPS):
-        _train(model, [], 1, rank, world, first=step, micro_batches=micro)
-        _train(one_process, [], 1, rank, world, first=step, micro_batches=micro,
+        train_steps(model, [], 1, rank, world, first=step, micro_batches=micro)
+        train_steps(one_process, [], 1, rank, world, first=step, micro_batches=micro,
                sharded=False)
         for p, q in zip(model.parameters(), same_grads.parameters()):
             q.grad = full_value(p.grad) if p.grad is not None else None
         for opt in [o for group in opts for o in group]:
             opt.step()
             opt.zero_grad()
-    return {"step": _max_diff(model, same_grads), "end to end": _relative(model, one_process)}
+    return {"step": max_diff(model, same_grads), "end to end": _relative(model, one_process)}
 
 
 def _relative(model, reference) -> float:
@@ -115,21 +78,21 @@ def _resume(directory: str) -> float:
     fresh model and optimizers, train on: the same as training straight through."""
     from fullshard import checkpoint
     rank, world = dist.get_rank(), dist.get_world_size()
-    straight = _shard(_model())
+    straight = shard_blocks(mlp_blocks())
     straight_opts = _optimizers(straight)
-    _train(straight, straight_opts, 4, rank, world)
-    model = _shard(_model())
+    train_steps(straight, straight_opts, 4, rank, world)
+    model = shard_blocks(mlp_blocks())
     opts = _optimizers(model)
-    _train(model, opts, 2, rank, world)
+    train_steps(model, opts, 2, rank, world)
     checkpoint.save(directory, model, opts[0])
     # the owners' momentum handed back in torch's layout, one DTensor shard per parameter
     assert all(isinstance(s["momentum_buffer"], torch.distributed.tensor.DTensor)
                for s in opts[0].state.values())
-    resumed = _shard(_model())
+    resumed = shard_blocks(mlp_blocks())
     resumed_opts = _optimizers(resumed)
     checkpoint.load(directory, resumed, resumed_opts[0])
     resumed_opts[1].load_state_dict(opts[1].state_dict())
-    _train(resumed, resumed_opts, 2, rank, world, first=2)
+    train_steps(resumed, resumed_opts, 2, rank, world, first=2)
     return max((full_value(a.detach()) - full_value(b.detach())).abs().max().item()
                for a, b in zip(resumed.parameters(), straight.parameters()))
 
@@ -161,15 +124,15 @@ def _registered() -> float:
     from fullshard import register_whole_matrix_optimizer
     register_whole_matrix_optimizer(_NormalizedSGD)
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference, model = _model(), _shard(_model())
+    reference, model = mlp_blocks(), shard_blocks(mlp_blocks())
     opts = [_NormalizedSGD(model.parameters(), 0.01)]
-    _train(model, opts, STEPS, rank, world)
-    _train(reference, [_NormalizedSGD(reference.parameters(), 0.01)], STEPS, rank, world,
+    train_steps(model, opts, STEPS, rank, world)
+    train_steps(reference, [_NormalizedSGD(reference.parameters(), 0.01)], STEPS, rank, world,
            sharded=False)
     # kept by the owners between steps, on every rank in the state dict
     steps = [s["steps"] for s in opts[0].state_dict()["state"].values()]
     assert steps == [STEPS] * len(list(model.parameters())), steps
-    return _max_diff(model, reference)
+    return max_diff(model, reference)
 
 
 @pytest.mark.slow
@@ -185,7 +148,7 @@ def _misuse(directory: str) -> dict:
     for name, kwargs in {"shard on dim 1": {"shard_placement_fn": on_dim_1},
                          "states on disk": {"offload_policy": DiskOffloadPolicy(path=directory)}
                          }.items():
-        model = _model()
+        model = mlp_blocks()
         for block in model:
             fully_shard(block, **kwargs)
         fully_shard(model)
@@ -214,16 +177,16 @@ def _adafactor() -> float:
     columns: stepped whole, exactly the stock step on the same gradients; its factored
     states are replicated on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, same_grads = _shard(_model()), _model()
+    model, same_grads = shard_blocks(mlp_blocks()), mlp_blocks()
     opts = [torch.optim.Adafactor(m.parameters(), lr=0.01) for m in (model, same_grads)]
     for step in range(STEPS):
-        _train(model, [], 1, rank, world, first=step)
+        train_steps(model, [], 1, rank, world, first=step)
         for p, q in zip(model.parameters(), same_grads.parameters()):
             q.grad = full_value(p.grad)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    return _max_diff(model, same_grads)
+    return max_diff(model, same_grads)
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")

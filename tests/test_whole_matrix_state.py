@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import full_value
 from catalogue import matches_documented
-from test_whole_matrix import _max_diff, _model, _shard, _train
+from whole_matrix_runs import max_diff, mlp_blocks, shard_blocks, train_steps
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
 
@@ -33,14 +33,14 @@ class _Pair:
     """A sharded model and one process's copy stepped on the sharded run's gradients."""
 
     def __init__(self):
-        self.model, self.reference = _shard(_model()), _model()
+        self.model, self.reference = shard_blocks(mlp_blocks()), mlp_blocks()
         self.opts, self.ref_opts = _muon(self.model), _muon(self.reference)
         self.step_no = 0
 
     def step(self, sent: list | None = None) -> float:
         """One step of both; ``sent`` gets the bytes the optimizer steps send."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        _train(self.model, [], 1, rank, world, first=self.step_no)
+        train_steps(self.model, [], 1, rank, world, first=self.step_no)
         self.step_no += 1
         for p, q in zip(self.model.parameters(), self.reference.parameters()):
             q.grad = full_value(p.grad) if p.grad is not None else None
@@ -49,7 +49,7 @@ class _Pair:
             sent.append(counted)
         for opt in self.opts + self.ref_opts:
             opt.zero_grad()
-        return _max_diff(self.model, self.reference)
+        return max_diff(self.model, self.reference)
 
     def matrices(self) -> list:
         return [p for p in self.model.parameters() if p.ndim == 2]
@@ -150,7 +150,7 @@ def _resume(directory: str) -> list[float]:
     one = torch.load(os.path.join(directory, "one.pt"))
     pair.reference.load_state_dict(one["model"])
     pair.ref_opts[0].load_state_dict(one["muon"])
-    return [_max_diff(pair.model, pair.reference)] + [pair.step() for _ in range(2)]
+    return [max_diff(pair.model, pair.reference)] + [pair.step() for _ in range(2)]
 
 
 @pytest.mark.slow
@@ -177,3 +177,24 @@ def test_states_loaded_on_some_ranks_only_are_refused_on_every_rank():
     for text in run_distributed(_loaded_on_one_rank, 2):
         assert "on some ranks of its shard group than on others" in text, text
         assert matches_documented("E225", f"RuntimeError: {text}"), text
+
+
+def _state_dict_on_rank0_only() -> str:
+    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "3"
+    pair = _Pair()
+    pair.step()  # the owners hold the momentum now
+    if dist.get_rank() == 0:
+        try:
+            pair.opts[0].state_dict()
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            return f"{type(err).__name__}: {err}"
+        return "no error"
+    return "not called"
+
+
+@pytest.mark.slow
+def test_state_dict_on_some_ranks_only_is_refused_not_a_hang():
+    text, peer = run_distributed(_state_dict_on_rank0_only, 2, timeout=120)
+    assert peer == "not called"
+    assert text.startswith("CollectiveError: fullshard: Muon.state_dict()"), text
+    assert "call it on every rank" in text, text

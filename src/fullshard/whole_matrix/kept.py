@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..core.arrival import every_rank_arrives
 from .exchange import Item, all_to_all, by_group, comm_device, numel, rows
 
 
@@ -46,7 +47,7 @@ def kept_for(opt: torch.optim.Optimizer, items: list[Item], signature: tuple) ->
     """The optimizer's Kept for this assignment. A new assignment (``param_groups``
     changed) first hands the states held under the old one back to ``opt.state``."""
     if opt not in _HOOKED:
-        opt.register_state_dict_pre_hook(release)
+        opt.register_state_dict_pre_hook(_release_for_state_dict)
         opt.register_load_state_dict_pre_hook(_discard)
         _HOOKED.add(opt)
     kept = _KEPT.get(opt)
@@ -55,6 +56,17 @@ def kept_for(opt: torch.optim.Optimizer, items: list[Item], signature: tuple) ->
             release(opt)
         kept = _KEPT[opt] = Kept(items, signature)
     return kept
+
+
+def _release_for_state_dict(opt: torch.optim.Optimizer) -> None:
+    """``state_dict()``'s pre-hook: handing the states back is a collective, so a call on
+    some ranks only (``if rank == 0: opt.state_dict()``) is refused after the arrival
+    timeout instead of waiting forever (Note [every rank arrives])."""
+    kept = _KEPT.get(opt)
+    if kept is not None and kept.held and dist.is_initialized():
+        every_rank_arrives(f"{type(opt).__name__}.state_dict() (its states are held by "
+                           "the ranks that own its matrices)")
+    release(opt)
 
 
 def release(opt: torch.optim.Optimizer) -> None:
