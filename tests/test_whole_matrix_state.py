@@ -115,6 +115,7 @@ def _bytes_and_state() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_owners_keep_states_and_parameters_and_a_step_moves_the_least():
     out = run_distributed(_bytes_and_state, 3)[0]
     assert out["diffs"] == [0.0] * 6, out["diffs"]
@@ -154,6 +155,7 @@ def _resume(directory: str) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_owner_kept_states_resume_at_another_world_size(tmp_path):
     assert run_distributed(_save, 2, str(tmp_path)) == [0.0, 0.0]
     for diffs in run_distributed(_resume, 3, str(tmp_path)):
