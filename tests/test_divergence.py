@@ -233,3 +233,57 @@ def _unused_model_alive_on_one_rank():
 def test_a_model_alive_on_some_ranks_only_is_not_checked_at_the_step():
     first, second = run_distributed(_unused_model_alive_on_one_rank, 2, timeout=120)
     assert first == second
+
+
+# -- models sharing the guard's exchange (Note [models sharing the guard's exchange]) ------
+def _student_waits_while_its_peer_is_late(late: bool):
+    """Distillation on 2 ranks: the student (one unit: one gather in its forward) with
+    grad, then a smaller teacher without. ``late``: rank 1 comes to the student's gather a
+    second late; rank 0 stalls in it (slices of 0.3 s), then rank 1 gathers the student
+    and stalls in the teacher's first gather, which rank 0 (in its stalled exchange) has
+    not issued yet: a stalled record of the student meets one of the teacher."""
+    import time
+
+    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "3"
+    torch.manual_seed(0)
+    student = fully_shard(GPT(CFG))
+    torch.manual_seed(1)
+    teacher = GPT(GPTConfig(vocab_size=40, seq_len=8, d_model=32, n_layers=1, n_heads=2))
+    fully_shard(teacher.layers[0])
+    fully_shard(teacher)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    losses = []
+    for step in range(2):
+        if late and step == 1 and dist.get_rank() == 1:
+            time.sleep(1.0)
+        logits = student(x)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = lm_loss(logits, y) + (logits.log_softmax(-1) * target).sum(-1).mean().neg()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_rank_stalled_in_one_model_while_its_peer_stalls_in_another_is_not_a_divergence():
+    on_time = run_distributed(_student_waits_while_its_peer_is_late, 2, False, timeout=120)
+    late = run_distributed(_student_waits_while_its_peer_is_late, 2, True, timeout=120)
+    assert late == on_time
+
+
+def test_a_peer_at_another_models_check_behind_a_stalled_rank_is_named():
+    from fullshard.core.divergence import ELSEWHERE, STALLED, _Record, first_difference
+    from fullshard.core.ledger import FORWARD_WITH_GRAD, Entry
+
+    entry = Entry(1, FORWARD_WITH_GRAD, 0, 0, 0)
+    entries = {7: (123, tuple(entry))}
+    stalled = _Record(STALLED, -1, 7, 6, entries, {}, 0)  # waits in the model's entry #7
+    at_other = _Record(ELSEWHERE, -1, 6, 6, {}, {}, 0)    # never issued it
+    problem = first_difference([stalled, at_other], lambda e: "the all-gather of 'GPT'")
+    assert problem is not None and problem.count == 7, problem
+    assert problem.what[1] == "went on to another sharded model's check after entry #6"
+    assert first_difference([stalled, at_other._replace(count=7, entries=entries)],
+                            lambda e: "") is None  # it did issue it: consistent

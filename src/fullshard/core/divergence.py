@@ -57,6 +57,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -68,8 +69,9 @@ from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD,
 from .schedule import DIGEST_NUMEL
 
 # Record kinds: a rank at a check (end of a phase, or before a collective in debug mode),
-# or a rank stalled inside a collective.
-CHECK, STALLED = 0, 1
+# a rank stalled inside a collective, or a rank at another model's check showing its
+# record of the model a peer is stalled in (Note [models sharing the guard's exchange]).
+CHECK, STALLED, ELSEWHERE = 0, 1, 2
 _FIELDS = 4  # kind, phase checked, count, digest
 
 
@@ -89,6 +91,21 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # its roots in the same order) and shared by later roots over the same ranks: a group per
 # root would leave sockets open for every model a process ever builds.
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+# Note [models sharing the guard's exchange]
+# Every root over one set of ranks posts to that set's one group, so a rank stalled in
+# one model's collective can meet a peer at another model's check (a student's gather
+# waiting while the peer, slower to arrive, ran it and went on to a teacher's forward
+# without grad). The two records are then of different ledgers, and comparing them would
+# report a divergence that is not there. Each guard has a serial, the order its root was
+# made in over those ranks (the same on every rank, as every rank builds its models in one
+# order); when a round holds a stalled record of another serial, the ranks exchange once
+# more, each its record of the stalled rank's model (``ELSEWHERE`` when it is at another
+# model's check), and compare those: a peer that already issued the collective the rank
+# waits in is consistent (the stalled rank waits on, the others check again); one that
+# never did, and now waits at another model's check, has diverged, and every rank says so.
+_SERIALS: dict[tuple[int, ...], int] = {}
+_LIVE: "weakref.WeakValueDictionary[tuple, Guard]" = weakref.WeakValueDictionary()
 
 
 def guarded(ranks: list[int]) -> bool:
@@ -144,6 +161,7 @@ class _Record(NamedTuple):
     agreed: int
     entries: dict[int, tuple[int, Entry]]
     names: dict[int, str]  # this rank's units, to name entries other ranks do not have
+    serial: int            # the guard's (Note [models sharing the guard's exchange])
 
 
 class Guard:
@@ -156,6 +174,10 @@ class Guard:
         self.ranks = ranks
         self.debug = debug
         self.group = _group_for(ranks)
+        key = tuple(ranks)
+        self.serial = _SERIALS.get(key, 0)
+        _SERIALS[key] = self.serial + 1
+        _LIVE[(key, self.serial)] = self
         self.limit_s = arrival.timeout_s()
         self.stall_slice = datetime.timedelta(seconds=self.limit_s / 10)
 
@@ -239,19 +261,47 @@ class Guard:
         if round_.kind == CHECK and bool((round_.rows.view(-1, _FIELDS) == round_.mine).all()):
             ledger.mark_agreed()
             return True
-        record = _Record(round_.kind, round_.phase, ledger.count, ledger.agreed,
-                         dict(ledger.entries), ledger.unit_names)
-        records: list = [None] * len(self.ranks)
-        self._gather(lambda: dist.all_gather_object(records, record, group=self.group),
-                     round_)
-        names = {code: name for r in records for code, name in r.names.items()}
-        problem = first_difference(records, lambda entry: ledger.describe(entry, names))
-        if problem is not None:
-            raise DivergenceError(self._message(problem))
+        records = self._exchange(self._record(round_.kind, round_.phase), round_)
+        stalled = sorted({r.serial for r in records if r.kind == STALLED})
+        if stalled and len({r.serial for r in records}) > 1:
+            # Note [models sharing the guard's exchange]: compare the stalled model's records
+            self._compare_model(stalled[0], round_, records)
+            return False
+        self._compare(records, ledger)
         if round_.kind == CHECK and all(r.kind == CHECK for r in records):
             ledger.mark_agreed()  # same entries, same check
             return True
         return False
+
+    def _record(self, kind: int, phase: int) -> _Record:
+        ledger = self.ledger
+        return _Record(kind, phase, ledger.count, ledger.agreed, dict(ledger.entries),
+                       ledger.unit_names, self.serial)
+
+    def _exchange(self, record: _Record, round_: "_Round") -> list[_Record]:
+        records: list = [None] * len(self.ranks)
+        self._gather(lambda: dist.all_gather_object(records, record, group=self.group),
+                     round_)
+        return records
+
+    def _compare(self, records: list[_Record], ledger: Ledger) -> None:
+        """Raise DivergenceError on every rank when the records (all of one model) differ."""
+        names = {code: name for r in records for code, name in r.names.items()}
+        problem = first_difference(records, lambda entry: ledger.describe(entry, names))
+        if problem is not None:
+            raise DivergenceError(self._message(problem))
+
+    def _compare_model(self, serial: int, round_: "_Round", records: list[_Record]) -> None:
+        """Every rank's record of model ``serial`` (a rank is stalled in it), compared."""
+        mine = records[self.ranks.index(dist.get_rank())]
+        other = self if serial == self.serial else _LIVE.get((tuple(self.ranks), serial))
+        if other is self:
+            record = mine
+        elif other is not None:
+            record = other._record(ELSEWHERE, -1)
+        else:  # the model is gone here: nothing of it recorded
+            record = _Record(ELSEWHERE, -1, 0, 0, {}, {}, serial)
+        self._compare(self._exchange(record, round_), (other or self).ledger)
 
     def _gather(self, run, round_: "_Round"):
         try:
@@ -324,6 +374,8 @@ def _difference(records: list[_Record], count: int, describe) -> Difference:
                         f"{entry.step})")
         elif r.count < count and r.kind == CHECK:
             what.append(f"ended the {PHASE_NAMES[r.phase]} after entry #{r.count}")
+        elif r.count < count and r.kind == ELSEWHERE:
+            what.append(f"went on to another sharded model's check after entry #{r.count}")
         elif r.count < count:
             what.append(f"was still waiting in a collective after entry #{r.count}")
         else:
@@ -331,8 +383,9 @@ def _difference(records: list[_Record], count: int, describe) -> Difference:
                         "entries only)")
     if at is not None:
         return Difference(count, at.step, PHASE_NAMES[at.phase], what)
-    ended = next(r for r in records if r.kind == CHECK)
-    return Difference(count, -1, PHASE_NAMES[ended.phase], what)
+    ended = next((r for r in records if r.kind == CHECK), None)
+    return Difference(count, -1, PHASE_NAMES[ended.phase] if ended is not None else
+                      "a collective", what)
 
 
 def _ranks(ranks: list[int]) -> str:
