@@ -752,6 +752,7 @@ _TESTED_ELSEWHERE = {
     "E68": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
     "E69": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
     **{code: "tests/test_projection_cli.py::test_bad_input_is_one_line_naming_it"
-       for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189")},
+       for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
+                    "E213")},
     "E127": "tests/test_projection.py::test_library_sizes_must_be_positive",
 }

@@ -46,7 +46,9 @@ LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 3
               "vocab_size": 128256, "tie_word_embeddings": False, "head_dim": 128}
 GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
         "n_positions": 1024, "vocab_size": 50257}
-MIXTRAL = {**LLAMA31_8B, "model_type": "mixtral", "num_local_experts": 8}
+MIXTRAL = {**LLAMA31_8B, "model_type": "mixtral", "num_local_experts": 8}  # no top-k
+DEEPSEEK = {**LLAMA31_8B, "model_type": "deepseek_v3", "n_routed_experts": 256,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3}
 
 
 def _config(tmp_path, name: str, fields: dict) -> str:
@@ -110,12 +112,14 @@ def test_plan_never_recommends_what_the_trainer_cannot_run(tmp_path, capsys):
     (["project", "--batch", "6", "--grad-accum", "4"], "E186"),
     (["project", "--model", "{gpt2_no_layers}"], "E187"),
     (["project", "--heads", "24", "--kv-heads", "16"], "E188"),
-    (["project", "--model", "{mixtral}"], "E189"),
+    (["project", "--model", "{deepseek}"], "E189"),
+    (["project", "--model", "{mixtral}"], "E213"),
 ])
 def test_bad_input_is_one_line_naming_it(argv, code, capsys, tmp_path):
     paths = {"gpt2_no_layers": _config(tmp_path, "gpt2", {k: v for k, v in GPT2.items()
                                                           if k != "n_layer"}),
-             "mixtral": _config(tmp_path, "mixtral", MIXTRAL)}
+             "mixtral": _config(tmp_path, "mixtral", MIXTRAL),
+             "deepseek": _config(tmp_path, "deepseek", DEEPSEEK)}
     argv = [a.format(**paths) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

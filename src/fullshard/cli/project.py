@@ -257,7 +257,9 @@ def project_main(argv: list[str]) -> int:
         return 2
     device = clusters[0].device
     micro = "" if args.grad_accum == 1 else f" in {args.grad_accum} micro-batches"
-    print(f"{shape.name} ({shape.num_params / 1e6:,.1f}M parameters) on {device.name}, "
+    experts = (f", {shape.active_params / 1e6:,.1f}M active: {shape.top_k} of "
+               f"{shape.n_experts} experts a token" if shape.n_experts else "")
+    print(f"{shape.name} ({shape.num_params / 1e6:,.1f}M parameters{experts}) on {device.name}, "
           f"batch {args.batch} x {args.seq} per GPU{micro}, {device.source}")
     print(_table(rows))
     return 0

@@ -111,23 +111,31 @@ def block_kind(shape: ModelShape) -> str:
     return "llama" if shape.gated_mlp else "gpt"
 
 
-def _block_gemms(shape: ModelShape) -> list[tuple[int, int]]:
-    """(in, out) of each matrix a token passes through in one block."""
-    d, f, q, kv = shape.d_model, shape.ffn_hidden, shape.q_width, shape.kv_width
+def _block_gemms(shape: ModelShape, tokens: int) -> list[tuple[float, int, int]]:
+    """(rows, in, out) of each matrix product of one block over ``tokens`` tokens. A
+    mixture of experts: the router over every token, then each expert over its share,
+    ``tokens * top_k / n_experts`` rows (routing balanced)."""
+    d, f, q, kv = shape.d_model, shape.mlp_width, shape.q_width, shape.kv_width
     mlp = [(d, f), (d, f), (f, d)] if shape.gated_mlp else [(d, f), (f, d)]
-    return [(d, q + 2 * kv), (q, d)] + mlp
+    attention = [(tokens, d, q + 2 * kv), (tokens, q, d)]
+    if not shape.n_experts:
+        return attention + [(tokens, k, n) for k, n in mlp]
+    share = tokens * shape.top_k / shape.n_experts
+    return attention + [(tokens, d, shape.n_experts)] + [
+        (share, k, n) for _ in range(shape.n_experts) for k, n in mlp]
 
 
 def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
                   c: KernelConstants) -> tuple[PassSeconds, float, float]:
     """(forward/backward of one block, the recomputation of a fully checkpointed block,
     that of torchtitan's selective op policy)."""
-    gemms = _block_gemms(shape)
-    mm_fwd = sum(rates.gemm(tokens, k, n) for k, n in gemms)
-    mm_bwd = sum(rates.gemm_backward(tokens, k, n) for k, n in gemms)
+    gemms = _block_gemms(shape, tokens)
+    mm_fwd = sum(rates.gemm(m, k, n) for m, k, n in gemms)
+    mm_bwd = sum(rates.gemm_backward(m, k, n) for m, k, n in gemms)
     attn_fwd = rates.attention_seconds(2 * tokens * seq * shape.q_width)
     kind = block_kind(shape)
-    elem_fwd = tokens * BF16 * c.elementwise[kind] * (shape.d_model + shape.ffn_hidden) \
+    elem_fwd = tokens * BF16 * c.elementwise[kind] \
+        * (shape.d_model + shape.mlps_per_token * shape.mlp_width) \
         / rates.bandwidth
     forward = mm_fwd + attn_fwd + elem_fwd + rates.overhead
     backward = mm_bwd + 2.5 * attn_fwd + 2 * elem_fwd + 2 * rates.overhead

@@ -45,7 +45,7 @@ def _flat(shape: ModelShape, cluster: Cluster, s: Settings) -> list[PassSeconds]
     out = [PassSeconds(0.0, 0.0, 0.0)]
     for i in range(shape.n_layers):
         again = block if s.checkpointed(i) else (
-            shape.block_matrix_params if s.checkpointing == "selective" else 0.0)
+            shape.block_active_matrix_params if s.checkpointing == "selective" else 0.0)
         out.append(PassSeconds(tokens * block / rate, 2 * tokens * block / rate,
                                tokens * again / rate))
     head = shape.head_forward_flops

@@ -29,6 +29,11 @@ class ModelShape:
     gated_mlp: bool           # SwiGLU: three matrices; GELU MLP: two
     learned_positions: int = 0  # rows of a learned position table (GPT-2), 0 for RoPE
     head_dim: int = 0           # 0: d_model / n_heads (a few models, Gemma, choose another)
+    # a mixture of experts: every block's MLP is n_experts expert MLPs (each of width
+    # expert_ffn_hidden, 0: ffn_hidden) and a router; a token runs top_k of them
+    n_experts: int = 0
+    top_k: int = 1
+    expert_ffn_hidden: int = 0
 
     def __post_init__(self) -> None:
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
@@ -41,6 +46,9 @@ class ModelShape:
             raise ProjectionError(
                 f"model shape {self.name!r}: {self.n_heads} heads must divide d_model "
                 f"{self.d_model} and be a multiple of the {self.n_kv_heads} key/value heads")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ProjectionError(f"model shape {self.name!r}: top_k {self.top_k} experts a "
+                                  f"token must be between 1 and n_experts {self.n_experts}")
 
     # -- parameters ----------------------------------------------------------------------
     @property
@@ -57,10 +65,33 @@ class ModelShape:
         return self.head_width * self.n_kv_heads
 
     @property
-    def block_matrix_params(self) -> int:
-        d, f = self.d_model, self.ffn_hidden
+    def mlp_width(self) -> int:
+        """The hidden width of one MLP (of one expert's)."""
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    @property
+    def mlp_matrix_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.d_model * self.mlp_width
+
+    @property
+    def mlps_per_token(self) -> int:
+        """The MLPs one token runs through in a block: its top_k experts, or the one MLP."""
+        return self.top_k if self.n_experts else 1
+
+    def _block_matrices(self, mlps: int) -> int:
+        d = self.d_model
         attention = 2 * d * self.q_width + 2 * d * self.kv_width
-        return attention + (3 if self.gated_mlp else 2) * d * f
+        return attention + mlps * self.mlp_matrix_params + d * self.n_experts  # + router
+
+    @property
+    def block_matrix_params(self) -> int:
+        """Every matrix parameter of a block (all of its experts)."""
+        return self._block_matrices(max(self.n_experts, 1))
+
+    @property
+    def block_active_matrix_params(self) -> int:
+        """The matrix parameters one token computes with in a block (its top_k experts)."""
+        return self._block_matrices(self.mlps_per_token)
 
     @property
     def block_params(self) -> int:
@@ -76,12 +107,19 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
+        """Every parameter: what is sharded, gathered, reduced and stepped."""
         return self.embedding_params + self.n_layers * self.block_params + self.head_params \
             + self.d_model
 
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with (a mixture of experts: its top_k)."""
+        return self.num_params - self.n_layers * (self.block_matrix_params
+                                                  - self.block_active_matrix_params)
+
     # -- FLOPs per token -----------------------------------------------------------------
     def block_forward_flops(self, seq: int) -> float:
-        return 2 * self.block_matrix_params + 4 * seq * self.q_width
+        return 2 * self.block_active_matrix_params + 4 * seq * self.q_width
 
     @property
     def head_forward_flops(self) -> float:
@@ -95,7 +133,8 @@ class ModelShape:
 def _from_gpt(name: str, cfg: GPTConfig) -> ModelShape:
     return ModelShape(name, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_heads,
                       cfg.mlp_ratio * cfg.d_model, cfg.vocab_size, cfg.tie_embeddings,
-                      gated_mlp=False, learned_positions=cfg.seq_len)
+                      gated_mlp=False, learned_positions=cfg.seq_len,
+                      n_experts=cfg.n_experts, top_k=cfg.top_k if cfg.n_experts else 1)
 
 
 # Published architectures (their papers' / model cards' dimensions) and fullshard's presets.
@@ -134,17 +173,41 @@ _HF_KEYS = {
 _UNGATED = {"gpt2", "gpt_neox", "gptj", "mpt", "opt", "bloom", "falcon", "gpt_bigcode", "phi"}
 _TIED = {"gpt2", "mpt", "gemma", "gemma2", "gemma3_text", "gpt_bigcode"}
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# what a mixture of experts may have beyond routed experts in every block, which the
+# projection does not model (DeepSeek's shared experts and leading dense blocks, Qwen2-MoE's
+# shared expert, Qwen3-MoE's dense layers)
+_UNMODELLED_MOE = ("n_shared_experts", "shared_expert_intermediate_size",
+                   "first_k_dense_replace", "mlp_only_layers")
+
+
+def _expert_fields(config: dict, where: str) -> dict:
+    """A mixture of experts' fields: every block routed, each token to its top-k experts
+    (Mixtral, Qwen3-MoE, gpt-oss); what else a family has is refused by name."""
+    key = next((k for k in _EXPERTS if config.get(k)), None)
+    if key is None:
+        return {}
+    extra = [f"{k} {config[k]}" for k in _UNMODELLED_MOE if config.get(k)]
+    if config.get("decoder_sparse_step", 1) != 1:
+        extra.append(f"decoder_sparse_step {config['decoder_sparse_step']}")
+    if extra:
+        raise ProjectionError(
+            f"{where} is a mixture of experts with {', '.join(extra)}: the projection models "
+            "every block routed to its top-k experts, without shared experts or dense blocks")
+    top_k = config.get("num_experts_per_tok") or config.get("experts_per_token")
+    if not isinstance(top_k, int):
+        raise ProjectionError(f"{where} has {key} {config[key]} but no num_experts_per_tok: "
+                              "the experts each token runs are needed to count its FLOPs")
+    out = {"n_experts": int(config[key]), "top_k": top_k}
+    if isinstance(config.get("moe_intermediate_size"), int):
+        out["expert_ffn_hidden"] = config["moe_intermediate_size"]
+    return out
 
 
 def hf_shape_fields(config: dict, where: str) -> dict:
     """The ModelShape fields a Hugging Face ``config.json`` gives (a field it lacks is left
     out: the caller names the flag that supplies it)."""
-    for key in _EXPERTS:
-        if config.get(key):
-            raise ProjectionError(f"{where} is a mixture-of-experts model ({key} "
-                                  f"{config[key]}): the projection models dense blocks only")
     kind = str(config.get("model_type", ""))
-    out = {}
+    out = _expert_fields(config, where)
     for field, keys in _HF_KEYS.items():
         found = [config[k] for k in keys if isinstance(config.get(k), int)]
         if found:
