@@ -141,6 +141,7 @@ LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 143
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path):
     """Llama 3 8B full fine-tune on two 24 GB GPUs with 40 GiB of host memory per rank:
     CPU offload fits the GPUs but not its host side (fp32 shards, gradients and AdamW

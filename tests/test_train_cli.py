@@ -65,6 +65,7 @@ def test_resume_continues_exactly_like_one_straight_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     """Also: a second job started on the same --out while this one trains is refused at
     once, names the job that holds it and writes nothing; the lock goes with the job."""
@@ -138,6 +139,7 @@ def test_the_same_command_plus_resume_resumes(tmp_path, flags):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_resume_refuses_what_it_would_otherwise_ignore(tmp_path):
     """--resume continues the run's own config.toml: a --preset naming another model, or
     --steps below the checkpoint's step, is refused instead of ignored."""

@@ -120,6 +120,7 @@ def _export_and_reload(run: str, out: str, max_shard_size: str):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fine_tune_tiny_llama_and_gpt2_from_local_folders(tmp_path):
     save_tiny_llama(str(tmp_path / "llama"))
     _save_gpt2_with_tokenizer(str(tmp_path / "gpt2"))

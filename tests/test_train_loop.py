@@ -44,6 +44,7 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_compiled_blocks_train_the_eager_model():
     """--parallel.compile: each block one inductor graph between the hooks; the losses
     are the eager ones up to the compiler's reassociation."""

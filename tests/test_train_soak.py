@@ -39,6 +39,7 @@ def _window_peak(records: list[dict], last_step: int, rank: int, width: int = 10
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_memory_stays_flat_and_every_checkpoint_loads(tmp_path):
     out = str(tmp_path / "soak")
     records = run_distributed(_soak, 2, out, timeout=240)[0]
