@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .core.at_exit import note_collective
 from .core.mesh import mesh_device
 
 
@@ -60,6 +61,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         for group in groups:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
                             group=group)
+            note_collective()  # Note [collectives settle before exit]
         total = _combine([total, part], p, device)
     total = _combine([total] + _parts_on(local, p, device), p, device)
     norm = total if math.isinf(p) else total ** (1.0 / p)

@@ -10,9 +10,10 @@ a C++ destructor, and the process aborts: "terminate called without an active
 exception" (SIGABRT). A program whose last fullshard collective runs just before it
 ends (a unit's forward called alone, an evaluation step, a gather of the last
 parameters) hit this in 3 of 72 runs at 2 ranks, and in none of 120 with the wait
-below. Every collective fullshard issues or waits notes the time; at exit, while the
-interpreter is still whole, fullshard waits until GRACE_S has passed since the last one,
-so the threads finish first. A program that ends later than that waits for nothing.
+below. Every collective fullshard issues or waits notes the time (its gathers and
+reductions, the divergence guard's exchanges, clipping's norm, a whole-matrix step's
+exchanges, checkpoints' collectives); at exit, while the interpreter is still whole,
+fullshard waits until GRACE_S has passed since the last one, so the threads finish first. A program that ends later than that waits for nothing.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from . import arrival
+from .at_exit import note_collective
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
                      PHASE_NAMES, Entry, Ledger)
 from .schedule import DIGEST_NUMEL
@@ -305,7 +306,9 @@ class Guard:
 
     def _gather(self, run, round_: "_Round"):
         try:
-            return run()
+            result = run()
+            note_collective()  # an exchange is a collective: Note [collectives settle before exit]
+            return result
         except RuntimeError as err:
             ledger = self.ledger
             where = (f"waited in the {round_.waiting_at} (step {ledger.step}), then"

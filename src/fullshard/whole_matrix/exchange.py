@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from ..core.at_exit import note_collective
 from ..core.param import ShardLayout
 
 
@@ -68,6 +69,7 @@ def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_n
         received.copy_(send)
     else:
         dist.all_to_all_single(received, send, receive_numel, send_numel, group=pg)
+        note_collective()  # Note [collectives settle before exit]
     del send  # freed before the caller assembles whole tensors from what arrived
     return list(torch.split(received, receive_numel))
 
@@ -82,6 +84,7 @@ def agree(pg: dist.ProcessGroup, local: list[list[int]], device: torch.device) -
     both = torch.cat([mine, -mine], dim=1)
     if pg.size() > 1:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+        note_collective()
     width = mine.shape[1]
     return [(tuple(row[:width]), tuple(-v for v in row[width:])) for row in both.tolist()]
 
