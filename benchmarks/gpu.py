@@ -133,7 +133,26 @@ def _batches(w: Workload, device: torch.device, n: int) -> list[tuple[torch.Tens
     return out
 
 
-def run(impl: str, w: Workload, peak_tflops: float) -> dict:
+def _profile(step, batches, device: torch.device, path: str) -> None:
+    """Two more steps under torch.profiler; the ops that took the most device time and
+    the most host time, one table each, into ``path`` (where a ratio comes from)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for x, y in batches:
+            step(x, y, split=False)
+        _sync(device)
+    averages = prof.key_averages()
+    device_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "w") as f:
+        for key in dict.fromkeys((device_key, "self_cpu_time_total")):
+            f.write(f"sorted by {key} ({len(batches)} steps)\n")
+            f.write(averages.table(sort_by=key, row_limit=25, max_name_column_width=60))
+            f.write("\n\n")
+
+
+def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = None) -> dict:
     device = _device()
     model = build(impl, w, device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too (offload)
@@ -179,6 +198,8 @@ def run(impl: str, w: Workload, peak_tflops: float) -> dict:
         times.append((time.perf_counter() - t0) * 1e3)
     for x, y in batches[w.warmup + w.steps:]:
         step(x, y, split=True)
+    if profile_to:
+        _profile(step, batches[:2], device, profile_to)
     step_ms = statistics.median(times[w.warmup:])
     world = dist.get_world_size()
     tokens = w.batch * w.seq  # per rank
@@ -213,7 +234,12 @@ def worker(args: argparse.Namespace) -> None:
         if args.quick:
             w = Workload(w.cfg, w.batch, w.seq, w.offload, w.compile_and_checkpoint,
                          warmup=2, steps=min(w.steps, 5))
-        result = run(args.impl, tiny(w) if args.tiny else w, args.peak_tflops)
+        profile_to = None
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            profile_to = os.path.join(
+                args.profile, f"{args.workload}-{args.impl}-rank{dist.get_rank()}.txt")
+        result = run(args.impl, tiny(w) if args.tiny else w, args.peak_tflops, profile_to)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
     finally:
@@ -230,6 +256,8 @@ def launch(impl: str, workload: str, args: argparse.Namespace) -> dict | None:
         cmd.append("--tiny")
     if args.quick:
         cmd.append("--quick")
+    if args.profile:
+        cmd += ["--profile", os.path.abspath(args.profile)]
     env = dict(os.environ, BENCH_DEVICE=args.device, OMP_NUM_THREADS=os.environ.get(
         "OMP_NUM_THREADS", "1"))
     try:
@@ -280,6 +308,9 @@ def main() -> None:
                         help="the device's dense bf16 peak, for MFU (default: H100 SXM)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after the timed steps, two steps under torch.profiler: the "
+                             "top ops by device and host time, one file per run and rank")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
