@@ -5,12 +5,13 @@ buffers) is the group's ``grads`` (core/gradients.py); whether its backward is o
 its ``signals`` (core/backward_signals.py).
 
 Note [mixed precision]
-With a ``param_dtype`` the fp32 flat shard is cast once into a pooled buffer that the
-all-gather sends; the unsharded buffer and parameters are in ``param_dtype``, so
-forward and backward compute in it and produce gradients in it. ``_chunk_cat``
-casts the gradients into the send buffer in ``reduce_dtype``; the reduced result is
-cast back into the fp32 gradient buffer, so the optimizer sees fp32 gradients next
-to fp32 parameters and states.
+With a ``param_dtype`` the fp32 flat shard is cast once into this rank's chunk of
+the all-gather's output, which is gathered in place (Note [in-place all-gather]);
+the unsharded buffer and parameters are in ``param_dtype``, so forward and backward
+compute in it and produce gradients in it. ``_chunk_cat`` casts the gradients into
+the send buffer in ``reduce_dtype``; the reduced result is cast back into the fp32
+gradient buffer, so the optimizer sees fp32 gradients next to fp32 parameters and
+states.
 
 A unit is what one ``fully_shard`` call manages. Its parameters share three flat
 buffers, so each transition is one collective and one copy (the first two are the
@@ -18,7 +19,7 @@ group's ``storage``, core/shard_storage.py, and ``unsharded``, core/unsharded_bu
 
 * ``flat_shard``   (S elements): this rank's padded shards, param after param. The
   DTensor parameters' local tensors are views into it, so the optimizer updates it
-  in place and the all-gather sends it as is (no copy-in).
+  in place and, without a cast, the all-gather sends it as is (no copy-in).
 * ``unsharded``    (world * S elements, param-major): the unsharded parameters are
   persistent views into it; its storage is freed (resized to 0) while sharded.
 * all-gather output (world * S elements, rank-major): temporary; one
@@ -27,6 +28,16 @@ group's ``storage``, core/shard_storage.py, and ``unsharded``, core/unsharded_bu
 Gradients go the other way: ``_chunk_cat`` lays the unsharded gradients out
 rank-major (one copy-in), one reduce-scatter sums them, and each rank wraps its
 slice of the result as DTensor gradients without copying.
+
+Note [in-place all-gather]
+A gather whose shard must first be cast or moved to the compute device (mixed
+precision, CPU offload) writes the copy-in straight into this rank's chunk of the
+rank-major output and gathers in place, as torch's FSDP2 does: no shard-sized send
+buffer, and NCCL skips the rank's own chunk (at one rank the collective copies
+nothing; the copy-in and the copy-out remain). A quantized gather (Note [quantized
+communication]) quantizes from that chunk, and its dequantized copy of every rank's
+chunk, this rank's included, then overwrites it, so the ranks still compute with the
+same values. Without a cast the gather sends ``flat_shard`` itself, out of place.
 
 Note [shard groups of one rank]
 With one rank per shard group (NO_SHARD: a (world, 1) replicate x shard mesh) the
@@ -156,7 +167,6 @@ class ParamGroup:
         # the gathered parameters (core/unsharded_buffer.py)
         self.unsharded = UnshardedBuffer(self.storage, self.world_size)
         self._gather: Pending | None = None
-        self._cast_shard: torch.Tensor | None = None  # the shard in param_dtype, being sent
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
         self.signals = BackwardSignals()  # Note [when a unit's backward is done]
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
@@ -317,16 +327,17 @@ class ParamGroup:
         self._record("all-gather", self.world_size * self.storage.numel)
         # On CUDA the copy-in and the collective run on the copy stream while compute goes
         # on (Note [streams and events]); ``ordered`` makes the caller's stream wait for it.
+        plan = self._gather_plan()
         with self.copies.to_device() as ordered, traced("all_gather", self.unit_name):
-            if self._gather_plan().send:  # the one copy-in: cast / offload
-                send = self._cast_shard = self.pool.take(self.storage.numel, dtype, device)
-                send.copy_(self.flat_shard, non_blocking=True)
-                if self.storage.on_disk:  # a pageable source: copied once copy_ returns
-                    page_out(self.flat_shard)
             out = (self.pool.take(self.world_size * self.storage.numel, dtype, device)
                    if comm is None else
                    comm.allocate((self.world_size * self.storage.numel,), dtype=dtype,
                                  device=device))
+            if plan.cast:  # the one copy-in: cast / offload (Note [in-place all-gather])
+                send = self._own_chunk(out)
+                send.copy_(self.flat_shard, non_blocking=True)
+                if self.storage.on_disk:  # a pageable source: copied once copy_ returns
+                    page_out(self.flat_shard)
             if comm is None and self.quantize_weights:  # Note [quantized communication]
                 pending = quantized_all_gather(out, send, self.pg, self.quantize_weights,
                                                async_op=async_op, patience=self.patience,
@@ -354,7 +365,6 @@ class ParamGroup:
         if self.storage.on_disk:  # the collective read the shard itself (no copy-in)
             page_out(self.flat_shard)
         if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
-            self._release_cast_shard()
             self.unsharded.allocate()
             with traced("copy_out", self.unit_name):
                 self.unsharded.copy_out(gathered.view(self.world_size, -1))
@@ -394,7 +404,6 @@ class ParamGroup:
             self._gather = None
             if not self._gather_is_direct:
                 self._give_gathered(gathered)
-            self._release_cast_shard()
             if self.subclass is not None:
                 self.subclass.drop()
         else:
@@ -409,10 +418,11 @@ class ParamGroup:
         if self._gather_pooled:  # a custom all-gather's buffer belongs to its allocator
             self.pool.give(gathered)
 
-    def _release_cast_shard(self) -> None:
-        if self._cast_shard is not None:
-            self.pool.give(self._cast_shard)
-            self._cast_shard = None
+    def _own_chunk(self, gathered: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a rank-major all-gather output: its send buffer when the
+        gather runs in place."""
+        return gathered.narrow(0, self.pg.rank() * self.storage.numel, self.storage.numel)
+
 
     # -- gradients ------------------------------------------------------------------------
     def trainable(self) -> list[ShardedParam]:

@@ -202,7 +202,7 @@ def shard_device_for(offload: bool, compute_device: torch.device) -> torch.devic
 class GatherPlan(NamedTuple):
     """The buffers one unshard of a sharded group uses."""
 
-    send: bool        # the shard is cast / moved into a pooled shard-sized buffer first
+    cast: bool        # the shard is cast / moved into its chunk of the gathered buffer first
     gathered: bool    # an all-gather into a rank-major buffer, then copied out
     unsharded: bool   # the unsharded parameters have their own buffer, not the shard's
 
@@ -213,12 +213,13 @@ def gather_plan(*, shard_size: int, shard_dtype: torch.dtype, shard_device: torc
     """What gathering a group allocates. One rank per shard group (Note [shard groups of
     one rank]): no collective, and without a cast, offload or a post-forward subgroup
     the parameters are views of the shard itself (unless the one-rank shortcuts are off:
-    ``collectives.skips_collectives``)."""
+    ``collectives.skips_collectives``). A cast needs no buffer of its own (Note
+    [in-place all-gather])."""
     if skips_collectives(shard_size):
         aliased = not offload and not post_forward and compute_dtype == shard_dtype
-        return GatherPlan(send=False, gathered=False, unsharded=not aliased)
-    send = (compute_dtype, compute_device) != (shard_dtype, shard_device)
-    return GatherPlan(send=send, gathered=True, unsharded=True)
+        return GatherPlan(cast=False, gathered=False, unsharded=not aliased)
+    cast = (compute_dtype, compute_device) != (shard_dtype, shard_device)
+    return GatherPlan(cast=cast, gathered=True, unsharded=True)
 
 
 # Each rank's chunk of a reduction ends with this rank's ledger digest, 8 bits an element

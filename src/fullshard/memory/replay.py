@@ -75,7 +75,7 @@ class _Group:
     layout: GroupLayout
     index: int
     state: str = "sharded"     # sharded | gathering | unsharded | post_forward
-    gather: tuple | None = None
+    gather: tuple | None = None  # the gathered buffer (a pool handle), ("chunk", i) or None
     side_gather: tuple | None = None  # tensor-subclass parameters: (send, receive)
     inputs_pending: int = 0   # watched forward calls whose input gradients are to come
     inputs_fired: int = 0
@@ -305,13 +305,12 @@ class Replay:
             group.gather = None  # the subclass gather, if any, is still to finish
             group.state = "gathering" if group.side_gather is not None else "unsharded"
             return
-        sends = [self.pool.take(layout.shard_numel, s.compute_dtype)] if plan.send else []
-        out = self.pool.take(layout.unsharded_numel, s.compute_dtype)
+        out = self.pool.take(layout.unsharded_numel, s.compute_dtype)  # a cast lands in it
         if s.quantize_weights:  # Note [quantized communication]: the int8 shard and all of them
             per_rank = wire_bytes(layout.shard_numel, s.quantize_weights)
             self.ledger.alloc(("q_gather", group.index), COMMUNICATION,
                               (1 + layout.shard_size) * per_rank)
-        group.gather = (out, sends)
+        group.gather = out
         group.state = "gathering"
 
     def _wait(self, group: _Group) -> None:
@@ -328,9 +327,7 @@ class Replay:
             self._sample()
             self.ledger.free(("chunk", group.index))
         else:
-            out, sends = group.gather
-            for send in sends:
-                self.pool.give(send)
+            out = group.gather  # a pool handle
             self._hold(("unsharded", group.index), self._unsharded_bytes(group))
             if self.ledger.holds(("q_gather", group.index)):  # dequantized a pass at a time
                 self._sample_with(min(ROWS_PER_PASS, group.layout.shard_size)
@@ -386,10 +383,7 @@ class Replay:
             elif group.gather == ("chunk", group.index):
                 self.ledger.free(("chunk", group.index))
             else:
-                out, sends = group.gather
-                self.pool.give(out)
-                for send in sends:
-                    self.pool.give(send)
+                self.pool.give(group.gather)
                 self._free_quantized_gather(group)
             group.gather = None
         if not self.settings.keep_unsharded:
