@@ -728,7 +728,7 @@ _TESTED_ELSEWHERE = {
               "test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes"
        for code in ("E210", "E211")},  # world size 4, an (efsdp, ep) mesh
     "E212": "tests/test_expert_meshes.py::"
-            "test_a_placement_on_a_mesh_of_its_own_is_refused_naming_the_parameter",
+            "test_a_module_with_parameters_on_two_meshes_is_refused_naming_the_parameter",
     # world size 4, a (dp, tp) mesh
     "E45": "tests/conformance/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",

@@ -49,7 +49,20 @@ LAYOUTS = {
     "ep2xefsdp1": (2, {}, (1, 2), "ep", "flat"),
     # no expert parallelism, one expert: Shard(1) inside the dense block's unit
     "shard1_in_block": (2, {"n_experts": 1, "top_k": 1}, (2, 1), "in_block_shard1", "flat"),
+    # torchtitan's expert-parallel call: one fully_shard per block, the experts put on
+    # efsdp by shard_placement_fn (torch 2.13's ShardPlacementResult)
+    "ep2xefsdp2_one_call": (4, {}, (2, 2), "ep_in_call", "flat"),
 }
+
+
+def _placement_results(world, dp, expert_params: set):
+    """torchtitan's shard_placement_fn for an MoE block under expert parallelism."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
+                                                                  ShardPlacementResult)
+    experts = FSDPMeshInfo(world["efsdp"], shard_mesh_dim=0)
+    dense = FSDPMeshInfo(dp, shard_mesh_dim=0)
+    return lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=(
+        experts if p in expert_params else dense))
 
 
 def _meshes(efsdp: int, ep: int):
@@ -66,13 +79,19 @@ def _shard(model: ExpertModel, layout: str) -> None:
         expert_parallel(model, world["ep"])
     for block in model.blocks:
         experts = block.moe.experts
-        if experts_how.startswith("ep"):
+        if experts_how in ("ep", "ep_shard1"):
             placement = (lambda p: Shard(1)) if experts_how == "ep_shard1" else None
             fully_shard(experts, mesh=world["efsdp"], shard_placement_fn=placement)
             experts.set_gradient_divide_factor(dist.get_world_size())
         elif experts_how == "hybrid":
             fully_shard(experts, mesh=world)
         expert_params = set(experts.parameters())
+        if experts_how == "ep_in_call":  # Note [parameters on meshes of their own]
+            fully_shard(block, mesh=dense_mesh,
+                        shard_placement_fn=_placement_results(world, dp, expert_params))
+            # reaches the experts' unit too, as FSDP2's reaches every group of the call
+            block.set_gradient_divide_factor(dist.get_world_size())
+            continue
         fully_shard(block, mesh=dense_mesh,
                     shard_placement_fn=lambda p: Shard(1) if p in expert_params else None)
     fully_shard(model, mesh=dense_mesh)
@@ -98,8 +117,40 @@ _EXTENDED = {"ep2xefsdp2_uneven", "ep2xefsdp1", "shard1_in_block"}
     pytest.param(name, marks=pytest.mark.extended) if name in _EXTENDED else name
     for name in LAYOUTS if name not in ("ep2xefsdp2", "experts_hybrid")])
 def test_experts_on_their_own_mesh_train_as_one_process(layout):
+    if layout == "ep2xefsdp2_one_call" and not _has_placement_results():
+        pytest.skip("this torch has no ShardPlacementResult")
     losses = run_distributed(_parity, LAYOUTS[layout][0], layout)[0]
     assert len(losses) == STEPS
+
+
+def _gathered_with_the_block() -> list[tuple]:
+    """The experts' mesh dims after ``block.unshard()`` and ``block.reshard()``: the
+    split-off unit is gathered and freed with the call's unit."""
+    torch.manual_seed(0)
+    model = ExpertModel()
+    _shard(model, "ep2xefsdp2_one_call")
+    with torch.no_grad():
+        model(_batch(0)[0][:2])
+    block = model.blocks[0]
+    seen = [block.moe.experts.w1.device_mesh.mesh_dim_names]
+    block.unshard()
+    seen.append(block.moe.experts.w1.device_mesh.mesh_dim_names)
+    block.reshard()
+    seen.append(block.moe.experts.w1.device_mesh.mesh_dim_names)
+    return seen
+
+
+@pytest.mark.slow
+def test_unsharding_a_block_gathers_its_experts_on_their_own_mesh():
+    if not _has_placement_results():
+        pytest.skip("this torch has no ShardPlacementResult")
+    for seen in run_distributed(_gathered_with_the_block, 4):
+        assert seen == [("efsdp", "ep"), ("ep",), ("efsdp", "ep")], seen
+
+
+def _has_placement_results() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    return hasattr(_fsdp_common, "ShardPlacementResult")
 
 
 def _sharded_layout(layout: str) -> dict:
@@ -288,18 +339,21 @@ def test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes():
 
 
 def _own_mesh_placement() -> str:
+    """A LayerNorm's weight on the experts' mesh, its bias on the block's: no submodule
+    holds the one without the other (Note [parameters on meshes of their own])."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
                                                                   ShardPlacementResult)
-    world, _ = _meshes(1, 2)
-    info = FSDPMeshInfo(world["ep"], shard_mesh_dim=0)
+    world, dp = _meshes(1, 2)
     model = ExpertModel()
+    block = model.blocks[0]
+    experts = FSDPMeshInfo(world["ep"], shard_mesh_dim=0)
     return message_of(lambda: fully_shard(
-        model.blocks[0], mesh=world["ep"],
-        shard_placement_fn=lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=info)))
+        block, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(
+            placement=Shard(0), mesh_info=experts) if p is block.norm.weight else None))
 
 
 @pytest.mark.slow
-def test_a_placement_on_a_mesh_of_its_own_is_refused_naming_the_parameter():
+def test_a_module_with_parameters_on_two_meshes_is_refused_naming_the_parameter():
     # torch 2.13's per-parameter meshes (shard_placement_fn returning ShardPlacementResult)
     fsdp_common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
     if not hasattr(fsdp_common, "ShardPlacementResult"):

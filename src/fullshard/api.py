@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .core import hooks
 from .core.init import shard_modules, unit_label
+from .core.placement_meshes import split_by_mesh
+from .core.state import unit_of
 from .core.streams import SharedCopies
 from .fsdp_module import FSDPModule
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -77,12 +79,22 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             is issued (one exchange per collective; for debugging).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    units = shard_modules(modules, unit_label(modules), mesh=mesh,
+    label = unit_label(modules)
+    # Note [parameters on meshes of their own]: those submodules become units first
+    splits, shard_placement_fn = split_by_mesh(label, modules, mesh, shard_placement_fn,
+                                               set(ignored_params or ()))
+    for split in splits:
+        fully_shard(split.module, mesh=split.mesh, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=split.placement_fn(), mp_policy=mp_policy,
+                    offload_policy=offload_policy, ignored_params=ignored_params, debug=debug)
+    units = shard_modules(modules, label, mesh=mesh,
                           reshard_after_forward=reshard_after_forward,
                           shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
                           offload_policy=offload_policy, ignored_params=ignored_params,
                           dp_mesh_dims=dp_mesh_dims, debug=debug)
+    companions = [unit_of(split.module) for split in splits]
     for unit in units:
+        unit.companions = companions
         unit.module.__class__ = fsdp_class(type(unit.module))
         hooks.install(unit)
     return modules if isinstance(module, (list, tuple)) else module

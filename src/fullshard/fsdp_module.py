@@ -37,8 +37,9 @@ class UnshardHandle:
         self._unit = unit
 
     def wait(self) -> None:
-        if self._unit.group is not None:
-            self._unit.group.wait_unshard()
+        for unit in self._unit.gathered_together():
+            if unit.group is not None:
+                unit.group.wait_unshard()
 
 
 class GradientReductionHandle:
@@ -91,17 +92,18 @@ class FSDPModule:
         forward). With ``async_op=True`` returns a handle whose ``wait()`` finishes it."""
         unit = self._unit
         hooks.ensure_root(unit)
-        unit.explicit_unshard = True
-        if unit.group is not None:
-            unit.group.unshard(async_op=async_op)
+        for u in unit.gathered_together():
+            u.explicit_unshard = True
+            if u.group is not None:
+                u.group.unshard(async_op=async_op)
         return UnshardHandle(unit) if async_op else None
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones."""
-        unit = self._unit
-        unit.explicit_unshard = False
-        if unit.group is not None:
-            unit.group.reshard()
+        for u in self._unit.gathered_together():
+            u.explicit_unshard = False
+            if u.group is not None:
+                u.group.reshard()
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Gather ``modules`` asynchronously as soon as this module's forward starts,
@@ -403,11 +405,16 @@ class FSDPModule:
 
 def _units(module: FSDPModule, recurse: bool) -> list[UnitState]:
     """The units a setter applies to: those under ``module``, or (without ``recurse``)
-    its unit and the others its fully_shard call made (a list shares one group)."""
+    its unit and the others its fully_shard call made (a list shares one group; split-off
+    companions, Note [parameters on meshes of their own])."""
     if not recurse:
-        return module._unit.created_with
+        return _made_together(module._unit)
     return [m._unit for m in module.modules()  # type: ignore[attr-defined]
             if isinstance(m, FSDPModule)]
+
+
+def _made_together(unit: UnitState) -> list[UnitState]:
+    return [*unit.created_with, *unit.companions]
 
 
 def _set_flag(module: FSDPModule, flag: str, value: bool, recurse: bool) -> None:
@@ -434,7 +441,7 @@ def _check_not_merged(unit: UnitState, method: str, what: str) -> None:
 def _set_reduce(unit: UnitState, method: str, **changes) -> None:
     """Change the unit's reduction settings (with its fully_shard call's other units)."""
     _check_not_merged(unit, method, "gradient reduction")
-    for u in unit.created_with:
+    for u in _made_together(unit):
         u.reduce_options = dataclasses.replace(u.reduce_options, **changes)
 
 

@@ -51,9 +51,10 @@ def _llama():
     return model
 
 
-def _steps(model, rank: int, world: int, optimizer: str = "adamw"
+def _steps(model, rank: int, world: int, optimizer: str = "adamw", ep: bool = False
            ) -> list[tuple[float, float]]:
-    """(loss, gradient norm) of each step, over the whole batch."""
+    """(loss, gradient norm) of each step, over the whole batch; with expert parallelism
+    the norm is torchtitan's (experts and the rest on meshes of their own)."""
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw" else
            torch.optim.SGD(model.parameters(), lr=1e-2))
     losses = []
@@ -67,7 +68,11 @@ def _steps(model, rank: int, world: int, optimizer: str = "adamw"
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
                                reduction="sum") / (BATCH * SEQ)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        if ep:
+            from torchtitan.distributed.utils import clip_grad_norm_
+            norm = clip_grad_norm_(list(model.parameters()), float("inf"), ep_enabled=True)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         opt.step()
         opt.zero_grad()
@@ -102,58 +107,81 @@ def test_torchtitan_apply_fsdp_trains_as_single_process():
                                                          rel=1e-5)
 
 
-def _moe(name: str):
+def _moe(name: str, ep: bool = False):
     """torchtitan's debug configuration of ``name``, its first two blocks (DeepSeek-V3: the
     dense block and an MoE block; Qwen3: two MoE blocks of 64 experts), so that four
-    ranks and the reference train it within minutes on two cores."""
+    ranks and the reference train it within minutes on two cores. ``ep``: with the
+    sharding configuration torchtitan's trainer sets for expert parallelism."""
     from torchtitan.models.common.attention import FlexAttention
     FlexAttention.compiled_flex_attn = staticmethod(_causal_sdpa)
     if name == "qwen3":
         from torchtitan.models.qwen3 import qwen3_configs
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config as sharding
         config = qwen3_configs["debugmodel_moe"]("flex")
     else:
         from torchtitan.models.deepseek_v3 import deepseekv3_configs
+        from torchtitan.models.deepseek_v3.sharding import (
+            set_deepseek_v3_sharding_config as sharding)
         config = deepseekv3_configs["debugmodel"]("flex", "standard")
     config.layers = config.layers[:2]
+    if ep:
+        sharding(config, enable_sp=False, enable_ep=True)
     torch.manual_seed(0)
     model = config.build()
     model.init_states()
     return model
 
 
-def _sharded_moe(name: str):
+def _sharded_moe(name: str, ep: int = 1):
     import fullshard
     fullshard.install()
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     parallel_dims.device_type = "cpu"  # torchtitan builds its meshes on the accelerator
-    model = _moe(name)
+    set_spmd_backend("partial_dtensor")  # what its trainer sets from the same flag
+    model = _moe(name, ep=ep > 1)
     world = dist.get_world_size()
-    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
                                       world_size=world, spmd_backend="partial_dtensor")
     dims.build_mesh()
     parallelize = parallelize_qwen3 if name == "qwen3" else parallelize_deepseekv3
     parallelize(model, parallel_dims=dims,
                 training=TrainingConfig(mixed_precision_param="float32",
                                         mixed_precision_reduce="float32"),
-                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                              expert_parallel_degree=ep),
                 compile_config=CompileConfig(enable=False), ac_config=None,
                 dump_folder=".")
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert units and all(type(m).__module__.startswith("fullshard") for m in units)
     experts = next(m for m in model.modules() if type(m).__name__ == "GroupedExperts")
-    placements = experts.w1_EFD.placements
-    return placements, _steps(model, dist.get_rank(), world, optimizer="sgd")
+    placements = experts.w1_EFD.placements, experts.w1_EFD.device_mesh.mesh_dim_names
+    return placements, _steps(model, dist.get_rank(), world, optimizer="sgd", ep=ep > 1)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
 def test_torchtitan_moe_fsdp_trains_as_single_process(name):
-    placements, steps = run_distributed(_sharded_moe, 4, name, timeout=900)[0]
+    (placements, _), steps = run_distributed(_sharded_moe, 4, name, timeout=900)[0]
     assert placements == (Shard(0),)  # experts outnumber the ranks: torchtitan's Shard(0)
+    reference = _steps(_moe(name), 0, 1, optimizer="sgd")
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, reference)):
+        assert loss == pytest.approx(ref_loss, rel=1e-4), f"loss at step {step}"
+        assert norm == pytest.approx(ref_norm, rel=1e-4), f"gradient norm at step {step}"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_torchtitan_moe_fsdp_with_expert_parallel_trains_as_single_process(name):
+    """Expert parallel 2 x expert FSDP 2: torchtitan's block call puts the experts on the
+    ``efsdp`` mesh through ``ShardPlacementResult`` (Note [parameters on meshes of their
+    own]); its all-to-alls carry the tokens to the experts' ranks."""
+    (placements, dims), steps = run_distributed(_sharded_moe, 4, name, 2, timeout=900)[0]
+    assert dims == ("efsdp", "ep") and placements[1] == Shard(0)
+    assert "StridedShard" in type(placements[0]).__name__  # local experts over efsdp
     reference = _steps(_moe(name), 0, 1, optimizer="sgd")
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, reference)):
         assert loss == pytest.approx(ref_loss, rel=1e-4), f"loss at step {step}"

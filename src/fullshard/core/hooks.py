@@ -166,8 +166,9 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         group.unshard()
         group.wait_unshard()
     unit.explicit_unshard = False
+    _prefetch(root, [c.group for c in unit.companions])
     if unit.forward_prefetch is not None:
-        _prefetch(root, [u.group for u in unit.forward_prefetch])
+        _prefetch(root, _groups_of(unit.forward_prefetch))
     else:
         _prefetch(root, [root.next_group_in_forward(unit)])
     watched = group.signals if group is not None and torch.is_grad_enabled() else None
@@ -295,6 +296,11 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(cast, tree)
 
 
+def _groups_of(units: list[UnitState]) -> list[ParamGroup | None]:
+    """The groups gathering ``units`` gathers, their companions' included."""
+    return [u.group for unit in units for u in unit.gathered_together()]
+
+
 def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
     """Start gathering each group that is sharded and not yet done with this backward."""
     for group in groups:
@@ -366,8 +372,9 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     if group is not None and group not in root.reduced and root.unshards_in_backward(group):
         group.unshard()
         group.wait_unshard()
+    _prefetch(root, [c.group for c in unit.companions])
     if unit.backward_prefetch is not None:
-        _prefetch(root, [u.group for u in unit.backward_prefetch])
+        _prefetch(root, _groups_of(unit.backward_prefetch))
     elif not unit.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(unit)])
     return None

@@ -150,13 +150,6 @@ def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
         if placement is None:
             continue
         ndim = p.to_local().dim() if isinstance(p, DTensor) else p.dim()
-        if hasattr(placement, "mesh_info"):  # torch 2.13's ShardPlacementResult
-            raise NotImplementedError(
-                f"fully_shard({label}): shard_placement_fn returned "
-                f"{type(placement).__name__} for parameter '{refs[0].fqn}', a mesh of its "
-                "own; fullshard shards each fully_shard call over one mesh. Shard the "
-                "module holding such parameters by itself first, fully_shard(module, "
-                "mesh=...), then its parent; return Shard(dim) or None here.")
         if not isinstance(placement, Shard):
             raise FullyShardArgumentError(torch_first(
                 f"Expected Shard, got {type(placement)}: {placement}",

@@ -81,11 +81,18 @@ class UnitState:
         # The units one fully_shard call made: itself, or every module of a list, which
         # share one group; torch's per-unit setters apply to all of them together.
         self.created_with: list[UnitState] = [self]
+        # The units its fully_shard call split off for parameters on meshes of their own,
+        # gathered with it (Note [parameters on meshes of their own])
+        self.companions: list[UnitState] = []
         self.ran_forward_with_grad = False
         # reentrant activation checkpointing: the forward ran without grad and its
         # recomputation in backward is what autograd goes through (watched there)
         self.recomputed_with_grad = False
         self.ledger_code = 0  # this unit in its root's ledger (core/ledger.py)
+
+    def gathered_together(self) -> list["UnitState"]:
+        """This unit and its companions: what gathering it gathers."""
+        return [self, *self.companions]
 
     def rename(self, path: str) -> None:
         """Name the unit and its parameters by their path from the root (for messages)."""
