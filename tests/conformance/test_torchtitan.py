@@ -19,6 +19,10 @@ router, shared experts and grouped experts. Their experts run torch's
 ``_grouped_mm`` in bf16 (it has a CPU kernel, forward and backward), so a rank's expert
 gradients are bf16 sums over its quarter of the tokens where the reference sums all of
 them in one kernel: losses and gradient norms agree to 1e-4, not to fp32's 1e-5.
+With expert parallel 2 (x expert FSDP 2) their block calls put the experts on a mesh of
+their own (``ShardPlacementResult``), and tokens reach the experts' ranks through
+torchtitan's all-to-all dispatcher; a save of what its CheckpointManager saves resumes
+at expert parallel 2, and at 1 through DCP's resharding, like a straight run.
 """
 
 from __future__ import annotations
@@ -51,14 +55,15 @@ def _llama():
     return model
 
 
-def _steps(model, rank: int, world: int, optimizer: str = "adamw", ep: bool = False
-           ) -> list[tuple[float, float]]:
+def _steps(model, rank: int, world: int, optimizer="adamw", ep: bool = False,
+           steps=range(STEPS)) -> list[tuple[float, float]]:
     """(loss, gradient norm) of each step, over the whole batch; with expert parallelism
-    the norm is torchtitan's (experts and the rest on meshes of their own)."""
+    the norm is torchtitan's (experts and the rest on meshes of their own). ``optimizer``:
+    "adamw", "sgd" or an optimizer of ``model``."""
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw" else
-           torch.optim.SGD(model.parameters(), lr=1e-2))
+           torch.optim.SGD(model.parameters(), lr=1e-2) if optimizer == "sgd" else optimizer)
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1),
                                generator=torch.Generator().manual_seed(step))
         x, y = tokens[:, :-1].chunk(world)[rank], tokens[:, 1:].chunk(world)[rank]
@@ -107,7 +112,7 @@ def test_torchtitan_apply_fsdp_trains_as_single_process():
                                                          rel=1e-5)
 
 
-def _moe(name: str, ep: bool = False):
+def _moe(name: str, ep: bool = False, seed: int = 0):
     """torchtitan's debug configuration of ``name``, its first two blocks (DeepSeek-V3: the
     dense block and an MoE block; Qwen3: two MoE blocks of 64 experts), so that four
     ranks and the reference train it within minutes on two cores. ``ep``: with the
@@ -126,13 +131,21 @@ def _moe(name: str, ep: bool = False):
     config.layers = config.layers[:2]
     if ep:
         sharding(config, enable_sp=False, enable_ep=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = config.build()
     model.init_states()
     return model
 
 
 def _sharded_moe(name: str, ep: int = 1):
+    model, placements = _sharded_moe_model(name, ep)
+    return placements, _steps(model, dist.get_rank(), dist.get_world_size(), optimizer="sgd",
+                              ep=ep > 1)
+
+
+def _sharded_moe_model(name: str, ep: int = 1, seed: int = 0):
+    """torchtitan's parallelize for ``name`` on fullshard; (the model, its experts'
+    placements and mesh dimensions)."""
     import fullshard
     fullshard.install()
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -144,7 +157,7 @@ def _sharded_moe(name: str, ep: int = 1):
 
     parallel_dims.device_type = "cpu"  # torchtitan builds its meshes on the accelerator
     set_spmd_backend("partial_dtensor")  # what its trainer sets from the same flag
-    model = _moe(name, ep=ep > 1)
+    model = _moe(name, ep=ep > 1, seed=seed)
     world = dist.get_world_size()
     dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
                                       world_size=world, spmd_backend="partial_dtensor")
@@ -160,8 +173,7 @@ def _sharded_moe(name: str, ep: int = 1):
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert units and all(type(m).__module__.startswith("fullshard") for m in units)
     experts = next(m for m in model.modules() if type(m).__name__ == "GroupedExperts")
-    placements = experts.w1_EFD.placements, experts.w1_EFD.device_mesh.mesh_dim_names
-    return placements, _steps(model, dist.get_rank(), world, optimizer="sgd", ep=ep > 1)
+    return model, (experts.w1_EFD.placements, experts.w1_EFD.device_mesh.mesh_dim_names)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
@@ -186,3 +198,48 @@ def test_torchtitan_moe_fsdp_with_expert_parallel_trains_as_single_process(name)
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, reference)):
         assert loss == pytest.approx(ref_loss, rel=1e-4), f"loss at step {step}"
         assert norm == pytest.approx(ref_norm, rel=1e-4), f"gradient norm at step {step}"
+
+
+def _resumed_moe(name: str, directory: str, load_ep: int) -> tuple[list, list]:
+    """Expert parallel 2 x expert FSDP 2: steps 0-1, a save of what torchtitan's
+    CheckpointManager saves (its ModelWrapper's state dict, the optimizer's through torch
+    DCP's ``get_optimizer_state_dict``), a fresh model and optimizer at expert parallel
+    ``load_ep`` loaded from it, step 2; against the same three steps straight through."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                           set_optimizer_state_dict)
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    def build(seed=0, ep=2):
+        model, _ = _sharded_moe_model(name, ep, seed=seed)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    def train(model, opt, steps, ep=True):
+        return _steps(model, dist.get_rank(), dist.get_world_size(), optimizer=opt, ep=ep,
+                      steps=steps)
+
+    expected = train(*build(), range(3))
+    model, opt = build()
+    before = train(model, opt, range(2))
+    dcp.save({"model": ModelWrapper(model).state_dict(),
+              "optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
+    model, opt = build(seed=1, ep=load_ep)  # other weights until loaded
+    wrapper = ModelWrapper(model)
+    state = {"model": wrapper.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=directory)
+    wrapper.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optimizer"])
+    return expected, before + train(model, opt, range(2, 3), ep=load_ep > 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("load_ep", [2, 1])
+def test_torchtitan_moe_with_expert_parallel_resumes_from_dcp_like_a_straight_run(
+        name, load_ep, tmp_path):
+    """At expert parallel 1 the checkpoint is resharded into FSDP alone: the experts' sums
+    then run in another order (bf16 grouped mm), 1e-4 as against one process."""
+    expected, resumed = run_distributed(_resumed_moe, 4, name, str(tmp_path), load_ep,
+                                        timeout=900)[0]
+    flat = [x for pair in resumed for x in pair]
+    assert flat == pytest.approx([x for pair in expected for x in pair],
+                                 rel=1e-6 if load_ep == 2 else 1e-4)
