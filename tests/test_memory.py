@@ -196,3 +196,22 @@ def test_estimate_and_plan_with_int8_communication():
                   process_baseline=0, quantize_comm="grads")
     assert chosen.choice.strategy != "no_shard"
     assert "--parallel.quantize grads" in chosen.train_flags()
+
+
+def test_muon_estimate_keeps_adamw_states_where_the_recipe_uses_adamw():
+    """optimizer="muon" is the trainer's recipe: the hidden matrices hold Muon's momentum
+    and whole copies with their owners (Note [whole-matrix optimizers]), the embeddings,
+    head and norms AdamW's two states."""
+    cfg = GPTConfig(vocab_size=4096, seq_len=64, d_model=128, n_layers=2, n_heads=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    hidden = sum(p.numel() for n, p in model.named_parameters()
+                 if p.dim() == 2 and "emb" not in n and "head" not in n)
+    everything = sum(p.numel() for p in model.parameters())
+    adamw, muon = (estimate(cfg, world_size=1, batch_size=1, optimizer=o, device="cpu",
+                            process_baseline=0).lines["optimizer states"]
+                   for o in ("adamw", "muon"))
+    assert adamw == 2 * 4 * everything
+    # AdamW's 2 on the rest; on the matrices: rows as written, then momentum and whole
+    # copy on the one rank that owns them all
+    assert muon == 4 * (2 * (everything - hidden) + hidden + 2 * hidden)

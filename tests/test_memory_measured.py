@@ -21,7 +21,8 @@ MIB = 2 ** 20
 
 
 def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkpointing: bool,
-                    param_dtype: torch.dtype | None = None, quantize_comm: str = "none"):
+                    param_dtype: torch.dtype | None = None, quantize_comm: str = "none",
+                    optimizer: str = "adamw"):
     from fullshard import MixedPrecisionPolicy
     from fullshard.activation_checkpointing import apply_activation_checkpointing
 
@@ -41,9 +42,14 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
         apply_activation_checkpointing(model, lambda m: m in set(model.layers))
     model.to_empty(device="cpu")
     model.init_weights()
+    optimizers = None
+    if optimizer != "adamw":  # the trainer's recipe (muon: Muon on the hidden matrices)
+        from fullshard.train.config import OptimConfig
+        from fullshard.train.loop import build_optimizers
+        optimizers = lambda m: build_optimizers(m, OptimConfig(name=optimizer))  # noqa: E731
     return testing_memory.tracked_token_steps(
         model, tracker, cfg.vocab_size, batch, SEQ,
-        lambda tokens: lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1)))
+        lambda tokens: lm_loss(model(tokens).float(), torch.roll(tokens, -1, 1)), optimizers)
 
 
 @pytest.mark.parametrize("world_size, d_model, n_layers", [
@@ -85,6 +91,27 @@ def test_mixture_of_experts_estimate_within_10_percent_of_measured_peak():
         error = (est.total - report["peak_bytes"]) / report["peak_bytes"]
         print(f"moe rank {rank}: measured {report['peak_bytes'] / MIB:.0f} MiB, estimated "
               f"{est.total / MIB:.0f} MiB ({error:+.1%})")
+        assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
+def test_muon_estimate_within_10_percent_of_measured_peak():
+    """The trainer's Muon recipe: Muon on the hidden matrices (one state, the owners' whole
+    copies, the exchanged gradients), AdamW on the embeddings and norms (Note [whole-matrix
+    optimizers])."""
+    # Muon's Newton-Schulz runs in bf16, slow on a CPU: a small model
+    cfg = GPTConfig(vocab_size=32000, seq_len=SEQ, d_model=384, n_layers=4, n_heads=6)
+    reports = run_distributed(train_and_track, 2, cfg, "full_shard", BATCH, False, None,
+                              "none", "muon", timeout=300)
+    for rank, report in enumerate(reports):
+        est = estimate(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, device="cpu",
+                       optimizer="muon", process_baseline=report["baseline_bytes"])
+        error = (est.total - report["peak_bytes"]) / report["peak_bytes"]
+        print(f"muon rank {rank}: measured {report['peak_bytes'] / MIB:.0f} MiB, estimated "
+              f"{est.total / MIB:.0f} MiB ({error:+.1%}); phases measured "
+              f"{_mib(report['phases'])} estimated "
+              f"{ {p: round(b / MIB) for p, b in est.phase_peaks.items()} }")
         assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
 
 

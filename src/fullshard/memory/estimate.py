@@ -19,6 +19,7 @@ from ..core.buffers import DEFAULT_MAX_NUMEL
 from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..policies import DiskOffloadPolicy, MixedPrecisionPolicy
+from ..whole_matrix.recipe import muon_matrices
 from .activations import StepTrace, trace_step
 from .models import LossOf, workload_for
 from .process import current_rss_bytes
@@ -28,8 +29,9 @@ from .units import find_units, layout_groups
 from .weights import WeightBytes, adapt_weights, check_weights
 
 STRATEGIES = ("full_shard", "shard_grad_op", "zero1", "no_shard")
-# State tensors torch's optimizers keep per parameter (SGD: with momentum).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "muon": 1, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
+# State tensors torch's optimizers keep per parameter (SGD: with momentum; muon: AdamW's,
+# on what the recipe leaves to AdamW; its Muon matrices: replay.owned_whole_numel).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "muon": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                     "rmsprop": 1}
 BASELINE = "process baseline"
 DISK_CHUNK_NUMEL = DiskOffloadPolicy.__dataclass_fields__["chunk_numel"].default
@@ -109,10 +111,11 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             one unit at a time); ``"none"`` (or False): on the device.
         activation_checkpointing: every unit but the root recomputes its forward.
         batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
-        optimizer: adamw, adam, muon, sgd, sgd-momentum, adagrad or rmsprop (muon: its one
-            state on every parameter, the owners' whole copies and each rank's rows as
+        optimizer: adamw, adam, muon, sgd, sgd-momentum, adagrad or rmsprop (muon: the
+            recipe ``fullshard train --optim.name muon`` builds, Muon on the hidden
+            matrices with its one state, the owners' whole copies and each rank's rows as
             last written, and the whole gradients its step assembles, Note [whole-matrix
-            optimizers]).
+            optimizers]; AdamW's two states on the embeddings, head, norms and biases).
         device: ``cuda`` (NCCL; figures comparable to torch.cuda.max_memory_allocated)
             or ``cpu`` (gloo; figures comparable to peak RSS).
         bucket_numel: fullshard's small-unit merging threshold (set_bucket_numel).
@@ -212,7 +215,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     settings = RunSettings(
         param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
-        whole_matrix=optimizer == "muon",
+        whole_matrix=frozenset(id(p) for p in muon_matrices(model))
+        if optimizer == "muon" else frozenset(),
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload != "none",
         states_on_disk=DISK_CHUNK_NUMEL if offload.startswith("disk") else 0,

@@ -37,6 +37,7 @@ import torch
 from ..core.quantized_collectives import ROWS_PER_PASS, wire_bytes
 from ..core.schedule import (GatherPlan, PrefetchOrder, backward_is_done,
                              frees_after_forward, gather_plan, shard_device_for)
+from ..whole_matrix.recipe import owners_by_cost, step_cost
 from .activations import StepTrace
 from .reduction_replay import ReductionReplay
 from .byte_ledger import (ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, OPTIMIZER,
@@ -61,7 +62,9 @@ class RunSettings:
     keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
     states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
     params_on_disk: bool = False  # DiskOffloadPolicy(params=True): shards paged in per use
-    whole_matrix: bool = False  # Muon: each matrix stepped whole on one rank
+    # Muon's matrices (ParamShape keys): one state each, stepped whole on one rank; the
+    # other parameters have ``optimizer_states`` (Note [whole-matrix optimizers])
+    whole_matrix: frozenset[int] = frozenset()
     quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
     quantize_grads: int = 0
 
@@ -92,6 +95,23 @@ class _Group:
         return self.layout.after_forward.post_forward_size
 
 
+def _whole_matrix_numel(s: RunSettings, g: _Group) -> int:
+    """Elements of this rank's shards of the group's Muon matrices."""
+    return sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable
+               if p.key in s.whole_matrix)
+
+
+def owned_whole_numel(s: RunSettings, groups: list[_Group]) -> int:
+    """Elements of the Muon matrices the most loaded rank steps whole: owners are chosen
+    by the step's cost as the optimizer chooses them (Note [whole-matrix optimizers])."""
+    muon = [p for g in groups for p in g.layout.trainable if p.key in s.whole_matrix]
+    if not muon:
+        return 0
+    ranks = groups[0].layout.shard_size
+    owners = owners_by_cost([step_cost(p.rows, p.numel) for p in muon], ranks)
+    return max(sum(p.numel for p, o in zip(muon, owners) if o == r) for r in range(ranks))
+
+
 def allocate_model_states(ledger: ByteLedger, groups: list[_Group], s: RunSettings) -> int:
     """Enter what a step holds throughout in ``ledger``: each group's shard and its
     optimizer states (on the host with offload), the staging sets for states on disk, the
@@ -110,13 +130,17 @@ def allocate_model_states(ledger: ByteLedger, groups: list[_Group], s: RunSettin
         if s.states_on_disk:
             on_disk += trainable
             continue
+        rows = _whole_matrix_numel(s, g)  # Muon's: its states live with the owners
         ledger.alloc(("states", g.index), OPTIMIZER,
-                     s.optimizer_states * trainable * s.param_dtype.itemsize, s.offload)
-        if s.whole_matrix and trainable:
-            # Note [whole-matrix optimizers]: the owners' whole copies of the
-            # parameters (about 1/N of them each) and each rank's rows as last written
-            ledger.alloc(("whole copies", g.index), OPTIMIZER,
-                         2 * trainable * s.param_dtype.itemsize, s.offload)
+                     s.optimizer_states * (trainable - rows) * s.param_dtype.itemsize,
+                     s.offload)
+        if rows:  # each rank's rows as the last step wrote them
+            ledger.alloc(("rows as written", g.index), OPTIMIZER,
+                         rows * s.param_dtype.itemsize, s.offload)
+    owned = owned_whole_numel(s, groups)
+    if owned:  # Note [whole-matrix optimizers]: the owner's momentum and whole copy of each
+        ledger.alloc("owned whole matrices", OPTIMIZER, 2 * owned * s.param_dtype.itemsize,
+                     s.offload)
     if s.states_on_disk and on_disk and s.optimizer_states:
         # Note [optimizer states on disk]: three staging sets of one chunk each
         chunk = min(round_up(s.states_on_disk), round_up(on_disk))
@@ -396,18 +420,21 @@ class Replay:
     def _optimizer_step(self) -> None:
         s = self.settings
         shards = [p.shard_numel(g.layout.shard_size) * s.param_dtype.itemsize
-                  for g in self.groups for p in g.layout.trainable]
-        if s.whole_matrix and shards and not s.offload:
-            # Note [whole-matrix optimizers]: the gradients' rows in flight, then what
-            # arrived and the owned whole gradients (a rank owns about 1/N of them); the
-            # return's send beside its receive alike
-            temporaries = 2 * sum(shards)
-        elif s.offload or not shards or not s.optimizer_states:
+                  for g in self.groups for p in g.layout.trainable
+                  if p.key not in s.whole_matrix]
+        whole = (sum(_whole_matrix_numel(s, g) for g in self.groups)
+                 + owned_whole_numel(s, self.groups)) * s.param_dtype.itemsize
+        if s.offload or not shards or not s.optimizer_states:
             temporaries = 0  # offloaded: the step runs on the host
         elif s.foreach_optimizer:
             temporaries = sum(shards)      # e.g. _foreach_sqrt of every second moment
         else:
             temporaries = 2 * max(shards)  # one parameter's sqrt(v) and its quotient
+        if whole and not s.offload:
+            # Note [whole-matrix optimizers]: the gradients' rows in flight, then the
+            # owned whole gradients they assemble; the return's send beside its receive
+            # alike. One optimizer steps after the other.
+            temporaries = max(temporaries, whole)
         self._sample(extra=temporaries)
         for g in self.groups:  # zero_grad(set_to_none=True): fresh gradients die
             if not g.persistent_grads and self.ledger.holds(("grad", g.index)):

@@ -28,6 +28,7 @@ from ..gpt import aux_loss, lm_loss
 from ..grad_norm import clip_grad_norm_
 from ..memory import tune_cpu_allocator
 from ..memory.allocator import release_free_heap
+from ..whole_matrix.recipe import muon_matrices
 from . import checkpoints
 from .config import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
@@ -373,17 +374,11 @@ def build_optimizers(model: nn.Module, optim: OptimConfig) -> list[torch.optim.O
     learning rate and weight decay serve both), AdamW on the embeddings, the output head,
     norms and biases, as the Muon recipe does; fullshard steps each Muon matrix whole
     (Note [whole-matrix optimizers])."""
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
-                  for p in m.parameters()}
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    embeddings |= {id(p) for p in (head.parameters() if head is not None else ())}
-    matrices, decay, no_decay = [], [], []
+    matrices = muon_matrices(model) if optim.name == "muon" else []
+    stepped_by_muon = {id(p) for p in matrices}
+    decay, no_decay = [], []
     for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        if optim.name == "muon" and param.dim() == 2 and id(param) not in embeddings:
-            matrices.append(param)
-        else:
+        if param.requires_grad and id(param) not in stepped_by_muon:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]

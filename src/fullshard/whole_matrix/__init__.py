@@ -67,6 +67,7 @@ import torch
 from .exchange import (Item, agree, all_to_all, by_group, comm_device, numel, rows, same_bits,
                        shard_group)
 from .kept import Kept, describe, forget, kept_for
+from .recipe import owners_by_cost, step_cost
 
 # Muon orthogonalizes each matrix; Adafactor factors each matrix's second moment over its
 # whole rows and columns (on DTensor shards torch's fails outright).
@@ -158,22 +159,14 @@ def _kept(opt: torch.optim.Optimizer, owners: list[list]) -> Kept:
     found = [(p, sp, shard_group(p)) for group, group_owners in zip(opt.param_groups, owners)
              for p, sp in zip(group["params"], group_owners) if sp is not None]
     signature = tuple((id(p), id(pg)) for p, _, pg in found)
-    load: dict[int, dict[int, int]] = {}
     placed = {}
-    for p, sp, pg in sorted(found, key=lambda f: -_cost(f[0].shape)):
-        ranks = load.setdefault(id(pg), {r: 0 for r in range(pg.size())})
-        owner = min(ranks, key=lambda r: (ranks[r], r))
-        ranks[owner] += _cost(p.shape)
-        placed[id(p)] = Item(p, sp, pg, owner)
+    for pg_id in dict.fromkeys(id(pg) for _, _, pg in found):  # each shard group alone
+        members = [(p, sp, pg) for p, sp, pg in found if id(pg) == pg_id]
+        owners = owners_by_cost([step_cost(p.shape[0], p.numel()) for p, _, _ in members],
+                                members[0][2].size())
+        for (p, sp, pg), owner in zip(members, owners):
+            placed[id(p)] = Item(p, sp, pg, owner)
     return kept_for(opt, [placed[id(p)] for p, _, _ in found], signature)
-
-
-def _cost(shape: torch.Size) -> int:
-    """Multiply-adds of one Newton-Schulz iteration on an m x n matrix (m <= n): the Gram
-    matrix and the product back, m x m x n each, and the Gram matrix squared, m^3."""
-    rows_, cols = shape[0], max(1, shape.numel() // max(1, shape[0]))
-    m, n = min(rows_, cols), max(rows_, cols)
-    return 2 * m * m * n + m ** 3
 
 
 def _check_supported(opt: torch.optim.Optimizer, sp) -> None:
