@@ -94,7 +94,7 @@ def test_mixture_of_experts_estimate_within_10_percent_of_measured_peak():
         assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # 35 s: make test stays within its 10 minutes
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
 def test_muon_estimate_within_10_percent_of_measured_peak():
     """The trainer's Muon recipe: Muon on the hidden matrices (one state, the owners' whole
