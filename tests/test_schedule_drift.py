@@ -23,6 +23,7 @@ from fullshard.core.group import ParamGroup
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.memory import estimate
 from fullshard.memory import replay as replay_module
+from fullshard.memory.run_settings import ReplayGroup
 from fullshard.memory.byte_ledger import BytePool
 from fullshard.memory.reduction_replay import ReductionReplay
 from fullshard.memory.units import find_units
@@ -157,7 +158,7 @@ def _train_and_record(cfg: GPTConfig, kwargs: dict) -> list:
 def _replay_and_record(mp: pytest.MonkeyPatch, cfg: GPTConfig, world: int, kwargs: dict) -> list:
     log: list = []
     keep: dict = {}
-    _record(mp, replay_module._Group, BytePool, log, keep)
+    _record(mp, ReplayGroup, BytePool, log, keep)
     Replay = replay_module.Replay
     step, reduce, finish = Replay._step, ReductionReplay._reduce, ReductionReplay.finish
     replays: list = []

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
 from .collectives import Pending, all_reduce_sum, reduce_scatter_sum, skips_collectives
+from .divergence import Guard
 from .param import ShardedParam
 from .quantized_collectives import quantized_reduce_scatter_sum
 from .schedule import DIGEST_NUMEL, reduce_numel, reduce_plan, reduce_tail
 from .streams import HostCopies, traced
-
-if TYPE_CHECKING:
-    from .group import ParamGroup
 
 
 def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
@@ -203,13 +201,31 @@ class _Packed(NamedTuple):
     inspected: bool              # the chunk's digest is compared in the collective
 
 
+class ReducedGroup(Protocol):
+    """What a reduction reads of the group it serves (a ParamGroup, core/group.py)."""
+
+    params: list[ShardedParam]
+    unit_name: str
+    reduce_dtype: torch.dtype | None
+    pool: BufferPool
+    guard: Guard | None
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    @property
+    def compute_device(self) -> torch.device: ...
+
+    def trainable(self) -> list[ShardedParam]: ...
+
+
 class GradReduction:
     """One group's gradient side: lays this backward's unsharded gradients out, starts
     their reduce-scatter (or all-reduce), and keeps the sharded gradient buffers that
     the reduction writes (Note [persistent sharded gradients]). ``group`` is the
     ParamGroup it serves: its process groups, dtypes, buffers and guard."""
 
-    def __init__(self, group: "ParamGroup"):
+    def __init__(self, group: ReducedGroup):
         self.group = group
         self.partial_sum = PartialSum()  # set_requires_all_reduce(False) under HSDP
         self._all_present: torch.Tensor | None = None

@@ -24,7 +24,8 @@ from .activations import StepTrace, trace_step
 from .models import LossOf, workload_for
 from .process import current_rss_bytes
 from .byte_ledger import CATEGORIES
-from .replay import Replay, RunSettings
+from .replay import Replay
+from .run_settings import RunSettings
 from .units import find_units, layout_groups
 from .weights import WeightBytes, adapt_weights, check_weights
 

@@ -12,7 +12,7 @@ from ..core.schedule import ReducePlan, reduce_plan
 from .byte_ledger import COMMUNICATION, GRADIENTS, BytePool, ByteLedger
 
 if TYPE_CHECKING:
-    from .replay import RunSettings, _Group
+    from .run_settings import ReplayGroup, RunSettings
 
 
 class ReductionReplay:
@@ -28,11 +28,11 @@ class ReductionReplay:
         self.sample_with = sample_with
         self.pending: tuple | None = None  # (group, send buffer, scratch, output)
 
-    def start(self, group: "_Group") -> None:
+    def start(self, group: "ReplayGroup") -> None:
         """Reduce ``group``'s gradients (the previous reduction already finished)."""
         self.pending = self._reduce(group)
 
-    def _reduce(self, group: "_Group") -> tuple | None:
+    def _reduce(self, group: "ReplayGroup") -> tuple | None:
         s, layout = self.settings, group.layout
         if not layout.trainable:
             return None
@@ -61,7 +61,7 @@ class ReductionReplay:
         self.sample()
         return group, full, scratch, out
 
-    def _grad_destination(self, group: "_Group") -> None:
+    def _grad_destination(self, group: "ReplayGroup") -> None:
         """Note [persistent sharded gradients]: small groups keep one gradient buffer,
         allocated by their first reduction; larger ones get fresh gradients."""
         s, numel = self.settings, group.layout.reduce_numel
@@ -70,7 +70,7 @@ class ReductionReplay:
             self.ledger.alloc(("grad", group.index), GRADIENTS,
                               numel * s.param_dtype.itemsize, s.offload)
 
-    def _plan(self, group: "_Group") -> ReducePlan:
+    def _plan(self, group: "ReplayGroup") -> ReducePlan:
         s = self.settings
         return reduce_plan(shard_size=group.layout.shard_size, replicated=s.replicated,
                            backend=s.backend, reduce_dtype=s.reduce_dtype,

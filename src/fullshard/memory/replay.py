@@ -30,78 +30,25 @@ moment, is the peak; the breakdown is what was alive then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..core.quantized_collectives import ROWS_PER_PASS, wire_bytes
-from ..core.schedule import (GatherPlan, PrefetchOrder, backward_is_done,
-                             frees_after_forward, gather_plan, shard_device_for)
+from ..core.schedule import GatherPlan, PrefetchOrder, backward_is_done, gather_plan
 from ..whole_matrix.recipe import owners_by_cost, step_cost
 from .activations import StepTrace
 from .reduction_replay import ReductionReplay
 from .byte_ledger import (ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, OPTIMIZER,
                           SHARDED_PARAMS, UNSHARDED, BytePool, ByteLedger, Peak, round_up)
+from .run_settings import ReplayGroup, RunSettings
 from .units import GroupLayout
 
-@dataclass(frozen=True)
-class RunSettings:
-    """How fullshard runs the step, in the terms core decides its buffers from."""
-
-    param_dtype: torch.dtype    # of shards, sharded gradients, optimizer states
-    compute_dtype: torch.dtype  # of gathered parameters and unsharded gradients
-    reduce_dtype: torch.dtype   # of the reduce-scatter buffers
-    optimizer_states: int       # state tensors per parameter (AdamW: 2)
-    foreach_optimizer: bool     # CUDA's default: one temporary the size of all shards
-    device: torch.device        # where forward and backward run
-    backend: str                # of the process groups ("gloo", "nccl")
-    pool_max_numel: int         # BufferPool.max_numel (also the persistent-gradient limit)
-    offload: bool               # shards, gradients, states on the host
-    replicated: bool = False    # shard groups of one rank, replicas all-reduce (no_shard)
-    heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
-    keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
-    states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
-    params_on_disk: bool = False  # DiskOffloadPolicy(params=True): shards paged in per use
-    # Muon's matrices (ParamShape keys): one state each, stepped whole on one rank; the
-    # other parameters have ``optimizer_states`` (Note [whole-matrix optimizers])
-    whole_matrix: frozenset[int] = frozenset()
-    quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
-    quantize_grads: int = 0
-
-    @property
-    def shard_device(self) -> torch.device:
-        return shard_device_for(self.offload, self.device)
-
-
-@dataclass
-class _Group:
-    layout: GroupLayout
-    index: int
-    state: str = "sharded"     # sharded | gathering | unsharded | post_forward
-    gather: tuple | None = None  # the gathered buffer (a pool handle), ("chunk", i) or None
-    side_gather: tuple | None = None  # tensor-subclass parameters: (send, receive)
-    inputs_pending: int = 0   # watched forward calls whose input gradients are to come
-    inputs_fired: int = 0
-    unwatched: bool = False   # a unit of it ran forward with no input needing grad
-    persistent_grads: bool = False
-
-    @property
-    def frees_after_forward(self) -> bool:
-        # a merged group's units share its rule; a root's run follows the root's
-        return frees_after_forward(self.layout.after_forward.reshard, self.layout.is_root)
-
-    @property
-    def post_forward_size(self) -> int | None:
-        return self.layout.after_forward.post_forward_size
-
-
-def _whole_matrix_numel(s: RunSettings, g: _Group) -> int:
+def _whole_matrix_numel(s: RunSettings, g: ReplayGroup) -> int:
     """Elements of this rank's shards of the group's Muon matrices."""
     return sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable
                if p.key in s.whole_matrix)
 
 
-def owned_whole_numel(s: RunSettings, groups: list[_Group]) -> int:
+def owned_whole_numel(s: RunSettings, groups: list[ReplayGroup]) -> int:
     """Elements of the Muon matrices the most loaded rank steps whole: owners are chosen
     by the step's cost as the optimizer chooses them (Note [whole-matrix optimizers])."""
     muon = [p for g in groups for p in g.layout.trainable if p.key in s.whole_matrix]
@@ -112,7 +59,7 @@ def owned_whole_numel(s: RunSettings, groups: list[_Group]) -> int:
     return max(sum(p.numel for p, o in zip(muon, owners) if o == r) for r in range(ranks))
 
 
-def allocate_model_states(ledger: ByteLedger, groups: list[_Group], s: RunSettings) -> int:
+def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunSettings) -> int:
     """Enter what a step holds throughout in ``ledger``: each group's shard and its
     optimizer states (on the host with offload), the staging sets for states on disk, the
     one shard paged in at a time for parameters on disk. The bytes kept in files."""
@@ -160,11 +107,11 @@ class Replay:
         self.trace = trace
         self.ledger = ByteLedger()
         self.pool = BytePool(self.ledger, settings.pool_max_numel)
-        self.groups = [_Group(g, i) for i, g in enumerate(groups)]
+        self.groups = [ReplayGroup(g, i) for i, g in enumerate(groups)]
         self.group_of_unit = {u: g for g in self.groups for u in g.layout.units}
         self.group_of_param = {p.key: g for g in self.groups for p in g.layout.trainable}
         self.root_unit = len(unit_names) - 1
-        self.order: PrefetchOrder[int, _Group] = PrefetchOrder(self.group_of_unit.get)
+        self.order: PrefetchOrder[int, ReplayGroup] = PrefetchOrder(self.group_of_unit.get)
         self.peaks: dict[str, Peak] = {}
         self.activations = 0
         self.phase = "forward"
@@ -286,24 +233,24 @@ class Replay:
             self._reshard(g)
         self._reduced.clear()
 
-    def _post_backward(self, group: _Group) -> None:
+    def _post_backward(self, group: ReplayGroup) -> None:
         self.reductions.finish()  # at most one reduction in flight
         self._reshard(group)  # before the reduction allocates its buffers
         self.reductions.start(group)
         self._reduced.add(group.index)
 
     # -- gathering (ParamGroup.unshard, wait_unshard, reshard) -------------------------------
-    def _unsharded_bytes(self, group: _Group) -> int:
+    def _unsharded_bytes(self, group: ReplayGroup) -> int:
         return group.layout.unsharded_numel * self.settings.compute_dtype.itemsize
 
-    def _gather_plan(self, group: _Group) -> GatherPlan:
+    def _gather_plan(self, group: ReplayGroup) -> GatherPlan:
         s = self.settings
         return gather_plan(shard_size=group.layout.shard_size, shard_dtype=s.param_dtype,
                            shard_device=s.shard_device, compute_dtype=s.compute_dtype,
                            compute_device=s.device, offload=s.offload,
                            post_forward=group.post_forward_size is not None)
 
-    def _unshard(self, group: _Group) -> None:
+    def _unshard(self, group: ReplayGroup) -> None:
         s, layout = self.settings, group.layout
         if group.state == "post_forward":  # hpZ: gather the chunks straight into place
             self._hold(("unsharded", group.index), self._unsharded_bytes(group))
@@ -337,7 +284,7 @@ class Replay:
         group.gather = out
         group.state = "gathering"
 
-    def _wait(self, group: _Group) -> None:
+    def _wait(self, group: ReplayGroup) -> None:
         if group.state != "gathering":
             return
         if group.side_gather is not None:
@@ -362,7 +309,7 @@ class Replay:
         group.gather = None
         group.state = "unsharded"
 
-    def _free_quantized_gather(self, group: _Group) -> None:
+    def _free_quantized_gather(self, group: ReplayGroup) -> None:
         if self.ledger.holds(("q_gather", group.index)):
             self.ledger.free(("q_gather", group.index))
 
@@ -371,7 +318,7 @@ class Replay:
         if not self.ledger.holds(key):
             self.ledger.alloc(key, UNSHARDED, nbytes)
 
-    def _give_side_gather(self, group: _Group) -> None:
+    def _give_side_gather(self, group: ReplayGroup) -> None:
         send, received = group.side_gather
         self.pool.give(send)
         self.pool.give(received)
@@ -379,11 +326,11 @@ class Replay:
         if self.ledger.holds(("inputs", group.index)):
             self.ledger.free(("inputs", group.index))
 
-    def _prefetch(self, group: _Group | None) -> None:
+    def _prefetch(self, group: ReplayGroup | None) -> None:
         if group is not None and group.state == "sharded" and group.index not in self._reduced:
             self._unshard(group)
 
-    def _reshard_after_forward(self, group: _Group) -> None:
+    def _reshard_after_forward(self, group: ReplayGroup) -> None:
         n = group.post_forward_size
         if n is None or group.state != "unsharded":
             self._reshard(group)
@@ -394,7 +341,7 @@ class Replay:
         self._reshard(group)
         group.state = "post_forward"
 
-    def _reshard(self, group: _Group) -> None:
+    def _reshard(self, group: ReplayGroup) -> None:
         if group.state == "sharded":
             return
         if group.state == "post_forward":

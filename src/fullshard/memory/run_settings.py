@@ -1,0 +1,64 @@
+"""How the replayed step runs: the settings core decides its buffers from, and each
+group's state as the replay walks it (memory/replay.py, memory/reduction_replay.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.schedule import frees_after_forward, shard_device_for
+from .units import GroupLayout
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How fullshard runs the step, in the terms core decides its buffers from."""
+
+    param_dtype: torch.dtype    # of shards, sharded gradients, optimizer states
+    compute_dtype: torch.dtype  # of gathered parameters and unsharded gradients
+    reduce_dtype: torch.dtype   # of the reduce-scatter buffers
+    optimizer_states: int       # state tensors per parameter (AdamW: 2)
+    foreach_optimizer: bool     # CUDA's default: one temporary the size of all shards
+    device: torch.device        # where forward and backward run
+    backend: str                # of the process groups ("gloo", "nccl")
+    pool_max_numel: int         # BufferPool.max_numel (also the persistent-gradient limit)
+    offload: bool               # shards, gradients, states on the host
+    replicated: bool = False    # shard groups of one rank, replicas all-reduce (no_shard)
+    heap_retention: bool = False  # CPU: freed small blocks stay resident (activations.py)
+    keep_unsharded: bool = False  # set_keep_unsharded_storage (zero1): reshard keeps it
+    states_on_disk: int = 0     # DiskOffloadPolicy: its chunk_numel (0: states in memory)
+    params_on_disk: bool = False  # DiskOffloadPolicy(params=True): shards paged in per use
+    # Muon's matrices (ParamShape keys): one state each, stepped whole on one rank; the
+    # other parameters have ``optimizer_states`` (Note [whole-matrix optimizers])
+    whole_matrix: frozenset[int] = frozenset()
+    quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
+    quantize_grads: int = 0
+
+    @property
+    def shard_device(self) -> torch.device:
+        return shard_device_for(self.offload, self.device)
+
+
+@dataclass
+class ReplayGroup:
+    """One group's buffers as the replay tracks them (a ParamGroup's, as bytes)."""
+
+    layout: GroupLayout
+    index: int
+    state: str = "sharded"     # sharded | gathering | unsharded | post_forward
+    gather: tuple | None = None  # the gathered buffer (a pool handle), ("chunk", i) or None
+    side_gather: tuple | None = None  # tensor-subclass parameters: (send, receive)
+    inputs_pending: int = 0   # watched forward calls whose input gradients are to come
+    inputs_fired: int = 0
+    unwatched: bool = False   # a unit of it ran forward with no input needing grad
+    persistent_grads: bool = False
+
+    @property
+    def frees_after_forward(self) -> bool:
+        # a merged group's units share its rule; a root's run follows the root's
+        return frees_after_forward(self.layout.after_forward.reshard, self.layout.is_root)
+
+    @property
+    def post_forward_size(self) -> int | None:
+        return self.layout.after_forward.post_forward_size
