@@ -231,9 +231,10 @@ def worker(args: argparse.Namespace) -> None:
     backend = "gloo" if device.type != "cuda" else "cpu:gloo,cuda:nccl" if w.offload else "nccl"
     dist.init_process_group(backend)
     try:
-        if args.quick:
+        if args.quick:  # a run's cost is mostly its start and compile, not its steps:
+            # 10 timed steps (5 for G3) where 5 gave ratios 10-24% apart from run to run
             w = Workload(w.cfg, w.batch, w.seq, w.offload, w.compile_and_checkpoint,
-                         warmup=2, steps=min(w.steps, 5))
+                         warmup=3, steps=min(w.steps, 10))
         profile_to = None
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)
@@ -303,7 +304,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, help="processes (default: every visible GPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a quick check)")
     parser.add_argument("--quick", action="store_true",
-                        help="2 warm-up and at most 5 timed steps (a short GPU window)")
+                        help="3 warm-up and at most 10 timed steps (a short GPU window)")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                         help="the device's dense bf16 peak, for MFU (default: H100 SXM)")
     parser.add_argument("--timeout", type=float, default=900)
