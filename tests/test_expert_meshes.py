@@ -109,7 +109,7 @@ def _parity(layout: str) -> list[tuple[float, float]]:
 
 # ep2xefsdp2 and experts_hybrid run in the test of an expert without tokens below; the
 # rarer layouts in the extended lane keep `make test` within its time
-_EXTENDED = {"ep2xefsdp2_uneven", "ep2xefsdp1", "shard1_in_block"}
+_EXTENDED = {"ep2xefsdp2_uneven", "ep2xefsdp1", "shard1_in_block", "ep2xefsdp2_one_call"}
 
 
 @pytest.mark.slow
@@ -141,6 +141,7 @@ def _gathered_with_the_block() -> list[tuple]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_unsharding_a_block_gathers_its_experts_on_their_own_mesh():
     if not _has_placement_results():
         pytest.skip("this torch has no ShardPlacementResult")
