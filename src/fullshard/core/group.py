@@ -423,7 +423,6 @@ class ParamGroup:
         gather runs in place."""
         return gathered.narrow(0, self.pg.rank() * self.storage.numel, self.storage.numel)
 
-
     # -- gradients ------------------------------------------------------------------------
     def trainable(self) -> list[ShardedParam]:
         return [p for p in self.params if p.sharded_param.requires_grad]

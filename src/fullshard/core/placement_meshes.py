@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from .init import managed_modules
 from .state import unit_of
 
 
@@ -52,11 +53,7 @@ def _own_params(module: nn.Module, ignored: set) -> list[nn.Parameter]:
 
 def _managed(module: nn.Module, ignored: set) -> list[nn.Parameter]:
     """The parameters a ``fully_shard(module)`` would take (none under sharded units)."""
-    out = _own_params(module, ignored)
-    for child in module._modules.values():
-        if child is not None and unit_of(child) is None:
-            out += _managed(child, ignored)
-    return out
+    return [p for _, sub in managed_modules(module) for p in _own_params(sub, ignored)]
 
 
 def split_by_mesh(label: str, modules: list[nn.Module], mesh: DeviceMesh | None,

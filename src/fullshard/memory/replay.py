@@ -59,10 +59,12 @@ def owned_whole_numel(s: RunSettings, groups: list[ReplayGroup]) -> int:
     return max(sum(p.numel for p, o in zip(muon, owners) if o == r) for r in range(ranks))
 
 
-def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunSettings) -> int:
+def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunSettings,
+                          owned: int = 0) -> int:
     """Enter what a step holds throughout in ``ledger``: each group's shard and its
-    optimizer states (on the host with offload), the staging sets for states on disk, the
-    one shard paged in at a time for parameters on disk. The bytes kept in files."""
+    optimizer states (on the host with offload), the Muon matrices' whole copies on their
+    owners (``owned``: owned_whole_numel), the staging sets for states on disk, the one
+    shard paged in at a time for parameters on disk. The bytes kept in files."""
     on_disk = 0  # trainable shard elements whose states live on disk
     disk_param_bytes = paged_shard = 0  # params=True: on disk, largest paged in
     for g in groups:
@@ -84,7 +86,6 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
         if rows:  # each rank's rows as the last step wrote them
             ledger.alloc(("rows as written", g.index), OPTIMIZER,
                          rows * s.param_dtype.itemsize, s.offload)
-    owned = owned_whole_numel(s, groups)
     if owned:  # Note [whole-matrix optimizers]: the owner's momentum and whole copy of each
         ledger.alloc("owned whole matrices", OPTIMIZER, 2 * owned * s.param_dtype.itemsize,
                      s.offload)
@@ -119,7 +120,9 @@ class Replay:
                                           self._sample_with)
         self._reduced: set[int] = set()
         self._forward_done: set[int] = set()
-        self.disk_bytes = allocate_model_states(self.ledger, self.groups, settings)
+        self.owned_whole = owned_whole_numel(settings, self.groups)  # the same every step
+        self.disk_bytes = allocate_model_states(self.ledger, self.groups, settings,
+                                                self.owned_whole)
 
     def run(self, steps: int = 2) -> dict[str, Peak]:
         """Replay ``steps`` steps; the peaks of the last one (pools warmed up)."""
@@ -370,7 +373,7 @@ class Replay:
                   for g in self.groups for p in g.layout.trainable
                   if p.key not in s.whole_matrix]
         whole = (sum(_whole_matrix_numel(s, g) for g in self.groups)
-                 + owned_whole_numel(s, self.groups)) * s.param_dtype.itemsize
+                 + self.owned_whole) * s.param_dtype.itemsize
         if s.offload or not shards or not s.optimizer_states:
             temporaries = 0  # offloaded: the step runs on the host
         elif s.foreach_optimizer:
