@@ -39,20 +39,20 @@ test: $(STAMP)
 test-multinode: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m multinode
 
-# More combinations than `make test` has time for (tests/conftest.py lists them): CI runs
+# More combinations than `make test` has time for (the tests marked extended): CI runs
 # it after the multi-node lane.
 test-extended: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m extended -n 2
 
-# The tests a developer runs often (under 2 minutes on 2 cores): everything but the tests
-# tests/conftest.py marks slow.
+# The tests a developer runs often (under 2 minutes on 2 cores): everything but those that
+# carry @pytest.mark.slow.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended"
 
 # 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
-# without faults (48 minutes on 2 cores): tests/test_soak_restarts.py.
+# without faults (48 minutes on 2 cores): tests/train/test_soak_restarts.py.
 soak: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_soak_restarts.py -m soak
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/train/test_soak_restarts.py -m soak
 
 # The CUDA lane (tests/gpu): NCCL ranks, one per visible GPU, against references on the
 # same GPUs. It runs on the Python that has a CUDA torch: .venv where one exists (the CPU

@@ -19,8 +19,9 @@ import sys
 
 import pytest
 
-# Tests in subfolders (tests/conformance) import helpers of tests/ by module name, e.g.
-# ``from catalogue import matches_documented``.
+# The tests are laid out like the package (tests/core for src/fullshard/core, ...); they
+# import what they share from tests/support, e.g. ``from support.catalogue import
+# matches_documented``, and tests/lanes.py by module name.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import lanes  # noqa: E402 - found through the path set just above
@@ -31,13 +32,9 @@ if not lanes.is_cuda_lane(os.environ):
     lanes.hide_cuda(os.environ)
 
 
-
-
 # The multi-node lane (2 launchers x 2 ranks each, ~3 minutes on 2 cores): left out of
 # `make test` to keep it under 10 minutes, run by `make test-multinode`; CI runs both.
-MULTINODE_FILES = ("tests/test_multinode.py",)
-
-
+MULTINODE_FILES = ("tests/train/test_multinode.py",)
 
 
 def pytest_collection_modifyitems(config, items):

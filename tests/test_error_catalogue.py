@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from catalogue import _matches, documented, message_of, run_stderr_of
+from support.catalogue import _matches, documented, message_of, run_stderr_of
 from fullshard.testing import run_distributed
 
 class _Pair(nn.Module):
@@ -489,7 +489,7 @@ def _verification_cases(tmp: str) -> dict[str, str]:
     import warnings
 
     from fullshard import checkpoint as ckpt
-    from checkpoint_dirs import (fullshard_checkpoint, shard_file, small_model,
+    from support.checkpoint_dirs import (fullshard_checkpoint, shard_file, small_model,
                                  torch_checkpoint, truncate)
 
     root = os.path.join(tmp, "verification")
@@ -531,7 +531,7 @@ def _verification_cases(tmp: str) -> dict[str, str]:
 
 
 def _message_of_load(ckpt, path: str) -> str:
-    from checkpoint_dirs import small_model
+    from support.checkpoint_dirs import small_model
     return message_of(lambda: ckpt.load(path, small_model()))
 
 
@@ -683,6 +683,7 @@ def produced(tmp_path_factory) -> dict[str, str]:
     return messages
 
 
+@pytest.mark.slow
 def test_every_catalogue_entry_is_produced_by_a_test(produced):
     entries = documented()
     assert set(_TESTED_ELSEWHERE) <= set(entries), set(_TESTED_ELSEWHERE) - set(entries)
@@ -702,32 +703,32 @@ def test_each_message_is_the_documented_text(produced):
 
 # Entries whose scenario needs its own run; each names the test that checks its text.
 _TESTED_ELSEWHERE = {
-    "E171": "tests/test_train_qlora.py::"
+    "E171": "tests/train/test_lora.py::"
             "test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run",
-    "E169": "tests/test_checkpoint_verify.py::"
+    "E169": "tests/checkpoint/test_verify.py::"
             "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
-    "E29": "tests/test_divergence.py::test_divergence_raises_on_every_rank",
-    "E30": "tests/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
-    "E130": "tests/test_divergence.py::"
+    "E29": "tests/core/test_divergence.py::test_divergence_raises_on_every_rank",
+    "E30": "tests/core/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
+    "E130": "tests/core/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
-    "E151": "tests/test_whole_matrix.py::"
+    "E151": "tests/whole_matrix/test_whole_matrix.py::"
             "test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
-    "E225": "tests/test_whole_matrix_state.py::"
+    "E225": "tests/whole_matrix/test_whole_matrix_state.py::"
             "test_states_loaded_on_some_ranks_only_are_refused_on_every_rank",
-    "E150": "tests/test_divergence.py::"
+    "E150": "tests/core/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
-    "E133": "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
-    "E134": "tests/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
-    "E132": "tests/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
-    "E131": "tests/test_divergence.py::test_ranks_at_different_collective_functions_both_name_them",
-    "E82": "tests/test_cli_errors.py::"
+    "E133": "tests/train/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
+    "E134": "tests/train/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
+    "E132": "tests/train/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
+    "E131": "tests/core/test_divergence.py::test_ranks_at_different_collective_functions_both_name_them",
+    "E82": "tests/cli/test_cli_errors.py::"
            "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
-    "E34": "tests/test_train_reliability.py::"
+    "E34": "tests/train/test_reliability.py::"
            "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
-    **{code: "tests/test_expert_meshes.py::"
+    **{code: "tests/core/test_placement_meshes.py::"
               "test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes"
        for code in ("E210", "E211")},  # world size 4, an (efsdp, ep) mesh
-    "E212": "tests/test_expert_meshes.py::"
+    "E212": "tests/core/test_placement_meshes.py::"
             "test_a_module_with_parameters_on_two_meshes_is_refused_naming_the_parameter",
     # world size 4, a (dp, tp) mesh
     "E45": "tests/conformance/test_tensor_parallel.py::"
@@ -736,23 +737,23 @@ _TESTED_ELSEWHERE = {
            "test_misuse_names_the_parameter_and_what_to_do",
     "E47": "tests/conformance/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
-    **{code: "tests/test_quantized_allgather.py::"
+    **{code: "tests/core/test_subclass_params.py::"
               "test_misuse_is_one_line_naming_the_parameter_on_every_rank"
        for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},
     # launching: in-process with a patched environment or torchrun, or several launchers
-    "E60": "tests/test_launch_flags.py::test_more_ranks_than_gpus_is_refused_before_nccl_sees_them",
-    "E61": "tests/test_multinode.py::test_a_node_with_another_config_is_named_on_every_node",
-    "E62": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
-    "E63": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
-    "E64": "tests/test_multinode.py::"
+    "E60": "tests/cli/test_launch_flags.py::test_more_ranks_than_gpus_is_refused_before_nccl_sees_them",
+    "E61": "tests/train/test_multinode.py::test_a_node_with_another_config_is_named_on_every_node",
+    "E62": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E63": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E64": "tests/train/test_multinode.py::"
            "test_an_out_that_only_its_own_node_sees_stops_at_the_first_save",
-    "E65": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
-    "E66": "tests/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
-    "E67": "tests/test_launch_flags.py::test_srun_with_several_tasks_per_node_is_refused",
-    "E68": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
-    "E69": "tests/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
-    **{code: "tests/test_projection_cli.py::test_bad_input_is_one_line_naming_it"
+    "E65": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E66": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
+    "E67": "tests/cli/test_launch_flags.py::test_srun_with_several_tasks_per_node_is_refused",
+    "E68": "tests/cli/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
+    "E69": "tests/cli/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
+    **{code: "tests/cli/test_project.py::test_bad_input_is_one_line_naming_it"
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
                     "E213")},
-    "E127": "tests/test_projection.py::test_library_sizes_must_be_positive",
+    "E127": "tests/projection/test_projection.py::test_library_sizes_must_be_positive",
 }

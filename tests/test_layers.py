@@ -113,3 +113,27 @@ def test_every_note_is_defined_once_and_indexed():
     assert not {t: f for t, f in defined.items() if len(f) > 1}, "Notes defined twice"
     assert not referenced - set(defined), f"references to no Note: {referenced - set(defined)}"
     assert not [t for t in defined if t not in index], "Notes missing from the index"
+
+
+# Folders of tests/ that mirror no package: code fullshard did not write, the CUDA lane,
+# what tests share, faults injected into workers.
+TEST_FOLDERS_OF_THEIR_OWN = {"conformance", "gpu", "support", "faults"}
+
+
+def test_tests_are_laid_out_like_the_package_and_import_no_test_module():
+    """tests/PKG/ holds the tests of src/fullshard/PKG/; a test module imports what it
+    shares from tests/support (or fullshard.testing), never from another test module."""
+    tests = pathlib.Path(__file__).resolve().parent
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert not folders - packages - TEST_FOLDERS_OF_THEIR_OWN, \
+        "test folders that match no package of src/fullshard"
+    test_modules = {p.stem for p in tests.rglob("test_*.py")}
+    importing_tests = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[-1] in test_modules for n in names):
+                importing_tests.append(str(path.relative_to(tests)))
+    assert not importing_tests, f"test modules imported by {importing_tests}"

@@ -238,6 +238,7 @@ def test_reduce_dtype_none_follows_the_installed_torch():
     assert fsdp1.reduce_dtype_for(torch.float32) == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_a_torch_older_than_supported_is_refused_at_import():
     import subprocess
     import sys

@@ -158,6 +158,7 @@ def test_optimizers_without_fullshard_parameters_are_left_alone():
     assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
 
 
+@pytest.mark.slow
 def test_importing_fullshard_installs_no_optimizer_hook_the_first_fully_shard_does():
     import subprocess
     import sys

@@ -19,7 +19,7 @@ refused at import. The differences handled, each named by a constant below:
   ``reduce_scatter_single`` (core/collectives.py takes whichever exists).
 
 Private torch names fullshard still uses, each because no public API does the job at the
-cost the hot path allows (``tests/test_torch_private_names.py`` checks every one on the
+cost the hot path allows (``tests/test_torch_version.py`` checks every one on the
 installed torch and fails naming the torch version and the name if a release changes it):
 
 * ``DTensor(local, spec, requires_grad=)`` with a ``DTensorSpec`` from

@@ -91,6 +91,7 @@ def _setting_on_a_list_member():
     return len(calls)
 
 
+@pytest.mark.slow
 def test_a_setting_on_one_module_of_a_list_applies_to_the_unit():
     assert run_distributed(_setting_on_a_list_member, 2)[0] == 5  # once per step
 

@@ -21,7 +21,7 @@ import fullshard
 from fullshard import checkpoint as ckpt
 from fullshard import fully_shard
 from fullshard.testing import run_distributed
-from catalogue import matches_documented
+from support.catalogue import matches_documented
 
 STEPS = 4
 SEQ, DIM, OUT = 6, 8, 8

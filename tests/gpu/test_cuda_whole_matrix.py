@@ -13,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 from fullshard.testing import (collectives_at_one_rank, rank_device,  # noqa: E402
                                run_distributed, visible_gpus)
 from fullshard.testing.parity import full_value  # noqa: E402
-from whole_matrix_runs import mlp_blocks, shard_blocks  # noqa: E402
+from support.whole_matrix_runs import mlp_blocks, shard_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon")
 

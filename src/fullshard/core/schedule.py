@@ -20,7 +20,7 @@ made in one place in core, on plain values, and both call it:
 
 The order of the actions inside each moment (a post-backward finishes the reduction in
 flight, then frees the parameters, then starts its own reduction) is written in both
-hooks.py and replay.py; tests/test_schedule_drift.py runs the runtime and the replay on
+hooks.py and replay.py; tests/memory/test_replay.py runs the runtime and the replay on
 the same model and compares their sequences of gathers, frees, pooled buffers and
 reductions, so the two cannot drift apart unnoticed.
 """

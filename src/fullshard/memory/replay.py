@@ -23,7 +23,7 @@ Tensor-subclass parameters (quantized weights) are gathered as core/subclass_par
 does, beside the flat buffer: a byte send buffer and a receive buffer from the pool,
 copied out into each parameter's own outputs, which the unsharded parameter views.
 What is written here is the byte accounting and the order of the actions at each
-moment, which follows hooks.py; tests/test_schedule_drift.py checks that order
+moment, which follows hooks.py; tests/memory/test_replay.py checks that order
 against the runtime's. The largest total seen, with the activations alive at that
 moment, is the peak; the breakdown is what was alive then.
 """

@@ -1,0 +1,146 @@
+"""``fullshard project`` and ``fullshard plan --gpus`` on the command line: shapes from
+presets, Hugging Face configs and flags, accumulation, reduce dtype, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fullshard.cli import main
+from fullshard.projection import DEVICES, SHAPES, Cluster, rank_configurations
+
+from support.catalogue import matches_documented
+
+
+# -- command line ---------------------------------------------------------------------------
+def test_project_prints_each_strategy_and_world_size(capsys):
+    assert main(["project", "--model", "llama3-8b", "--gpus", "8,128", "--batch", "2",
+                 "--seq", "8192", "--ac", "selective"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip().startswith(("8 ", "128 "))]
+    assert len(rows) == 3 + 4  # hybrid_shard needs more than one node
+    assert "llama3-8b (8,030.3M parameters) on h100," in out
+
+
+def test_plan_ranks_by_throughput_prints_flags_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "plan.png"
+    assert main(["plan", "--gpus", "64", "--gpu", "h100", "--nodes-of", "8", "--model",
+                 "llama3-8b", "--batch", "4", "--seq", "4096", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    flags = [line for line in out.splitlines() if line.startswith("fullshard train")]
+    assert len(flags) == 1 and "--nnodes 8" in flags[0] and "--nproc 8" in flags[0]
+    assert plot.stat().st_size > 10_000
+
+
+def test_plan_says_when_nothing_fits(capsys):
+    assert main(["plan", "--gpus", "8", "--model", "llama3-70b", "--memory-gib", "8",
+                 "--plot", ""]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+
+
+# Hugging Face config.json files as their hubs publish them (the fields a projection reads)
+LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+              "vocab_size": 128256, "tie_word_embeddings": False, "head_dim": 128}
+GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+        "n_positions": 1024, "vocab_size": 50257}
+MIXTRAL = {**LLAMA31_8B, "model_type": "mixtral", "num_local_experts": 8}  # no top-k
+DEEPSEEK = {**LLAMA31_8B, "model_type": "deepseek_v3", "n_routed_experts": 256,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3}
+
+
+def _config(tmp_path, name: str, fields: dict) -> str:
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(fields))
+    return str(folder)
+
+
+def test_project_reads_a_hugging_face_config_and_shape_flags(tmp_path, capsys):
+    llama = _config(tmp_path, "llama31", LLAMA31_8B)
+    assert main(["project", "--model", llama, "--gpus", "8", "--strategy", "full_shard"]) == 0
+    from_config = capsys.readouterr().out
+    assert "llama31 (8,030.3M parameters)" in from_config
+    assert main(["project", "--layers", "32", "--dim", "4096", "--heads", "32",
+                 "--kv-heads", "8", "--ffn", "14336", "--vocab", "128256", "--gpus", "8",
+                 "--strategy", "full_shard"]) == 0
+    by_hand = capsys.readouterr().out
+    assert by_hand.splitlines()[1:] == from_config.splitlines()[1:]  # the same numbers
+    gpt2 = _config(tmp_path, "gpt2", GPT2)
+    assert main(["project", "--model", gpt2, "--seq", "1024", "--gpus", "8"]) == 0
+    assert "gpt2 (124.3M parameters)" in capsys.readouterr().out  # biases not counted
+
+
+def test_project_splits_the_batch_and_reduces_in_bf16_when_asked(capsys):
+    base = ["project", "--gpus", "8", "--strategy", "full_shard", "--reduce-dtype", "bf16"]
+    assert main(base + ["--batch", "2"]) == 0
+    micro = capsys.readouterr().out.splitlines()[-1].split()
+    assert main(base + ["--batch", "8", "--grad-accum", "4"]) == 0
+    split = capsys.readouterr().out.splitlines()[-1].split()
+    assert (micro[4], micro[5]) == ("2", "1") and (split[4], split[5]) == ("2", "4")
+    # the same micro-batch, plus a bf16 accumulator for each of the 8.03B parameters
+    assert float(split[10]) - float(micro[10]) == pytest.approx(2 * 8.03e9 / 2**30, abs=0.2)
+
+
+def test_plan_never_recommends_what_the_trainer_cannot_run(tmp_path, capsys):
+    # a sequence beyond the preset's position table is refused (E185), not recommended
+    assert main(["plan", "--gpus", "8", "--model", "gpt2-124m", "--seq", "2048",
+                 "--plot", ""]) == 2
+    assert "exceeds the 1024 positions" in capsys.readouterr().err
+    # micro-batches divide the batch (accumulation reaches exactly the batch asked for)
+    fits, _ = rank_configurations(SHAPES["llama2-7b"], Cluster(DEVICES["h100"], 64, 8),
+                                  batch=6, seq=4096)
+    assert {p.settings.batch for p in fits} == {1, 2, 3, 6}
+    assert all(p.settings.batch * p.settings.grad_accum == 6 for p in fits)
+    # a config.json: the flags train that folder
+    llama = _config(tmp_path, "llama31", LLAMA31_8B)
+    assert main(["plan", "--gpus", "16", "--model", llama, "--batch", "2", "--seq", "4096",
+                 "--plot", ""]) == 0
+    flags = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("fullshard train")]
+    assert flags and f"--model hf:{llama} " in flags[0]
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["project", "--gpu", "x100"], "E125"),
+    (["project", "--gpus", "12", "--nodes-of", "8"], "E126"),
+    (["project", "--model", "gpt5"], "E128"),
+    (["project", "--gpus", "8", "--strategy", "hybrid_shard"], "E129"),
+    (["project", "--model", "gpt2-124m", "--seq", "2048"], "E185"),
+    (["project", "--batch", "6", "--grad-accum", "4"], "E186"),
+    (["project", "--model", "{gpt2_no_layers}"], "E187"),
+    (["project", "--heads", "24", "--kv-heads", "16"], "E188"),
+    (["project", "--model", "{deepseek}"], "E189"),
+    (["project", "--model", "{mixtral}"], "E213"),
+])
+def test_bad_input_is_one_line_naming_it(argv, code, capsys, tmp_path):
+    paths = {"gpt2_no_layers": _config(tmp_path, "gpt2", {k: v for k, v in GPT2.items()
+                                                          if k != "n_layer"}),
+             "mixtral": _config(tmp_path, "mixtral", MIXTRAL),
+             "deepseek": _config(tmp_path, "deepseek", DEEPSEEK)}
+    argv = [a.format(**paths) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert matches_documented(code, "ProjectionError: " + err.split(": ", 1)[1]), err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["project", "--batch", "0"], "--batch"),
+    (["project", "--gpus", "0"], "--gpus"),
+    (["project", "--gpus", "8,x"], "--gpus"),
+    (["project", "--seq", "nan"], "--seq"),
+    (["plan", "--gpus", "64", "--efficiency", "-1"], "--efficiency"),
+    (["plan", "--gpus", "64", "--efficiency", "1.5"], "--efficiency"),
+    (["plan", "--gpus", "64", "--inter-gbps", "inf"], "--inter-gbps"),
+    (["plan", "--gpus", "64", "--nodes-of", "0"], "--nodes-of"),
+])
+def test_bad_numbers_are_one_line_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flag in err and "Traceback" not in err, err

@@ -1,0 +1,134 @@
+"""The training loop's options at world size 2, in-process through the test harness."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import run_distributed
+from fullshard.train.config import ConfigError, get_preset
+from fullshard.train.flags import apply_overrides
+from fullshard.train.launch import Worker
+from fullshard.train.loop import Trainer
+from support.train_runs import QUIET, train_losses
+
+def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
+    return {name: train_losses(overrides) for name, overrides in variants.items()}
+
+
+@pytest.mark.slow
+def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path):
+    """Every strategy computes the same averaged gradient; 2 micro-batches of 2 are the
+    4 sequences of one batch of 4; recomputed activations are the stored ones; CPU
+    offload, with the optimizer states in memory or on disk, computes on the host what
+    the devices compute."""
+    states = tmp_path
+    variants = {
+        "full_shard": {"batch.batch_size": 4},
+        "shard_grad_op": {"batch.batch_size": 4, "parallel.strategy": "shard_grad_op"},
+        "zero1": {"batch.batch_size": 4, "parallel.strategy": "zero1"},
+        "hybrid_shard": {"batch.batch_size": 4, "parallel.strategy": "hybrid_shard"},
+        "no_shard": {"batch.batch_size": 4, "parallel.strategy": "no_shard"},
+        "checkpointed": {"batch.batch_size": 4, "parallel.activation_checkpointing": True},
+        "accumulated": {"batch.batch_size": 2, "batch.grad_accum": 2},
+        "hpz": {"batch.batch_size": 4, "parallel.reshard_after_forward": 2},
+        "offloaded": {"batch.batch_size": 4, "parallel.offload": True},
+        "states_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}"},
+        "params_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}",
+                           "parallel.offload_params": True},
+    }
+    losses = run_distributed(_variants, 2, variants)[0]
+    reference = losses.pop("full_shard")
+    assert len(reference) == 4 and reference[-1] < reference[0]
+    for name, got in losses.items():
+        assert got == pytest.approx(reference, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_compiled_blocks_train_the_eager_model():
+    """--parallel.compile: each block one inductor graph between the hooks; the losses
+    are the eager ones up to the compiler's reassociation."""
+    variants = {"eager": {}, "compiled": {"parallel.compile": True}}
+    losses = run_distributed(_variants, 2, variants)[0]
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_bf16_and_fp16_train_close_to_fp32():
+    variants = {p: {"parallel.precision": p, "steps": 6} for p in ("fp32", "bf16", "fp16")}
+    losses = run_distributed(_variants, 2, variants)[0]
+    for precision in ("bf16", "fp16"):
+        assert losses[precision][-1] < losses[precision][0]
+        assert losses[precision] == pytest.approx(losses["fp32"], abs=0.05), precision
+
+
+def _config_error(overrides: dict) -> str:
+    try:
+        train_losses(overrides)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_data_dependent_errors_name_the_field():
+    errors = run_distributed(_config_error, 2, {"gpt.vocab_size": 40})
+    assert errors[0] == errors[1]
+    assert "gpt.vocab_size: the data has 65 distinct characters, more than 40" in errors[0]
+    errors = run_distributed(_config_error, 2, {"parallel.strategy": "hybrid_shard",
+                                                "parallel.replicas": 3})
+    assert "parallel.replicas: 3 does not divide the world size 2" in errors[0]
+
+
+
+@pytest.mark.slow
+def test_quantized_communication_trains_within_a_percent_of_full_precision():
+    """--parallel.quantize weights,grads: int8 all-gathers and reduce-scatters; the
+    debug preset's losses stay within 1% of the full-precision run's at every step."""
+    variants = {"full": {"steps": 20}, "int8": {"steps": 20, "parallel.quantize": "weights,grads"}}
+    losses = run_distributed(_variants, 2, variants)[0]
+    assert len(losses["full"]) == 20
+    for a, b in zip(losses["int8"], losses["full"]):
+        assert a == pytest.approx(b, rel=1e-2), (losses["int8"], losses["full"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_moe_preset_trains_like_one_process():
+    """--preset moe (expert MLPs in a ModuleList, top-2 routing, a load-balancing loss): 2
+    ranks of one 4-token sequence each are one process accumulating the same 2 micro-
+    batches (each rank's and each micro-batch's load-balancing loss is its own batch's).
+    With 8 assignments per rank, an expert often gets no token on one rank only."""
+    small = {"steps": 6, "batch.batch_size": 1, "batch.seq_len": 4}
+    two = run_distributed(train_losses, 2, small, "moe")[0]
+    one = run_distributed(train_losses, 1, {**small, "batch.grad_accum": 2}, "moe")[0]
+    assert len(two) == 6
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
+def _muon_resume(out: str) -> dict:
+    """--optim.name muon: 6 steps straight, and 3 steps then a resume to 6 (Muon's momentum
+    buffers through the checkpoint): the same losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, rank, world, torch.device("cpu"))
+    quiet = {**QUIET, "optim.name": "muon", "batch.batch_size": 2}
+    runs = {}
+    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
+        for steps, resume in legs:
+            cfg = apply_overrides(get_preset("debug"), {**quiet, "steps": steps,
+                                                       "checkpoint.every": 3}, "test")
+            trainer = Trainer(cfg, f"{out}/{name}", worker)
+            trainer.run(resume=resume)
+        if trainer.log is not None:
+            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
+    kinds = [type(o).__name__ for o in trainer.optimizers]
+    return {"runs": runs, "optimizers": kinds}
+
+
+@pytest.mark.slow
+def test_muon_trains_and_resumes_exactly(tmp_path):
+    out = run_distributed(_muon_resume, 2, str(tmp_path))[0]
+    assert out["optimizers"] == ["Muon", "AdamW"]
+    straight, resumed = out["runs"]["straight"], out["runs"]["resumed"]
+    assert len(straight) == 6 and straight[-1] < straight[0]
+    assert resumed[-3:] == straight[-3:]
