@@ -114,6 +114,10 @@ def test_plan_never_recommends_what_the_trainer_cannot_run(tmp_path, capsys):
     (["project", "--heads", "24", "--kv-heads", "16"], "E188"),
     (["project", "--model", "{deepseek}"], "E189"),
     (["project", "--model", "{mixtral}"], "E213"),
+    (["project", "--model", "llama3-8b", "--ep", "2"], "E226"),
+    (["project", "--model", "moe", "--ep", "3"], "E227"),
+    (["project", "--model", "moe", "--gpus", "8", "--ep", "2", "--strategy", "no_shard"],
+     "E227"),
 ])
 def test_bad_input_is_one_line_naming_it(argv, code, capsys, tmp_path):
     paths = {"gpt2_no_layers": _config(tmp_path, "gpt2", {k: v for k, v in GPT2.items()

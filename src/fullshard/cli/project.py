@@ -41,6 +41,7 @@ GBPS = flag_type(float, Bounds(0.001, 1e6))
 MEMORY_GIB = flag_type(float, Bounds(0.001, 2 ** 20))
 DIM = flag_type(int, Bounds(1, 2 ** 24))
 ACCUM = flag_type(int, Bounds(1, 2 ** 20))
+EP = flag_type(int, Bounds(1, 2 ** 20))
 # the shape flags: each sets one dimension of --model's shape (or of a shape of its own)
 SHAPE_FLAGS = {"layers": "n_layers", "dim": "d_model", "heads": "n_heads",
                "kv_heads": "n_kv_heads", "ffn": "ffn_hidden", "vocab": "vocab_size",
@@ -99,6 +100,10 @@ def _arguments(parser: argparse.ArgumentParser, *, planning: bool) -> None:
                             help="gradient reduction dtype (default fp32, the trainer's)")
         parser.add_argument("--fused-loss", action="store_true",
                             help="a fused cross-entropy (bf16 logits): less memory")
+        parser.add_argument("--ep", type=EP, default=1, metavar="N",
+                            help="expert parallelism: a mixture of experts' experts split "
+                                 "over N ranks of each shard group, tokens sent to them by "
+                                 "all-to-all (torchtitan's EP x efsdp; default 1)")
     parser.add_argument("--efficiency", type=EFFICIENCY,
                         help="one achieved fraction of peak FLOP/s for all compute "
                              "(default: the fitted compute model)")
@@ -248,10 +253,12 @@ def project_main(argv: list[str]) -> int:
             for strategy in strategies:
                 if strategy == "hybrid_shard" and cluster.nodes == 1 and not args.strategy:
                     continue  # asked for by name, it is an error (E129); in the table, skipped
+                if strategy == "no_shard" and args.ep > 1 and not args.strategy:
+                    continue  # no shard group to split the experts over (E227 by name)
                 rows.append(project(shape, cluster, Settings(
                     strategy, args.batch // args.grad_accum, args.seq, args.grad_accum,
                     args.ac, width, reduce, checkpoint_every=args.ac_every,
-                    fused_loss=args.fused_loss)))
+                    fused_loss=args.fused_loss, ep=args.ep)))
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard project: {err}", file=sys.stderr)
         return 2
@@ -259,6 +266,8 @@ def project_main(argv: list[str]) -> int:
     micro = "" if args.grad_accum == 1 else f" in {args.grad_accum} micro-batches"
     experts = (f", {shape.active_params / 1e6:,.1f}M active: {shape.top_k} of "
                f"{shape.n_experts} experts a token" if shape.n_experts else "")
+    if args.ep > 1:
+        experts += f"; split over {args.ep} ranks, tokens sent by all-to-all"
     print(f"{shape.name} ({shape.num_params / 1e6:,.1f}M parameters{experts}) on {device.name}, "
           f"batch {args.batch} x {args.seq} per GPU{micro}, {device.source}")
     print(_table(rows))

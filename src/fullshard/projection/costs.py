@@ -8,7 +8,7 @@ from dataclasses import replace
 from .comm import collective_seconds
 from .compute import (FITTED, KernelConstants, PassSeconds, block_seconds, embedding_seconds,
                       head_seconds, rates_for)
-from .hardware import Cluster
+from .hardware import Cluster, ProjectionError
 from .settings import Settings
 from .shapes import ModelShape
 from .timeline import UnitCost
@@ -30,6 +30,33 @@ def unit_params(shape: ModelShape) -> list[int]:
     """Parameters per fullshard unit: root (embedding, and a tied head), blocks, tail."""
     tail = shape.head_params + shape.d_model
     return [shape.embedding_params] + [shape.block_params] * shape.n_layers + [tail]
+
+
+def expert_ranks(shape: ModelShape, cluster: Cluster, s: Settings) -> tuple[int, int]:
+    """(ranks a block's experts are split over, ranks each expert is sharded over): with
+    ``Settings.ep``, ``ep`` consecutive ranks of each shard group hold different experts
+    and the group's other dimension shards each of them (torchtitan's efsdp)."""
+    shard, _, _ = shard_ranks(cluster, s.strategy)
+    if s.ep == 1:
+        return 1, shard
+    if not shape.n_experts:
+        raise ProjectionError(f"--ep {s.ep} splits a mixture of experts' experts over ranks; "
+                              f"{shape.name} has no experts: leave --ep at 1")
+    if shape.n_experts % s.ep or shard % s.ep:
+        raise ProjectionError(f"--ep {s.ep} must divide both the {shape.n_experts} experts "
+                              f"of {shape.name} and the {shard} ranks each unit is sharded "
+                              f"over under {s.strategy}")
+    return s.ep, shard // s.ep
+
+
+def gathered_params(shape: ModelShape, s: Settings) -> list[int]:
+    """Parameters each unit's all-gather assembles on a rank: under expert parallelism a
+    block gathers its dense part and only its ``1/ep`` of the experts."""
+    params = unit_params(shape)
+    if s.ep == 1:
+        return params
+    away = shape.n_experts * shape.mlp_matrix_params * (s.ep - 1) // s.ep
+    return [params[0]] + [n - away for n in params[1:-1]] + [params[-1]]
 
 
 def _flat(shape: ModelShape, cluster: Cluster, s: Settings) -> list[PassSeconds]:
@@ -88,11 +115,23 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
     words = s.quantize.split(",")
     gather_bytes = INT8_WIRE_BYTES if "weights" in words else s.param_bytes
     reduce_bytes = INT8_WIRE_BYTES if "grads" in words else s.reduce_bytes
+    ep, efsdp = expert_ranks(shape, cluster, s)
+    # an all-to-all between nodes leaves each rank through its own NIC (no ring to spread)
+    ep_link = cluster.link_for(True, ranks_per_node=1) \
+        if ep > min(cluster.per_node, cluster.world_size) else cluster.link_for(False)
+    # tokens to their top_k experts and the results back, in the compute dtype
+    routed = s.batch * s.seq * shape.mlps_per_token * shape.d_model * s.param_bytes
     costs = []
     for i, (work, n) in enumerate(zip(compute_seconds(shape, cluster, s, constants), params)):
-        gather = collective_seconds("all_gather", n * gather_bytes, shard, link)
-        if "weights" in words:
-            gather += (n / shard + n) * (s.param_bytes + 1) / dev.memory_bandwidth
+        block = 0 < i < last
+        # under expert parallelism a block's experts (1/ep of them here) are gathered and
+        # reduced over the efsdp ranks, the rest of it over the whole shard group
+        experts = shape.n_experts * shape.mlp_matrix_params // ep if block and ep > 1 else 0
+        dense = n - experts * ep
+        gather = collective_seconds("all_gather", dense * gather_bytes, shard, link) \
+            + collective_seconds("all_gather", experts * gather_bytes, efsdp, link)
+        if "weights" in words:  # quantize the shard, dequantize what was gathered
+            gather += (n / shard + dense + experts) * (s.param_bytes + 1) / dev.memory_bandwidth
         # the root stays gathered through backward (torch's rule for the root), and so does
         # every unit under shard_grad_op; the last unit's backward follows its forward
         keeps = i == 0 or i == last or s.strategy == "shard_grad_op"
@@ -101,14 +140,17 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
                                         world_link)
             replica = 0.0
         else:
-            reduce = collective_seconds("reduce_scatter", n * reduce_bytes, shard, link)
+            reduce = collective_seconds("reduce_scatter", dense * reduce_bytes, shard, link) \
+                + collective_seconds("reduce_scatter", experts * reduce_bytes, efsdp, link)
             if "grads" in words:
-                reduce += 2 * n * (s.reduce_bytes + 1) / dev.memory_bandwidth
+                reduce += 2 * (dense + experts) * (s.reduce_bytes + 1) / dev.memory_bandwidth
             replica = collective_seconds("all_reduce", n * s.reduce_bytes / shard, replicas,
                                          replica_link)
+        dispatch = 2 * collective_seconds("all_to_all", routed, ep, ep_link) \
+            if block and ep > 1 else 0.0
         costs.append(UnitCost(forward=work.forward, backward=work.backward + work.recompute,
                               gather=gather, regather=0.0 if keeps else gather,
-                              reduce=reduce, replica_reduce=replica))
+                              reduce=reduce, replica_reduce=replica, dispatch=dispatch))
     if s.sync_micro_batches or s.grad_accum == 1:
         return costs, costs
     # the gradient (param dtype) read, the accumulator (reduce dtype) read and written

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .costs import shard_ranks, unit_params
+from .costs import expert_ranks, gathered_params, shard_ranks
 from .hardware import Cluster
 from .settings import Settings
 from .shapes import ModelShape
@@ -18,10 +18,11 @@ LOSS_BYTES, FUSED_LOSS_BYTES = 12, 4
 def memory_per_rank(shape: ModelShape, cluster: Cluster, s: Settings) -> int:
     """Note [what the projection models], memory."""
     shard, _, _ = shard_ranks(cluster, s.strategy)
-    params = unit_params(shape)
+    expert_ranks(shape, cluster, s)  # an --ep that does not fit is refused here too
+    params = gathered_params(shape, s)  # under expert parallelism, 1/ep of the experts
     states = STATE_BYTES_PER_PARAM * shape.num_params / shard
     if s.strategy in ("shard_grad_op", "no_shard"):
-        gathered = shape.num_params * s.param_bytes
+        gathered = sum(params) * s.param_bytes
     else:
         gathered = 2 * max(params) * s.param_bytes + max(params) * s.reduce_bytes
     d, f, q, kv = shape.d_model, shape.ffn_hidden, shape.q_width, shape.kv_width

@@ -10,7 +10,9 @@ again), with constants fitted to published runs; or, with ``Device.efficiency`` 
 calibrated CPU, ``--efficiency``), executed FLOPs at one fraction of peak, CPU ranks beyond
 the machine's cores sharing them.
 Communication: comm.py's ring model per collective, over NVLink inside a node and the
-network as soon as a group spans nodes. Overlap: timeline.py replays fullshard's real issue
+network as soon as a group spans nodes; with expert parallelism (``Settings.ep``), a
+block's experts gathered over the efsdp ranks only and its tokens sent to them and back
+by all-to-all, on the compute's path (costs.py). Overlap: timeline.py replays fullshard's real issue
 order and prefetch; with accumulation, fullshard's trainer reduces after the last
 micro-batch only (``Settings.sync_micro_batches`` for runs that reduce after each).
 Optimizer: AdamW streams 28 bytes per parameter of the local shard (read parameter,

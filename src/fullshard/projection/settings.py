@@ -30,6 +30,10 @@ class Settings:
     # A fused cross-entropy (flash-attn's: bf16 logits and their gradient) instead of fp32
     # logits, their log-softmax and its gradient (fullshard's trainer, torchtitan): memory
     fused_loss: bool = False
+    # Expert parallelism (torchtitan's EP x efsdp): each block's experts split over ``ep``
+    # consecutive ranks of its shard group, each expert sharded over the group's other
+    # dimension (shard ranks / ep); tokens reach their experts by all-to-all
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -45,7 +49,7 @@ class Settings:
             raise ProjectionError(f"activation checkpointing must be one of "
                                   f"{', '.join(CHECKPOINTING)}, got {self.checkpointing!r}")
         for name in ("batch", "seq", "grad_accum", "param_bytes", "reduce_bytes",
-                     "checkpoint_every"):
+                     "checkpoint_every", "ep"):
             if getattr(self, name) < 1:
                 raise ProjectionError(f"{name} must be positive, got {getattr(self, name)}")
 

@@ -7,7 +7,8 @@ unit i computes once its gather landed and unit i - 1 finished. Backward, units 
 reverse: the runtime's backward prefetch issues the next unit's all-gather when a unit's
 backward starts, and a unit's reduce-scatter when its backward ends; HYBRID_SHARD follows
 each reduce-scatter with an all-reduce over the replicas. Collectives run one after
-another in issue order (they share the links). A device that cannot overlap (a CPU whose
+another in issue order (they share the links). Expert parallelism's all-to-alls run on the
+compute's path: a block's experts wait for their tokens. A device that cannot overlap (a CPU whose
 cores all compute) runs everything back to back.
 """
 
@@ -26,6 +27,9 @@ class UnitCost:
     regather: float            # its backward all-gather (0: kept gathered since forward)
     reduce: float              # reduce-scatter (or NO_SHARD's all-reduce)
     replica_reduce: float = 0.0  # HYBRID_SHARD's all-reduce across replicas
+    # expert parallelism's all-to-alls in one pass (tokens to their experts and back), on
+    # the compute's path: the experts wait for their tokens; the same again in backward
+    dispatch: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def micro_batch(units: list[UnitCost], start: float, comm: _Comm) -> float:
     for i, u in enumerate(units):
         issue = start if i < 2 else done[i - 2]
         gathered[i] = comm.run(issue, u.gather) if u.gather else issue
-        done[i] = max(done[i - 1] if i else start, gathered[i]) + u.forward
+        done[i] = max(done[i - 1] if i else start, gathered[i]) + u.forward + u.dispatch
     clock = done[-1]
     regathered = [0.0] * n
     last = n - 1
@@ -75,7 +79,7 @@ def micro_batch(units: list[UnitCost], start: float, comm: _Comm) -> float:
         if i:  # prefetch the next unit in backward order as this one starts
             nxt = units[i - 1]
             regathered[i - 1] = comm.run(begin, nxt.regather) if nxt.regather else begin
-        clock = begin + u.backward
+        clock = begin + u.backward + u.dispatch
         if u.reduce:
             reduced = comm.run(clock, u.reduce)
         if u.replica_reduce:
@@ -91,7 +95,7 @@ def step_time(units: list[UnitCost], micro_batches: int, optimizer: float,
     early = units if early is None else early
     batches = [early] * (micro_batches - 1) + [units]
     compute = sum(u.forward + u.backward for b in batches for u in b) + optimizer
-    collectives = sum(u.gather + u.regather + u.reduce + u.replica_reduce
+    collectives = sum(u.gather + u.regather + u.reduce + u.replica_reduce + 2 * u.dispatch
                       for b in batches for u in b)
     if not overlaps:
         total = compute + collectives
@@ -100,4 +104,5 @@ def step_time(units: list[UnitCost], micro_batches: int, optimizer: float,
     for batch in batches:
         clock = micro_batch(batch, clock, comm)
     total = clock + optimizer
-    return StepTime(total, compute, comm.busy, total - compute)
+    dispatch = sum(2 * u.dispatch for b in batches for u in b)
+    return StepTime(total, compute, comm.busy + dispatch, total - compute)
