@@ -105,6 +105,28 @@ def _shard_bytes(model, folder: str) -> int:
         total += local.numel() * itemsize
     return total
 
+def test_a_model_built_on_meta_skips_its_weight_initialization_and_keeps_no_mark(
+        monkeypatch):
+    """Initializing meta tensors does nothing, slowly (torch's random fills run as Python
+    decompositions there): parameters_on_meta marks its parameters so that transformers'
+    initialization passes them by, and takes the marks away at the end of the block."""
+    from transformers import initialization
+
+    fills = []
+    normal = initialization.TORCH_INIT_FUNCTIONS["normal_"]
+    monkeypatch.setitem(initialization.TORCH_INIT_FUNCTIONS, "normal_",
+                        lambda tensor, *a, **k: fills.append(tensor) or normal(tensor, *a, **k))
+    config = transformers.LlamaConfig(**_COMMON)
+    transformers.AutoModelForCausalLM.from_config(config)
+    assert fills, "transformers' initialization no longer fills through normal_"
+    fills.clear()
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert fills == []
+    assert all(p.is_meta and not hasattr(p, "_is_hf_initialized")
+               for p in model.parameters())
+
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])

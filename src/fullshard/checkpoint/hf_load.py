@@ -319,18 +319,38 @@ def parameters_on_meta() -> Iterator[None]:
     Buffers a state dict leaves out (rotary embeddings' ``inv_freq``) are in no
     checkpoint: built real, they survive ``load_hf``'s ``to_empty``. Each parameter is
     moved to the meta device as it is registered (``nn.Module.register_parameter``, for
-    the duration of the block, in this process: build nothing else meanwhile)."""
+    the duration of the block, in this process: build nothing else meanwhile).
+
+    A meta tensor has no values to initialize, so the block also marks each parameter as
+    transformers marks weights already loaded (``_is_hf_initialized``), and its model's
+    weight initialization passes them by: torch's random fills on meta tensors run
+    through Python decompositions (0.2 s of a 155M-parameter Llama's 0.28 s
+    ``from_config``). The marks go when the block ends, so a model initialized later
+    (after ``to_empty``) is initialized whole."""
     register = nn.Module.register_parameter
+    marked: list[nn.Parameter] = []
 
     def register_on_meta(module: nn.Module, name: str, param) -> None:
         register(module, name, param)
         param = module._parameters.get(name)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = type(param)(param.to("meta"),
-                                                   requires_grad=param.requires_grad)
+        if param is None:
+            return
+        if not param.is_meta:
+            param = module._parameters[name] = type(param)(param.to("meta"),
+                                                           requires_grad=param.requires_grad)
+        if not hasattr(param, _INITIALIZED):
+            setattr(param, _INITIALIZED, True)
+            marked.append(param)
 
     nn.Module.register_parameter = register_on_meta
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        for param in marked:
+            with contextlib.suppress(AttributeError):
+                delattr(param, _INITIALIZED)
+
+
+# transformers' mark on a weight its initialization must leave as it is
+_INITIALIZED = "_is_hf_initialized"
