@@ -124,7 +124,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.extended), 2],
+                ids=["world1", "world2"])
 def saved(request, tmp_path_factory):
     """A saved run (once per world size) and what each reader returns from it intact."""
     root = tmp_path_factory.mktemp(f"faults{request.param}")

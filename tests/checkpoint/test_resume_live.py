@@ -196,7 +196,8 @@ def _resume_live(setting: str, tmp: str, local_step: bool = True) -> None:
 @pytest.mark.parametrize("setting,world", [
     ("merged", 1), ("merged", 2), ("merged", 4), ("unmerged", 2), ("offload", 2),
     ("mixed_precision", 2), ("reshard_after_forward_false", 2), ("zero1", 2),
-    ("reshard_after_forward_2", 4), ("hybrid_shard", 4), ("no_shard", 2)])
+    pytest.param("reshard_after_forward_2", 4, marks=pytest.mark.extended),
+    pytest.param("hybrid_shard", 4, marks=pytest.mark.extended), ("no_shard", 2)])
 @pytest.mark.slow
 def test_load_into_the_live_model_trains_on_exactly(setting, world, tmp_path):
     run_distributed(_resume_live, world, setting, str(tmp_path))

@@ -53,7 +53,7 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
 
 
 @pytest.mark.parametrize("world_size, d_model, n_layers", [
-    (1, 768, 6),   # 67M parameters
+    pytest.param(1, 768, 6, marks=pytest.mark.extended),   # 67M parameters
     (2, 768, 8),   # 81M
     pytest.param(4, 640, 8, marks=pytest.mark.extended),   # 60M
 ])

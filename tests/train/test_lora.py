@@ -77,7 +77,7 @@ def _qlora(model_dir: str, data: str, out: str, base: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("base", ["nf4", "fp32"])
+@pytest.mark.parametrize("base", ["nf4", pytest.param("fp32", marks=pytest.mark.extended)])
 @pytest.mark.slow
 def test_qlora_trains_only_the_adapters_over_a_sharded_nf4_base(tmp_path, base):
     save_tiny_llama(str(tmp_path / "llama"))
@@ -140,7 +140,7 @@ def test_qlora_composes_with_cpu_offload_checkpointing_and_bf16(tmp_path):
     assert out["bf16"] != out["plain"]
 
 
-@pytest.mark.parametrize("base", ["nf4", "fp32"])
+@pytest.mark.parametrize("base", ["nf4", pytest.param("fp32", marks=pytest.mark.extended)])
 @pytest.mark.slow
 def test_qlora_at_two_ranks_trains_as_one_process_on_the_same_batches(tmp_path, base):
     save_tiny_llama(str(tmp_path / "llama"))

@@ -77,6 +77,7 @@ def test_worker_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path, un
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_training_that_stops_being_finite_ends_the_run_without_saving(tmp_path):
     """A weight turned NaN on one rank at step 4 makes that step's gradients non-finite on
     every rank: the run stops at that step, before its optimizer step could write
