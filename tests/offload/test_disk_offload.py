@@ -122,7 +122,6 @@ def _mapping_rss(t: torch.Tensor) -> int:
 
 
 def _parameters_on_disk(directory):
-    from fullshard.core.mapped import resident_bytes
     cpu = _build(CPUOffloadPolicy(pin_memory=False), "adamw")
     disk = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=True), "adamw")
     _train(*cpu, 3)
@@ -130,14 +129,19 @@ def _parameters_on_disk(directory):
     shards = [u.group.flat_shard for u in (disk[0].layers[0]._unit, disk[0]._unit)]
     # after a step nothing of any shard is resident: every use gave its pages back
     left_after_step = [_mapping_rss(s) for s in shards]
-    # resident now? touch every shard, then give the pages back as a gather does
-    before = resident_bytes()
+    # resident now? touch every shard, then give the pages back as a gather does. The
+    # shards' own mappings are counted, not the process's resident memory, which the
+    # heap's comings and goings move by as much as these small shards hold
+    def resident() -> int:
+        return sum(_mapping_rss(s) for s in shards)
+
+    before = resident()
     touched = sum(float(s.sum()) for s in shards)
-    during = resident_bytes()
+    during = resident()
     from fullshard.core.mapped import page_out
     for s in shards:
         page_out(s)
-    after = resident_bytes()
+    after = resident()
     nbytes = sum(s.numel() * s.element_size() for s in shards)
     out = {"weights": _max_diff(cpu[0], disk[0]), "states": _states_diff(cpu[1], disk[1]),
            "paged_in": during - before, "paged_out": during - after, "shard_bytes": nbytes,
