@@ -351,6 +351,14 @@ def test_expert_parallelism_gathers_a_share_of_the_experts_and_pays_all_to_alls(
     wide, _ = unit_costs(sixteen, two_nodes, Settings("full_shard", 1, tokens, ep=16))
     assert wide[1].dispatch == pytest.approx(
         2 * (15 * 2e-5 + 15 / 16 * tokens * 2 * 4096 * 2 / 10e9))
+    # EP 8 over two nodes: each expert's 2 efsdp ranks sit on different nodes, one of
+    # them per node, so their ring runs at one NIC's rate, not the node's
+    wide, _ = unit_costs(shape, two_nodes, Settings("full_shard", 1, tokens, ep=8))
+    nic = Link(10e9, 2e-5)
+    node = Link(min(link.bandwidth, 8 * 10e9), 2e-5)
+    assert wide[1].gather == pytest.approx(
+        collective_seconds("all_gather", 2 * dense, 16, node)
+        + collective_seconds("all_gather", 2 * experts / 8, 2, nic))
     # the step: the all-to-alls are communication nobody hides
     settings = Settings("full_shard", 1, tokens, ep=8)
     costs, _ = unit_costs(shape, one_node, settings)

@@ -119,6 +119,9 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
     # an all-to-all between nodes leaves each rank through its own NIC (no ring to spread)
     ep_link = cluster.link_for(True, ranks_per_node=1) \
         if ep > min(cluster.per_node, cluster.world_size) else cluster.link_for(False)
+    # the efsdp ranks of a group are ep apart: a node holds per_node / ep of them
+    efsdp_link = cluster.link_for(
+        spans, ranks_per_node=max(1, min(cluster.per_node, cluster.world_size) // ep))
     # tokens to their top_k experts and the results back, in the compute dtype
     routed = s.batch * s.seq * shape.mlps_per_token * shape.d_model * s.param_bytes
     costs = []
@@ -129,7 +132,7 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
         experts = shape.n_experts * shape.mlp_matrix_params // ep if block and ep > 1 else 0
         dense = n - experts * ep
         gather = collective_seconds("all_gather", dense * gather_bytes, shard, link) \
-            + collective_seconds("all_gather", experts * gather_bytes, efsdp, link)
+            + collective_seconds("all_gather", experts * gather_bytes, efsdp, efsdp_link)
         if "weights" in words:  # quantize the shard, dequantize what was gathered
             gather += (n / shard + dense + experts) * (s.param_bytes + 1) / dev.memory_bandwidth
         # the root stays gathered through backward (torch's rule for the root), and so does
@@ -141,7 +144,8 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
             replica = 0.0
         else:
             reduce = collective_seconds("reduce_scatter", dense * reduce_bytes, shard, link) \
-                + collective_seconds("reduce_scatter", experts * reduce_bytes, efsdp, link)
+                + collective_seconds("reduce_scatter", experts * reduce_bytes, efsdp,
+                                     efsdp_link)
             if "grads" in words:
                 reduce += 2 * (dense + experts) * (s.reduce_bytes + 1) / dev.memory_bandwidth
             replica = collective_seconds("all_reduce", n * s.reduce_bytes / shard, replicas,
