@@ -311,6 +311,10 @@ def _device(tensors: list[torch.Tensor]) -> torch.device:
     return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
 
+# transformers' mark on a weight its initialization must leave as it is
+_INITIALIZED = "_is_hf_initialized"
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Build modules with their parameters on the meta device and their buffers real:
@@ -350,7 +354,3 @@ def parameters_on_meta() -> Iterator[None]:
         for param in marked:
             with contextlib.suppress(AttributeError):
                 delattr(param, _INITIALIZED)
-
-
-# transformers' mark on a weight its initialization must leave as it is
-_INITIALIZED = "_is_hf_initialized"

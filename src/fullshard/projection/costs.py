@@ -49,13 +49,19 @@ def expert_ranks(shape: ModelShape, cluster: Cluster, s: Settings) -> tuple[int,
     return s.ep, shard // s.ep
 
 
-def gathered_params(shape: ModelShape, s: Settings) -> list[int]:
+def experts_gathered(shape: ModelShape, s: Settings) -> int:
+    """The expert parameters of one block a rank gathers over its efsdp ranks under expert
+    parallelism (its ``1/ep`` of them); 0 without."""
+    return shape.n_experts * shape.mlp_matrix_params // s.ep if s.ep > 1 else 0
+
+
+def gathered_params(shape: ModelShape, cluster: Cluster, s: Settings) -> list[int]:
     """Parameters each unit's all-gather assembles on a rank: under expert parallelism a
-    block gathers its dense part and only its ``1/ep`` of the experts."""
+    block gathers its dense part and only its ``1/ep`` of the experts (an ``ep`` that does
+    not fit is refused, expert_ranks)."""
+    expert_ranks(shape, cluster, s)
     params = unit_params(shape)
-    if s.ep == 1:
-        return params
-    away = shape.n_experts * shape.mlp_matrix_params * (s.ep - 1) // s.ep
+    away = experts_gathered(shape, s) * (s.ep - 1)
     return [params[0]] + [n - away for n in params[1:-1]] + [params[-1]]
 
 
@@ -129,7 +135,7 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
         block = 0 < i < last
         # under expert parallelism a block's experts (1/ep of them here) are gathered and
         # reduced over the efsdp ranks, the rest of it over the whole shard group
-        experts = shape.n_experts * shape.mlp_matrix_params // ep if block and ep > 1 else 0
+        experts = experts_gathered(shape, s) if block else 0
         dense = n - experts * ep
         gather = collective_seconds("all_gather", dense * gather_bytes, shard, link) \
             + collective_seconds("all_gather", experts * gather_bytes, efsdp, efsdp_link)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .costs import expert_ranks, gathered_params, shard_ranks
+from .costs import gathered_params, shard_ranks
 from .hardware import Cluster
 from .settings import Settings
 from .shapes import ModelShape
@@ -18,8 +18,7 @@ LOSS_BYTES, FUSED_LOSS_BYTES = 12, 4
 def memory_per_rank(shape: ModelShape, cluster: Cluster, s: Settings) -> int:
     """Note [what the projection models], memory."""
     shard, _, _ = shard_ranks(cluster, s.strategy)
-    expert_ranks(shape, cluster, s)  # an --ep that does not fit is refused here too
-    params = gathered_params(shape, s)  # under expert parallelism, 1/ep of the experts
+    params = gathered_params(shape, cluster, s)  # with --ep, 1/ep of the experts
     states = STATE_BYTES_PER_PARAM * shape.num_params / shard
     if s.strategy in ("shard_grad_op", "no_shard"):
         gathered = sum(params) * s.param_bytes
