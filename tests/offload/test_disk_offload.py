@@ -6,7 +6,6 @@ import gc
 import os
 import resource
 import signal
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from fullshard.testing import models as m
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.testing.parity import check_parity
+from support.mappings import mapping_rss
 
 CFG = GPTConfig(vocab_size=64, seq_len=12, d_model=64, n_layers=2, n_heads=2)
 CHUNK = 4096
@@ -108,54 +108,27 @@ def _open_files_under(directory) -> int:
     return found
 
 
-def _mapping_rss(t: torch.Tensor) -> int:
-    """Resident bytes of the mapping that holds ``t`` (from /proc/self/smaps)."""
-    address, inside = t.data_ptr(), False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")
-
-
-def _settled(readings, seconds: float = 5.0) -> list[int]:
-    """Each reading, again until all are 0 or ``seconds`` have passed."""
-    deadline = time.monotonic() + seconds
-    while True:
-        values = [read() for read in readings]
-        if not any(values) or time.monotonic() > deadline:
-            return values
-        time.sleep(0.05)
-
-
 def _parameters_on_disk(directory):
     cpu = _build(CPUOffloadPolicy(pin_memory=False), "adamw")
     disk = _build(DiskOffloadPolicy(path=directory, chunk_numel=CHUNK, params=True), "adamw")
     _train(*cpu, 3)
     _train(*disk, 3)
     shards = [u.group.flat_shard for u in (disk[0].layers[0]._unit, disk[0]._unit)]
-    # after a step nothing of any shard is resident: every use gave its pages back. The
-    # kernel reclaims a dirty page once it is written back, so a page still being written
-    # may stay resident a moment (seen under the load of a fresh install); a page never
-    # given back stays for good
-    left_after_step = _settled([lambda s=s: _mapping_rss(s) for s in shards])
+    # after a step nothing of any shard is resident: every use gave its pages back
+    left_after_step = [mapping_rss(s) for s in shards]
     # resident now? touch every shard, then give the pages back as a gather does. The
     # shards' own mappings are counted, not the process's resident memory, which the
     # heap's comings and goings move by as much as these small shards hold
     def resident() -> int:
-        return sum(_mapping_rss(s) for s in shards)
+        return sum(mapping_rss(s) for s in shards)
 
-    before = _settled([resident])[0]
+    before = resident()
     touched = sum(float(s.sum()) for s in shards)
     during = resident()
     from fullshard.core.mapped import page_out
     for s in shards:
         page_out(s)
-    after = _settled([resident])[0]
+    after = resident()
     nbytes = sum(s.numel() * s.element_size() for s in shards)
     out = {"weights": _max_diff(cpu[0], disk[0]), "states": _states_diff(cpu[1], disk[1]),
            "paged_in": during - before, "paged_out": during - after, "shard_bytes": nbytes,

@@ -9,9 +9,10 @@ reader (the gather's copy-in, the optimizer step, ``state_dict``, user code) see
 tensor; the kernel reads its pages in on first touch.
 
 What makes it offload is giving the pages back after each use: ``page_out`` asks the
-kernel to write a range back and drop it (``MADV_PAGEOUT``, Linux 5.4; before that
-``MADV_DONTNEED``, which drops the process's mapping and leaves the data in the page
-cache). The group pages its shard out right after the copy-in of each gather (or, when
+kernel to write a range back and drop it (``MADV_PAGEOUT``, Linux 5.4), then drops the
+process's mapping of whatever it passed over (``MADV_DONTNEED``: pages still in another
+CPU's batch or under writeback; before 5.4 that is every page), which leaves the data in the
+page cache. The group pages its shard out right after the copy-in of each gather (or, when
 the collective sends the shard itself, once the gather is waited on), and after
 sharding; the optimizer hook after the step (Note [optimizer states on disk]). Between
 those points the shard costs the process no resident memory. The page cache may keep a
@@ -108,10 +109,14 @@ def page_out(t: torch.Tensor) -> None:
     end = start + t.numel() * t.element_size()
     first = start - start % _PAGE
     length = end - first
-    if _pageout_works and _libc.madvise(first, length, MADV_PAGEOUT) == 0:
-        return
-    if ctypes.get_errno() == errno.EINVAL:
-        _pageout_works = False  # a kernel before 5.4: drop the mapping, keep the data
+    if _pageout_works and _libc.madvise(first, length, MADV_PAGEOUT) != 0:
+        if ctypes.get_errno() == errno.EINVAL:
+            _pageout_works = False  # a kernel before 5.4: drop the mapping, keep the data
+    # MADV_PAGEOUT passes over pages it cannot take off the LRU lists now: a page that
+    # another thread faulted in (torch's intra-op threads, on another CPU) waits in that
+    # CPU's batch of pages not yet on a list, and a page already being written back is
+    # left too. Dropping the mapping takes whatever is left out of the process (the page
+    # cache keeps it, dirty data included, until the kernel writes and reclaims it)
     _libc.madvise(first, length, MADV_DONTNEED)
 
 
