@@ -553,6 +553,11 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E170": message_of(lambda: resolve("--model", f"hf:{_model_folder(tmp)}", "--lora.rank",
                                          "4", "--parallel.strategy", "no_shard")),
         "E172": message_of(_one_rank_shard_groups_quantized),
+        "E228": message_of(lambda: resolve("--parallel.ep", "2")),
+        "E229": message_of(lambda: resolve("--preset", "moe", "--parallel.ep", "3")),
+        "E230": message_of(lambda: resolve("--preset", "moe", "--parallel.ep", "2",
+                                           "--parallel.strategy", "hybrid_shard")),
+        "E231": message_of(_expert_degree_not_dividing_the_world),
     }
 
 
@@ -570,6 +575,12 @@ def _one_rank_shard_groups_quantized():
     from fullshard.train.model import build_mesh
     build_mesh(ParallelConfig(strategy="hybrid_shard", replicas=2, quantize="weights,grads"),
                "cpu", 2, 2)
+
+
+def _expert_degree_not_dividing_the_world():
+    from fullshard.train.config import ParallelConfig
+    from fullshard.train.model import build_mesh
+    build_mesh(ParallelConfig(ep=3), "cpu", 4, 4)
 
 
 def _metrics_and_export_cases(tmp: str) -> dict[str, str]:

@@ -3,8 +3,10 @@
 Used by the trainer, the memory estimator, the examples, the tests and the benchmarks. ``layers`` holds the blocks
 (the natural unit for ``fully_shard``); the output projection shares its weight
 with the token embedding when ``tie_embeddings`` is set. With ``n_experts`` each block's
-MLP is a mixture of experts (Mixtral-style: a ``ModuleList`` of expert MLPs, a top-k
-router, a load-balancing auxiliary loss): ``gpt_loss`` adds that loss.
+MLP is a mixture of experts (Mixtral-style: a top-k router, a load-balancing auxiliary
+loss that ``gpt_loss`` adds). Its experts are a ``ModuleList`` of expert MLPs, or with
+``grouped_experts`` the same MLPs as stacked 3-D weights (torchtitan's grouped experts),
+which ``split_experts`` can spread over the ranks of an expert-parallel mesh.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class GPTConfig:
     """Experts each token is sent to (with n_experts)."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss in ``gpt_loss`` (with n_experts)."""
+    grouped_experts: bool = False
+    """With n_experts: each block's experts as stacked weights, ``(n_experts, out, in)``
+    per layer, instead of a ModuleList of MLPs; needed to split them over ranks (expert
+    parallelism)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -101,43 +110,163 @@ def top_k_routing(router: nn.Module, tokens: torch.Tensor, top_k: int
     return probs, weights / weights.sum(dim=-1, keepdim=True), chosen
 
 
-class MoE(nn.Module):
-    """A mixture of expert MLPs, Mixtral-style: each token goes to the ``top_k`` experts
-    its router scores highest, weighted by their probabilities renormalized over those k.
-    An expert no token chose does not run (so its parameters get no gradient in that
-    step: on one rank and not another, an everyday case sharding must handle).
-    ``aux_loss`` is the Switch Transformer's load-balancing loss of the last forward:
-    n_experts * sum_e (share of assignments to e) * (mean router probability of e)."""
+class ExpertList(nn.ModuleList):
+    """One MLP module per expert. An expert given no rows does not run, so its
+    parameters get no gradient in that step (on one rank and not another: an everyday
+    case sharding must handle)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(MLP(cfg) for _ in range(cfg.n_experts))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Expert ``e`` on the next ``counts[e]`` of ``rows`` (sorted by expert)."""
+        outs = [self[e](part) for e, part in enumerate(rows.split(counts)) if counts[e]]
+        return torch.cat(outs) if outs else rows[:0]
+
+
+class GroupedLinear(nn.Module):
+    """``n`` linear layers as one ``(n, out, in)`` weight and one ``(n, out)`` bias. Split
+    over ranks (``split_experts``) they are DTensors ``Shard(0)``, and this rank computes
+    with its own rows of them."""
+
+    def __init__(self, n: int, d_in: int, d_out: int):
+        super().__init__()
+        bound = d_in ** -0.5  # nn.Linear's default init
+        self.weight = nn.Parameter(torch.empty(n, d_out, d_in).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(n, d_out).uniform_(-bound, bound))
+
+    def local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w, b = self.weight, self.bias
+        return (w.to_local() if isinstance(w, DTensor) else w,
+                b.to_local() if isinstance(b, DTensor) else b)
+
+
+class GroupedExperts(nn.Module):
+    """The experts' MLPs stacked: ``fc`` and ``proj`` each one ``GroupedLinear``. Every
+    expert's weights are in the same tensors, so they always get a gradient, zero where
+    no row went."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.top_k = cfg.top_k
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc = GroupedLinear(cfg.n_experts, cfg.d_model, hidden)
+        self.proj = GroupedLinear(cfg.n_experts, hidden, cfg.d_model)
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's expert ``e`` on the next ``counts[e]`` of ``rows`` (sorted)."""
+        (w1, b1), (w2, b2) = self.fc.local(), self.proj.local()
+        parts = rows.split(counts)
+        ran = [e for e in range(len(counts)) if counts[e]] or [0]
+        # with no rows at all expert 0 runs on none: the output still depends on the
+        # weights (their gradient is zero, as for the experts no row went to when others
+        # ran, and not missing on this rank only) and on ``rows`` (under expert
+        # parallelism the all-to-all that brought them runs in backward on every rank)
+        return torch.cat([F.linear(F.gelu(F.linear(parts[e], w1[e], b1[e])), w2[e], b2[e])
+                          for e in ran])
+
+
+class MoE(nn.Module):
+    """A mixture of expert MLPs, Mixtral-style: each token goes to the ``top_k`` experts
+    its router scores highest, weighted by their probabilities renormalized over those k.
+    ``aux_loss`` is the Switch Transformer's load-balancing loss of the last forward:
+    n_experts * sum_e (share of assignments to e) * (mean router probability of e).
+    With ``ep_group`` set (``split_experts``) this rank holds ``n_experts / ep`` of the
+    experts, and rows travel to the rank of their expert and back (``exchange_rows``)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
+        self.experts = GroupedExperts(cfg) if cfg.grouped_experts else ExpertList(cfg)
         self.aux_loss: torch.Tensor | None = None
+        self.ep_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         probs, weights, chosen = top_k_routing(self.router, tokens, self.top_k)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token, slot = self._routed(chosen, e)
-            if token.numel() == 0:
-                continue
-            out.index_add_(0, token, expert(tokens[token]) * weights[token, slot, None])
-        n = len(self.experts)
+        combined = mix_experts(self.experts, tokens, weights, chosen, self._counts(chosen),
+                               self.ep_group)
+        n = self.n_experts
         share = F.one_hot(chosen, n).sum(dim=(0, 1)).to(probs.dtype) / chosen.numel()
         self.aux_loss = n * (share * probs.mean(dim=0)).sum()
-        return out.view_as(x)
+        return combined.view_as(x)
 
-    def _routed(self, chosen: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, slot) pairs that chose ``expert``. On the meta device (the memory
-        estimator's trace) routing is unknown: every expert gets an even share."""
+    def _counts(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Rows per expert. On the meta device (the memory estimator's trace) routing is
+        unknown: the experts share the rows evenly."""
+        n = self.n_experts
         if not chosen.is_meta:
-            return torch.where(chosen == expert)
-        count = -(-chosen.numel() // len(self.experts))
-        token = torch.arange(count, device=chosen.device) % chosen.shape[0]
-        return token, torch.zeros_like(token)
+            return torch.bincount(chosen.flatten(), minlength=n)
+        q, r = divmod(chosen.numel(), n)
+        return torch.tensor([q + (e < r) for e in range(n)], device="cpu")
+
+
+def mix_experts(experts, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                counts: torch.Tensor, ep_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Each token through its ``chosen`` experts, their outputs summed with ``weights``
+    (as ``top_k_routing`` gives them; ``counts``: rows per expert). ``experts(rows,
+    counts)`` runs on the rows sorted by expert, here or, with ``ep_group``, on the ranks
+    holding them (``exchange_rows``)."""
+    order = chosen.flatten().argsort(stable=True)  # rows by expert, tokens in order
+    token = order // chosen.shape[1]
+    routed = tokens[token]
+    if ep_group is None:
+        out = experts(routed, counts.tolist())
+    else:
+        out = exchange_rows(experts, routed, counts, ep_group)
+    # rows come sorted by expert, so each token sums its experts in their order
+    return torch.zeros_like(tokens).index_add(0, token, out * weights.flatten()[order, None])
+
+
+def exchange_rows(experts, routed: torch.Tensor, counts: torch.Tensor,
+                  group: dist.ProcessGroup) -> torch.Tensor:
+    """Expert parallelism: send each row of ``routed`` (sorted by expert; ``counts`` rows
+    per expert, over all experts) to the rank of ``group`` holding its expert (rank ``r``
+    holds experts ``r * local`` to ``(r + 1) * local - 1``), run ``experts(rows, counts)``
+    there on the rows every rank sent, and bring the results back in ``routed``'s order.
+    Both exchanges are differentiable all-to-alls, so backward sends the gradients the
+    same way."""
+    ranks = dist.get_world_size(group)
+    local = counts.numel() // ranks
+    received = torch.empty_like(counts)  # rows this rank gets from each peer per expert
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(ranks, local)
+    send = counts.view(ranks, local).sum(dim=1).tolist()
+    recv = received.sum(dim=1).tolist()
+    arrived = funcol.all_to_all_single_autograd(routed, recv, send, group)
+    # arrived rows are (peer, expert)-major; the experts want (expert, peer)-major
+    pieces = arrived.split(received.flatten().tolist())
+    by_expert = [pieces[p * local + e] for e in range(local) for p in range(ranks)]
+    out = experts(torch.cat(by_expert), received.sum(dim=0).tolist())
+    back = out.split(received.t().flatten().tolist())
+    by_peer = torch.cat([back[e * ranks + p] for p in range(ranks) for e in range(local)])
+    return funcol.all_to_all_single_autograd(by_peer, send, recv, group)
+
+
+def split_experts(model: nn.Module, ep_mesh) -> None:
+    """Expert parallelism: keep on each rank of the 1-D ``ep_mesh`` only its
+    ``n_experts / ep`` experts of every ``MoE`` in ``model``; their weights become DTensors
+    ``Shard(0)`` on ``ep_mesh``, each rank's part cut from its own copy (the others may
+    hold theirs on the meta device). Apply before ``fully_shard``."""
+    ep = ep_mesh.size()
+    for name, moe in model.named_modules():
+        if not isinstance(moe, MoE):
+            continue
+        if not isinstance(moe.experts, GroupedExperts):
+            raise ValueError(f"split_experts: {name}'s experts are a ModuleList; build the "
+                             "model with GPTConfig(grouped_experts=True) to split them.")
+        if moe.n_experts % ep:
+            raise ValueError(f"split_experts: {name}'s {moe.n_experts} experts do not split "
+                             f"over {ep} expert-parallel ranks.")
+        rank = ep_mesh.get_local_rank()
+        for linear in (moe.experts.fc, moe.experts.proj):
+            for attr in ("weight", "bias"):
+                full = getattr(linear, attr).detach()
+                mine = full.chunk(ep)[rank].clone()
+                setattr(linear, attr, nn.Parameter(DTensor.from_local(
+                    mine, ep_mesh, [Shard(0)], run_check=False,
+                    shape=full.shape, stride=full.stride())))
+        moe.ep_group = ep_mesh.get_group()
 
 
 class Block(nn.Module):
@@ -201,7 +330,7 @@ PRESET_SHAPES: dict[str, GPTConfig] = {
     "shakespeare": GPTConfig(vocab_size=SHAKESPEARE_VOCAB, seq_len=128, d_model=256,
                              n_layers=4, n_heads=4),
     "moe": GPTConfig(vocab_size=SHAKESPEARE_VOCAB, seq_len=64, d_model=128, n_layers=4,
-                     n_heads=4, mlp_ratio=2, n_experts=8, top_k=2),
+                     n_heads=4, mlp_ratio=2, n_experts=8, top_k=2, grouped_experts=True),
     "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12,
                            n_heads=12),
     "llama-1b": GPTConfig(vocab_size=128256, seq_len=2048, d_model=2048, n_layers=16,

@@ -95,7 +95,7 @@ def test_quantized_communication_trains_within_a_percent_of_full_precision():
 @pytest.mark.slow
 @pytest.mark.extended
 def test_moe_preset_trains_like_one_process():
-    """--preset moe (expert MLPs in a ModuleList, top-2 routing, a load-balancing loss): 2
+    """--preset moe (stacked expert MLPs, top-2 routing, a load-balancing loss): 2
     ranks of one 4-token sequence each are one process accumulating the same 2 micro-
     batches (each rank's and each micro-batch's load-balancing loss is its own batch's).
     With 8 assignments per rank, an expert often gets no token on one rank only."""

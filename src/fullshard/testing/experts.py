@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..gpt import top_k_routing
+from ..gpt import mix_experts, top_k_routing
 
 
 class Experts(nn.Module):
@@ -66,37 +65,9 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         _, weights, chosen = top_k_routing(self.router, tokens, self.top_k)
-        order = chosen.flatten().argsort(stable=True)
-        token = order // self.top_k
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
-        routed = tokens[token]
-        if self.ep_group is None:
-            out = self.experts(routed, counts.tolist())
-        else:
-            out = self._expert_parallel(routed, counts)
-        combined = torch.zeros_like(tokens).index_add(
-            0, token, out * weights.flatten()[order, None])
+        combined = mix_experts(self.experts, tokens, weights, chosen, counts, self.ep_group)
         return combined.view_as(x)
-
-    def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Send each row to the rank owning its expert, compute there, send it back."""
-        group = self.ep_group
-        ranks = dist.get_world_size(group)
-        local = self.n_experts // ranks
-        # how many rows this rank receives from each peer for each of its experts
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        received = received.view(ranks, local)
-        send = counts.view(ranks, local).sum(dim=1).tolist()
-        recv = received.sum(dim=1).tolist()
-        arrived = funcol.all_to_all_single_autograd(routed, recv, send, group)
-        # arrived rows are (peer, expert)-major; the experts want (expert, peer)-major
-        pieces = arrived.split(received.flatten().tolist())
-        by_expert = [pieces[p * local + e] for e in range(local) for p in range(ranks)]
-        out = self.experts(torch.cat(by_expert), received.sum(dim=0).tolist())
-        back = out.split(received.t().flatten().tolist())
-        by_peer = torch.cat([back[e * ranks + p] for p in range(ranks) for e in range(local)])
-        return funcol.all_to_all_single_autograd(by_peer, send, recv, group)
 
 
 class ExpertBlock(nn.Module):

@@ -185,6 +185,11 @@ class ParallelConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile before sharding (one graph per
     block; fullshard's gathers and reductions run between them)."""
+    ep: int = field(default=1, metadata=within(1, 2 ** 14))
+    """Expert parallelism: split each mixture-of-experts block's experts over this many
+    ranks (tokens travel to their expert's rank by all-to-all), each part sharded over the
+    world size / ep ranks holding the same experts (the GPT with gpt.grouped_experts;
+    full_shard or shard_grad_op). 1: every rank holds a shard of every expert."""
     offload_params: bool = False
     """With --parallel.offload disk:PATH, keep the sharded parameters in files under PATH
     too, paged in when used and given back right after."""
@@ -339,6 +344,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"lora.base: nf4 base weights gather through their tensor subclass, "
                           f"which fullshard does not combine with {asked}; choose full_shard, "
                           "shard_grad_op or zero1, or lora.base fp32")
+    _check_expert_parallel(cfg)
     offload = cfg.parallel.offload
     if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
         raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "
@@ -351,6 +357,27 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"parallel.offload: {offload[5:]} is not a directory; create it, or "
                           "name a directory on a local disk for the optimizer states")
     return cfg
+
+
+def _check_expert_parallel(cfg: TrainConfig) -> None:
+    """parallel.ep splits the built-in GPT's grouped experts; the world size is checked
+    at launch (train/model.py build_mesh)."""
+    ep, gpt = cfg.parallel.ep, cfg.gpt
+    if ep == 1:
+        return
+    if cfg.is_hf or not gpt.n_experts or not gpt.grouped_experts:
+        has = ("a Hugging Face model" if cfg.is_hf else "gpt.n_experts 0" if not gpt.n_experts
+               else "gpt.grouped_experts false")
+        raise ConfigError(f"parallel.ep: {ep} splits the experts of the GPT with gpt.n_experts "
+                          f"and gpt.grouped_experts true over ranks; this run has {has}: leave "
+                          "parallel.ep at 1, or use --preset moe")
+    if gpt.n_experts % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide gpt.n_experts {gpt.n_experts}; "
+                          "give a divisor of it")
+    if cfg.parallel.strategy not in ("full_shard", "shard_grad_op"):
+        raise ConfigError(f"parallel.ep: {ep} runs with parallel.strategy full_shard or "
+                          f"shard_grad_op, not {cfg.parallel.strategy}; choose one of those or "
+                          "leave parallel.ep at 1")
 
 
 def sections(cfg: TrainConfig) -> list[tuple[str, Any]]:

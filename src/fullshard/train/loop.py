@@ -84,8 +84,8 @@ class Trainer:
             tune_cpu_allocator()         # as its memory estimate assumes (memory/allocator.py)
         self.memory = StepMemory(worker.device)  # collective, and before the model exists
         self.workload: Workload = build_workload(cfg, worker.rank, worker.world)
-        mesh = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
-        self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, mesh)
+        meshes = build_mesh(cfg.parallel, worker.device.type, worker.world, worker.local_world)
+        self.model: nn.Module = shard_model(self.workload.model, cfg.parallel, meshes)
         if worker.device.type == "cpu":  # the whole model built here (LoRA) is shards now:
             release_free_heap()          # its heap pages go back (memory/allocator.py)
         load_initial_weights(self.model, self.workload, worker.device)
@@ -168,8 +168,10 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters())
         w, cfg = self.worker, self.cfg
         where = f"resuming at step {self.step}" if resume else "starting"
+        experts = (f" (experts split over {cfg.parallel.ep} ranks)"
+                   if cfg.parallel.ep > 1 else "")
         return (f"fullshard train: {cfg.model} ({params / 1e6:.2f}M parameters) sharded "
-                f"{cfg.parallel.strategy} over {w.world} {w.device.type} ranks, "
+                f"{cfg.parallel.strategy}{experts} over {w.world} {w.device.type} ranks, "
                 f"{cfg.parallel.precision}; data {cfg.data} ({self.workload.tokenizer.name}, "
                 f"{len(self.workload.train_tokens):,} training tokens); {where}, "
                 f"{cfg.steps} steps of {self.tokens_per_step:,} tokens; writing {self.out}")

@@ -13,7 +13,8 @@ folder without safetensors files (``pytorch_model.bin``) is loaded whole by rank
 sent to the others, as the GPT presets are. The folder's tokenizer is used when it has
 one; see ``data.py`` for the fallback.
 
-From ``[parallel]`` to ``fully_shard`` calls: the mesh, resharding, dtypes, recomputation.
+From ``[parallel]`` to ``fully_shard`` calls: the mesh, resharding, dtypes, recomputation,
+expert parallelism (Note [expert parallelism in the trainer]).
 
 Strategies map to fully_shard arguments as FSDP1's ``ShardingStrategy`` does:
 
@@ -47,6 +48,19 @@ On a (replicate, shard) mesh fullshard shards within the shard dimension and
 all-reduces gradients across the replicate one, so shard groups of size one are plain
 data parallelism: every rank holds every parameter and gradients are averaged.
 
+Note [expert parallelism in the trainer]
+``--parallel.ep N`` lays the ranks out as torchtitan does: a (world / N, N) mesh whose
+``ep`` rows split each block's experts N ways (``split_experts``: DTensors ``Shard(0)``)
+and whose ``efsdp`` columns hold the same experts, over which the experts' unit shards.
+Every other parameter shards over all ranks (the mesh flattened). A rank's tokens go to
+their experts' ranks and back by all-to-all (``exchange_rows``), so an expert's gradient
+sums the tokens of its ``ep`` row, and its reduce-scatter sums its ``efsdp`` column: all
+ranks' tokens, divided by the world size (``set_gradient_divide_factor``) as the dense
+gradients are. The experts' stacked weights always get a gradient (zero for an expert
+no row went to, even when none of a rank's experts got one), as they do in one process.
+Checkpoints hold the experts' whole tensors, so a run resumes at another N. The memory
+estimate does not know N: it counts a block's gathered experts whole.
+
 Rank 0's initial weights (GPT presets, and Hugging Face folders without safetensors): only
 rank 0 builds (or loads) the full model on the CPU; the others build it on the
 meta device, so a node needs host memory for one full copy instead of one per rank.
@@ -60,7 +74,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,8 +82,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..activation_checkpointing import apply_activation_checkpointing
+from ..api import fully_shard
 from ..checkpoint import StateDictOptions, load_hf, parameters_on_meta, set_model_state_dict
-from ..gpt import GPT, GPTConfig
+from ..gpt import GPT, GPTConfig, MoE, split_experts
 from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
@@ -246,11 +261,26 @@ def save_for_export(cfg: TrainConfig, workload: Workload, out: str) -> None:
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class Meshes(NamedTuple):
+    dense: DeviceMesh
+    """What every unit shards over (all but the experts' under expert parallelism)."""
+    experts: DeviceMesh | None
+    """(efsdp, ep) under ``parallel.ep`` > 1: each expert's weights on the ``ep`` ranks
+    that split the experts, sharded over the ``efsdp`` ranks holding the same ones."""
+
+
 def build_mesh(parallel: ParallelConfig, device_type: str, world: int,
-               ranks_per_node: int) -> DeviceMesh:
-    """The device mesh ``parallel.strategy`` shards over."""
+               ranks_per_node: int) -> Meshes:
+    """The device meshes ``parallel.strategy`` and ``parallel.ep`` shard over."""
+    if parallel.ep > 1:  # Note [expert parallelism in the trainer]
+        if world % parallel.ep:
+            raise ConfigError(f"parallel.ep: {parallel.ep} does not divide the world size "
+                              f"{world}; give a divisor of both it and gpt.n_experts")
+        joint = init_device_mesh(device_type, (world // parallel.ep, parallel.ep),
+                                 mesh_dim_names=("efsdp", "ep"))
+        return Meshes(joint._flatten("shard"), joint)
     if parallel.strategy in ("full_shard", "shard_grad_op", "zero1"):
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        return Meshes(init_device_mesh(device_type, (world,), mesh_dim_names=("shard",)), None)
     if parallel.strategy == "no_shard":
         replicas = world
     else:
@@ -263,8 +293,8 @@ def build_mesh(parallel: ParallelConfig, device_type: str, world: int,
                               f"reduce-scatters, which hybrid_shard with parallel.replicas "
                               f"{replicas} over {world} ranks (shard groups of one rank) does "
                               "not issue; give fewer replicas or parallel.quantize none")
-    return init_device_mesh(device_type, (replicas, world // replicas),
-                            mesh_dim_names=("replicate", "shard"))
+    return Meshes(init_device_mesh(device_type, (replicas, world // replicas),
+                                   mesh_dim_names=("replicate", "shard")), None)
 
 
 def reshard_after_forward(parallel: ParallelConfig) -> bool | int:
@@ -282,9 +312,10 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+def shard_model(model: nn.Module, parallel: ParallelConfig, meshes: Meshes) -> nn.Module:
     """Checkpoint activations per block if asked, then make every repeated block (GPT
-    ``Block``s, a Hugging Face model's ``_no_split_modules``) a unit, then the root."""
+    ``Block``s, a Hugging Face model's ``_no_split_modules``) a unit, then the root; under
+    expert parallelism each block's experts first, on their own mesh."""
     blocks = tuple(repeated_block_classes(model))
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model, lambda m: isinstance(m, blocks))
@@ -296,14 +327,26 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, mesh: DeviceMesh) ->
     elif parallel.offload.startswith("disk:"):  # Note [optimizer states on disk]
         offload = DiskOffloadPolicy(path=parallel.offload[len("disk:"):],
                                     params=parallel.offload_params)
-    sharded = auto_wrap(model, mesh=mesh, reshard_after_forward=reshard_after_forward(parallel),
-                        mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
+    how = dict(reshard_after_forward=reshard_after_forward(parallel),
+               mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
+    if meshes.experts is not None:
+        shard_experts(model, meshes.experts, **how)
+    sharded = auto_wrap(model, mesh=meshes.dense, **how)
     if parallel.strategy == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
         sharded.set_keep_unsharded_storage(True)
     if parallel.quantize != "none":  # Note [quantized communication]
         words = parallel.quantize.split(",")
         sharded.set_quantized_communication(weights="weights" in words, grads="grads" in words)
     return sharded
+
+
+def shard_experts(model: nn.Module, joint: DeviceMesh, **how) -> None:
+    """Split every MoE block's experts over ``joint["ep"]`` and shard each block's part
+    over ``joint["efsdp"]``: Note [expert parallelism in the trainer]."""
+    split_experts(model, joint["ep"])
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        unit = fully_shard(moe.experts, mesh=joint["efsdp"], **how)
+        unit.set_gradient_divide_factor(joint.size())
 
 
 def compile_blocks(model: nn.Module, blocks: tuple[type, ...] | None = None) -> None:
