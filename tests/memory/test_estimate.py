@@ -7,8 +7,8 @@ from fullshard.memory import estimate, plan, zero_model_state_bytes
 from fullshard.memory.activations import trace_step
 from fullshard.cli.memory import estimate_main, plan_main
 from fullshard.memory.process import current_rss_bytes
-from fullshard.memory.units import find_units
-from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.memory.units import find_units, layout_groups
+from fullshard.gpt import GPT, GPTConfig, GroupedExperts, lm_loss
 
 # blocks of 3.1M parameters: above the 2**20 merging threshold, so each is its own unit
 SMALL = GPTConfig(vocab_size=1000, seq_len=256, d_model=512, n_layers=4, n_heads=8)
@@ -215,3 +215,48 @@ def test_muon_estimate_keeps_adamw_states_where_the_recipe_uses_adamw():
     # AdamW's 2 on the rest; on the matrices: rows as written, then momentum and whole
     # copy on the one rank that owns them all
     assert muon == 4 * (2 * (everything - hidden) + hidden + 2 * hidden)
+
+
+def test_expert_parallelism_makes_each_blocks_experts_a_unit_holding_its_part():
+    """ep=2 over 4 ranks: each block's grouped experts are a group of their own holding 4 of
+    the 8 experts, sharded over 2 ranks, never merged; the blocks keep the rest, over 4."""
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2,
+                    mlp_ratio=2, n_experts=8, top_k=2, grouped_experts=True)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    units = find_units(model, split_experts=True)
+    groups = layout_groups(units, 4, True, bucket_numel=10 ** 9, ep=2)  # merge all that may
+    experts = [g for g in groups if g.name == "GroupedExperts"]
+    per_expert = 2 * (32 * 64) + 64 + 32  # fc and proj weights, their biases
+    assert len(experts) == 2 and all(len(g.units) == 1 for g in experts)
+    for g in experts:
+        assert g.shard_size == 2 and g.unsharded_numel == 4 * per_expert
+        assert g.shard_numel == 2 * per_expert
+    others = [g for g in groups if g.name != "GroupedExperts"]
+    assert all(g.shard_size == 4 for g in others)
+    dense = sum(p.numel() for p in model.parameters()) - 2 * 8 * per_expert
+    assert sum(p.numel for g in others for p in g.params) == dense
+    assert all(isinstance(units[g.units[0]], GroupedExperts) for g in experts)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ep": 3}, "ep=3 must divide world_size 4"),
+    ({"ep": 2, "strategy": "no_shard"}, "with strategy full_shard or shard_grad_op"),
+    ({"ep": 2, "model": "debug"}, "GPT d=32 L=2 has none"),
+])
+def test_expert_parallel_estimates_refuse_what_does_not_fit(kwargs, message):
+    model = kwargs.pop("model", "moe")
+    with pytest.raises(ValueError, match=message):
+        estimate(model, world_size=4, **kwargs)
+
+
+def test_estimate_cli_takes_the_expert_parallel_degree(capsys):
+    peaks = {}
+    for ep in ("1", "4"):
+        assert estimate_main(["--preset", "moe", "--world-size", "4", "--ep", ep,
+                              "--batch", "1"]) == 0
+        text = capsys.readouterr().out
+        peaks[ep] = float(text.split("peak per rank")[1].split("MiB")[0].split()[-1])
+        assert ("experts split over 4 ranks" in text) == (ep == "4")
+    # ep 4 over 4 ranks: a rank's experts are whole on it, nothing of them gathered
+    assert peaks["4"] < peaks["1"]

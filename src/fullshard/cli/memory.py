@@ -36,6 +36,7 @@ BASELINE_MIB = flag_type(float, Bounds(0, 2 ** 30))  # up to a PiB
 BUDGET_GIB = flag_type(float, Bounds(0.001, 2 ** 20))  # about 1 MiB to 1 PiB
 MARGIN = flag_type(float, Bounds(0, 10))
 LORA_RANK = flag_type(int, Bounds(0, 2 ** 16))
+EP = flag_type(int, Bounds(1, 2 ** 14))
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +113,10 @@ def estimate_parser() -> argparse.ArgumentParser:
                         "default with no value): shards, gradients and optimizer states in "
                         "host memory (CPUOffloadPolicy); disk: the optimizer states in files "
                         "(DiskOffloadPolicy); disk+params: the parameter shards too")
+    parser.add_argument("--ep", type=EP, default=1, help="expert parallelism (fullshard "
+                        "train --parallel.ep): each block's experts split over N ranks, a unit "
+                        "of their own sharded over world-size / N (a GPT with grouped experts: "
+                        "--preset moe)")
     parser.add_argument("--sweep", action="store_true",
                         help="peak for world sizes 1, 2, 4, ... up to --world-size, each strategy")
     parser.add_argument("--zero-table", action="store_true", help="model states only, in the "
@@ -131,10 +136,13 @@ def estimate_main(argv: list[str]) -> int:
     source, kwargs, pick = _resolve(args)
     kwargs["offload"] = args.offload
     if args.sweep:
+        if args.ep > 1:
+            raise ConfigError(f"--ep: {args.ep} does not divide every world size --sweep "
+                              "tries; estimate one --world-size with it")
         print(_sweep(source, args.world_size, kwargs))
         return 0
     est = estimate(source, world_size=args.world_size, strategy=pick["strategy"],
-                   reshard_after_forward=args.reshard_after_forward, **kwargs)
+                   reshard_after_forward=args.reshard_after_forward, ep=args.ep, **kwargs)
     print(est.table())
     return 0
 

@@ -18,6 +18,7 @@ from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.buffers import DEFAULT_MAX_NUMEL
 from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
+from ..gpt import GroupedExperts
 from ..policies import DiskOffloadPolicy, MixedPrecisionPolicy
 from ..whole_matrix.recipe import muon_matrices
 from .activations import StepTrace, trace_step
@@ -59,7 +60,9 @@ class MemoryEstimate:
         """The breakdown as an aligned text table (MiB)."""
         s = self.settings
         head = (f"{s['model']}: {self.num_params / 1e6:,.1f}M parameters, world size "
-                f"{s['world_size']}, {s['strategy']}, {s['dtype']}, batch {s['batch_size']} x "
+                f"{s['world_size']}, {s['strategy']}"
+                + (f" (experts split over {s['ep']} ranks)" if s.get("ep", 1) > 1 else "")
+                + f", {s['dtype']}, batch {s['batch_size']} x "
                 f"{s['seq_len']}, {s['optimizer']}"
                 + (", activation checkpointing" if s["activation_checkpointing"] else "")
                 + ({"cpu": ", offload", "disk": ", offload (states on disk)",
@@ -89,7 +92,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
              device: str = "cuda", bucket_numel: int = DEFAULT_BUCKET_NUMEL,
              process_baseline: int | None = None, loss_of: LossOf | None = None,
              quantize: str | None = None, lora_rank: int = 0,
-             quantize_comm: str = "none") -> MemoryEstimate:
+             quantize_comm: str = "none", ep: int = 1) -> MemoryEstimate:
     """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
 
     Args:
@@ -132,16 +135,24 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         quantize_comm: ``weights``, ``grads`` or ``weights,grads``: int8 all-gathers and/or
             reduce-scatters (set_quantized_communication; ``--parallel.quantize``), whose
             send and receive buffers and fp32 (de)quantizing passes are counted.
+        ep: expert parallelism (``fullshard train --parallel.ep``; a GPT with
+            ``grouped_experts``): each block's experts a unit of their own holding
+            ``1/ep`` of them, sharded over ``world_size / ep`` ranks (Note [expert
+            parallelism in the trainer]). The trace routes tokens evenly, so a rank's
+            experts compute on as many rows as without it; the all-to-alls' buffers (a
+            block's routed rows, twice) are not counted.
     """
-    _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank)
+    _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank,
+               ep)
     step = trace_workload(model_or_config, mp_policy=mp_policy,
                           activation_checkpointing=activation_checkpointing,
                           batch_size=batch_size, seq_len=seq_len, loss_of=loss_of,
-                          quantize=quantize, lora_rank=lora_rank)
+                          quantize=quantize, lora_rank=lora_rank, split_experts=ep > 1)
     return estimate_traced(step, world_size=world_size, strategy=strategy,
                            reshard_after_forward=reshard_after_forward, offload=offload,
                            optimizer=optimizer, device=device, bucket_numel=bucket_numel,
-                           process_baseline=process_baseline, quantize_comm=quantize_comm)
+                           process_baseline=process_baseline, quantize_comm=quantize_comm,
+                           ep=ep)
 
 
 @dataclass(frozen=True)
@@ -161,20 +172,26 @@ class TracedStep:
     activation_checkpointing: bool
     quantize: str | None
     lora_rank: int
+    split_experts: bool = False  # grouped experts traced as units of their own
 
 
 def trace_workload(model_or_config: Any, *, mp_policy: MixedPrecisionPolicy | torch.dtype
                    | None = None, activation_checkpointing: bool = False, batch_size: int = 1,
                    seq_len: int | None = None, loss_of: LossOf | None = None,
-                   quantize: str | None = None, lora_rank: int = 0) -> TracedStep:
-    """Build the model on the meta device as configured and trace one step of it."""
+                   quantize: str | None = None, lora_rank: int = 0,
+                   split_experts: bool = False) -> TracedStep:
+    """Build the model on the meta device as configured and trace one step of it (with
+    ``split_experts``, the grouped experts as units of their own: for ``ep`` > 1)."""
     check_weights(quantize, lora_rank, "full_shard", None, 1)
     workload = workload_for(model_or_config, loss_of)
     seq = workload.seq_len_or(seq_len)
     policy = MixedPrecisionPolicy(param_dtype=mp_policy, reduce_dtype=torch.float32) \
         if isinstance(mp_policy, torch.dtype) else (mp_policy or MixedPrecisionPolicy())
     model = workload.build()
-    units = find_units(model)
+    units = find_units(model, split_experts)
+    if split_experts and not any(isinstance(u, GroupedExperts) for u in units):
+        raise ValueError(f"estimate: ep splits grouped experts (a GPTConfig with n_experts "
+                         f"and grouped_experts=True); {workload.name} has none: leave ep at 1")
     param_dtype = next(model.parameters()).dtype
     subclass = adapt_weights(model, units, quantize, lora_rank)
     model.to(policy.param_dtype or param_dtype)  # the trace computes in the gathered dtype
@@ -186,7 +203,8 @@ def trace_workload(model_or_config: Any, *, mp_policy: MixedPrecisionPolicy | to
         apply_activation_checkpointing(model, lambda m: id(m) in checkpointed)
     trace = trace_step(model, units, lambda m: workload.loss_of(m, batch_size, seq))
     return TracedStep(workload.name, model, units, subclass, trace, policy, param_dtype,
-                      batch_size, seq, activation_checkpointing, quantize, lora_rank)
+                      batch_size, seq, activation_checkpointing, quantize, lora_rank,
+                      split_experts)
 
 
 def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_shard",
@@ -195,10 +213,13 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                     optimizer: str = "adamw", device: str = "cuda",
                     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                     process_baseline: int | None = None,
-                    quantize_comm: str = "none") -> MemoryEstimate:
+                    quantize_comm: str = "none", ep: int = 1) -> MemoryEstimate:
     """``estimate`` of a traced step: fullshard's schedule replayed over it."""
     _check_run(strategy, reshard_after_forward, world_size, optimizer, step.quantize,
-               step.lora_rank)
+               step.lora_rank, ep)
+    if (ep > 1) != step.split_experts:
+        raise ValueError(f"estimate: ep={ep} needs a step traced with split_experts="
+                         f"{ep > 1}")
     raf = _reshard_rule(strategy, reshard_after_forward, world_size)
     offload = offload_mode(offload)
     if quantize_comm not in ("none", "weights", "grads", "weights,grads"):
@@ -212,7 +233,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     policy, param_dtype, model = step.policy, step.param_dtype, step.model
     compute_dtype = policy.param_dtype or param_dtype
     reduce_dtype = policy.reduce_dtype_for(param_dtype) or compute_dtype  # Note [torch versions]
-    groups = layout_groups(step.units, shard_size, raf, bucket_numel, step.subclass)
+    groups = layout_groups(step.units, shard_size, raf, bucket_numel, step.subclass, ep)
     settings = RunSettings(
         param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
@@ -244,7 +265,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                   "seq_len": step.seq_len, "optimizer": optimizer, "offload": offload,
                   "activation_checkpointing": step.activation_checkpointing,
                   "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank,
-                  "quantize_comm": quantize_comm})
+                  "quantize_comm": quantize_comm, "ep": ep})
 
 
 def offload_mode(offload: bool | str) -> str:
@@ -260,9 +281,15 @@ def offload_mode(offload: bool | str) -> str:
 
 
 def _check_run(strategy: str, reshard_after_forward: bool | int | None, world_size: int,
-               optimizer: str, quantize: str | None, lora_rank: int) -> None:
+               optimizer: str, quantize: str | None, lora_rank: int, ep: int = 1) -> None:
     """Bad input, before the (slow) trace."""
     _reshard_rule(strategy, reshard_after_forward, world_size)
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"estimate: ep={ep} must divide world_size {world_size}")
+    if ep > 1 and (strategy not in ("full_shard", "shard_grad_op")
+                   or reshard_after_forward not in (None, True, False)):
+        raise ValueError(f"estimate: ep={ep} is estimated with strategy full_shard or "
+                         f"shard_grad_op, not {_strategy_name(strategy, reshard_after_forward)}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"estimate: optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
     check_weights(quantize, lora_rank, strategy, reshard_after_forward, world_size)

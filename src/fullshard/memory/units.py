@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..core.schedule import (AfterForward, after_forward_rule, joins_bucket, plan_runs,
                              reduce_numel)
+from ..gpt import GroupedExperts
 from ..wrap import ModuleWrapPolicy, apply_wrap_policy, repeated_block_classes
 from .weights import WeightBytes
 
@@ -97,12 +98,16 @@ class GroupLayout:
         return reduce_numel([p.shard_numel(self.shard_size) for p in self.trainable])
 
 
-def find_units(model: nn.Module) -> list[nn.Module]:
-    """The modules ``auto_wrap`` shards, children first, then the root (last)."""
+def find_units(model: nn.Module, split_experts: bool = False) -> list[nn.Module]:
+    """The modules ``auto_wrap`` shards, children first, then the root (last); with
+    ``split_experts`` each mixture of experts' grouped experts first, a unit of their
+    own as under expert parallelism (Note [expert parallelism in the trainer])."""
     classes = repeated_block_classes(model)
     chosen = apply_wrap_policy(model, ModuleWrapPolicy(classes), lambda _m: None) \
         if classes else []
-    return [*chosen, model]
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)] \
+        if split_experts else []
+    return [*experts, *chosen, model]
 
 
 def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
@@ -127,28 +132,36 @@ def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
 
 def layout_groups(units: list[nn.Module], shard_size: int,
                   reshard_after_forward: bool | int, bucket_numel: int,
-                  subclass: dict[int, WeightBytes] | None = None) -> list[GroupLayout]:
+                  subclass: dict[int, WeightBytes] | None = None, ep: int = 1
+                  ) -> list[GroupLayout]:
     """Groups in module order (root first), small adjacent units merged as fullshard does.
     ``reshard_after_forward`` is fully_shard's argument for every unit but the root,
     which gets ``None`` (as from ``auto_wrap``); ``subclass`` gives the bytes of the
-    tensor-subclass parameters, by ``id``."""
+    tensor-subclass parameters, by ``id``. With ``ep`` > 1 a unit of grouped experts holds
+    ``1/ep`` of each expert tensor's rows, sharded over ``shard_size / ep`` ranks, and
+    stays a group of its own (on its own mesh: nothing merges across meshes)."""
     subclass = subclass or {}
     params = unit_params(units)
     order = sorted(range(len(units)), key=_module_order(units))
     root = len(units) - 1
-    shapes = [tuple(ParamShape(id(p), p.numel(), p.shape[0] if p.dim() else 1, p.requires_grad,
+    split = [ep if isinstance(u, GroupedExperts) else 1 for u in units]
+    shapes = [tuple(ParamShape(id(p), p.numel() // split[i],
+                               (p.shape[0] if p.dim() else 1) // split[i], p.requires_grad,
                                subclass.get(id(p)))
                     for p in params[i]) for i in range(len(units))]
-    singles = [GroupLayout(type(units[i]).__name__, (i,), shapes[i], shard_size, i == root,
+    singles = [GroupLayout(type(units[i]).__name__, (i,), shapes[i], shard_size // split[i],
+                           i == root,
                            after_forward_rule(None if i == root else reshard_after_forward,
-                                              shard_size))
+                                              shard_size // split[i]))
                for i in order if shapes[i]]
-    # Units with tensor-subclass parameters keep their own group (core/buckets.py).
-    mergeable = [g for g in singles if not g.subclass]
+    # Units with tensor-subclass parameters keep their own group (core/buckets.py), as do
+    # experts split over ranks.
+    alone = [g for g in singles if g.subclass or split[g.units[0]] > 1]
+    mergeable = [g for g in singles if g not in alone]
     runs = plan_runs(mergeable, lambda g: g.unsharded_numel,
                      lambda first, g: joins_bucket(first.after_forward, first.is_root,
                                                    g.after_forward), bucket_numel)
-    runs += [[g] for g in singles if g.subclass]
+    runs += [[g] for g in alone]
     position = {g.units[0]: n for n, g in enumerate(singles)}
     runs.sort(key=lambda run: position[run[0].units[0]])
     return [run[0] if len(run) == 1 else _merged(run) for run in runs]

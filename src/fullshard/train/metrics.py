@@ -146,7 +146,7 @@ def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
                           seq_len=cfg.batch.seq_len,
                           optimizer="adamw", device=device.type,
                           process_baseline=baseline_bytes, lora_rank=cfg.lora.rank,
-                          quantize_comm=parallel.quantize,
+                          quantize_comm=parallel.quantize, ep=parallel.ep,
                           quantize="nf4" if cfg.lora.rank and cfg.lora.base == "nf4"
                           else None)
     except Exception:  # noqa: BLE001 - a Hugging Face architecture the trace cannot run

@@ -59,7 +59,8 @@ ranks' tokens, divided by the world size (``set_gradient_divide_factor``) as the
 gradients are. The experts' stacked weights always get a gradient (zero for an expert
 no row went to, even when none of a rank's experts got one), as they do in one process.
 Checkpoints hold the experts' whole tensors, so a run resumes at another N. The memory
-estimate does not know N: it counts a block's gathered experts whole.
+estimate (``estimate(..., ep=N)``) makes each block's experts a unit of their own
+holding 1/N of them, sharded over world / N ranks.
 
 Rank 0's initial weights (GPT presets, and Hugging Face folders without safetensors): only
 rank 0 builds (or loads) the full model on the CPU; the others build it on the
