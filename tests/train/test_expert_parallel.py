@@ -48,6 +48,25 @@ def test_experts_split_over_ranks_train_as_one_process(tmp_path):
         assert steps == pytest.approx(one, rel=1e-5), ep
 
 
+def _combined(out: str) -> dict:
+    """ep 1 and 2 with recomputation, CPU offload, shard_grad_op and two micro-batches;
+    and int8 communication at ep = world, where the experts' shard groups hold one rank."""
+    both = {"parallel.activation_checkpointing": True, "parallel.offload": "cpu",
+            "parallel.strategy": "shard_grad_op", "batch.grad_accum": 2}
+    runs = {ep: _steps(f"{out}/ep{ep}", {**both, "parallel.ep": ep}) for ep in (1, 2)}
+    runs["int8"] = _steps(f"{out}/int8", {"parallel.ep": 2,
+                                          "parallel.quantize": "weights,grads"})
+    runs["fp32"] = _steps(f"{out}/fp32", {"parallel.ep": 2})
+    return runs
+
+
+@pytest.mark.slow
+def test_expert_parallelism_combines_with_the_other_settings(tmp_path):
+    runs = run_distributed(_combined, 2, str(tmp_path))[0]
+    assert runs[2] == pytest.approx(runs[1], rel=1e-5)
+    assert runs["int8"][:-1:2] == pytest.approx(runs["fp32"][:-1:2], rel=1e-2)  # losses
+
+
 def _resumed_at(out: str, first: int, then: int) -> dict:
     """6 steps at ep ``first``; and 3 steps at ``first``, resumed at ``then`` to 6."""
     straight = _steps(f"{out}/straight", {"parallel.ep": first})

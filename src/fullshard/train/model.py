@@ -85,7 +85,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..api import fully_shard
 from ..checkpoint import StateDictOptions, load_hf, parameters_on_meta, set_model_state_dict
-from ..gpt import GPT, GPTConfig, MoE, split_experts
+from ..fsdp_module import FSDPModule
+from ..gpt import GPT, GPTConfig, GroupedExperts, MoE, split_experts
 from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
 from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
@@ -337,7 +338,12 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, meshes: Meshes) -> n
         sharded.set_keep_unsharded_storage(True)
     if parallel.quantize != "none":  # Note [quantized communication]
         words = parallel.quantize.split(",")
-        sharded.set_quantized_communication(weights="weights" in words, grads="grads" in words)
+        for unit in sharded.modules():
+            # experts split over every rank (ep = world) hold theirs whole: nothing to quantize
+            if isinstance(unit, FSDPModule) and not (
+                    isinstance(unit, GroupedExperts) and meshes.experts["efsdp"].size() == 1):
+                unit.set_quantized_communication(weights="weights" in words,
+                                                 grads="grads" in words, recurse=False)
     return sharded
 
 
