@@ -614,6 +614,10 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
     checkpoint.save(os.path.join(run, "checkpoints", "step_000001"), nn.Linear(2, 2))
     with open(os.path.join(run, "config.toml"), "w") as f:
         f.write(to_toml(get_preset("debug")))
+    moe_run = os.path.join(tmp, "moe-run")
+    checkpoint.save(os.path.join(moe_run, "checkpoints", "step_000001"), nn.Linear(2, 2))
+    with open(os.path.join(moe_run, "config.toml"), "w") as f:
+        f.write(to_toml(get_preset("moe")))
     lora_run = os.path.join(tmp, "lora-run")
     checkpoint.save(os.path.join(lora_run, "checkpoints", "step_000001"), nn.Linear(2, 2))
     with open(os.path.join(lora_run, "config.toml"), "w") as f:
@@ -625,6 +629,7 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         "E52": message_of(lambda: export_hf(alone, os.path.join(tmp, "hf"), 10**9)),
         "E53": message_of(lambda: parse_size("big")),
         "E54": message_of(lambda: export_hf(run, os.path.join(tmp, "hf"), 10**9)),
+        "E232": message_of(lambda: export_hf(moe_run, os.path.join(tmp, "hf"), 10**9)),
         "E112": message_of(lambda: resolve("--lora.rank", "4")),
         "E135": message_of(lambda: resolve("--parallel.strategy", "zero1",
                                          "--parallel.reshard-after-forward", "true")),

@@ -98,7 +98,8 @@ def _estimate_and_peak(out: str, ep: int) -> tuple[int, int] | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [2, pytest.param(4, marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("ep", [2, 4])
 def test_the_memory_estimate_knows_the_expert_parallel_degree(tmp_path, ep):
     """Each block's experts are a unit of their own holding 1/ep of them: the estimate is
     within 10% of the measured peak (one that gathered every expert was +32% at ep 2

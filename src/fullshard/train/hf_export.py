@@ -65,6 +65,10 @@ def export_hf(path: str, out_dir: str, max_shard_bytes: int) -> list[str]:
         raise ConfigError(f"--hf: the run {run} trained LoRA adapters over a frozen base "
                           "(lora.rank > 0); export the adapters with --adapters and load "
                           "them over the base with peft.PeftModel.from_pretrained")
+    if not cfg.is_hf and cfg.gpt.n_experts:
+        raise ConfigError(f"--hf: the run {run} trained a mixture of experts (gpt.n_experts "
+                          f"{cfg.gpt.n_experts}), which the GPT-2 format --hf writes has no "
+                          "place for; export its tensors without --hf")
     transformers = import_optional("--hf")
     opened = open_checkpoint(checkpoint, collective=False)  # before any file is read
     if cfg.is_hf:
