@@ -52,6 +52,8 @@ class GPTConfig:
     parallelism)."""
 
     def __post_init__(self) -> None:
+        if self.n_heads < 1:
+            raise ValueError(f"GPTConfig: n_heads={self.n_heads} must be at least 1")
         if self.d_model % self.n_heads:
             raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by "
                              f"n_heads={self.n_heads}")
