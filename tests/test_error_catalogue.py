@@ -558,6 +558,7 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E230": message_of(lambda: resolve("--preset", "moe", "--parallel.ep", "2",
                                            "--parallel.strategy", "hybrid_shard")),
         "E231": message_of(_expert_degree_not_dividing_the_world),
+        "E233": message_of(lambda: resolve("--preset", "moe", "--optim.name", "muon")),
     }
 
 

@@ -131,6 +131,8 @@ class GroupedLinear(nn.Module):
     over ranks (``split_experts``) they are DTensors ``Shard(0)``, and this rank computes
     with its own rows of them."""
 
+    stacked = True  # each parameter is n of them: no matrix for Muon (whole_matrix/recipe.py)
+
     def __init__(self, n: int, d_in: int, d_out: int):
         super().__init__()
         bound = d_in ** -0.5  # nn.Linear's default init

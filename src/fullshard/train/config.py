@@ -345,6 +345,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"which fullshard does not combine with {asked}; choose full_shard, "
                           "shard_grad_op or zero1, or lora.base fp32")
     _check_expert_parallel(cfg)
+    if cfg.optim.name == "muon" and not cfg.is_hf and cfg.gpt.n_experts \
+            and cfg.gpt.grouped_experts:
+        raise ConfigError("optim.name: muon steps 2-D matrices, and gpt.grouped_experts stacks "
+                          "the experts' into 3-D tensors, which torch.optim.Muon does not take; "
+                          "set gpt.grouped_experts false (each expert its own matrices, no "
+                          "parallel.ep) or choose optim.name adamw")
     offload = cfg.parallel.offload
     if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
         raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "

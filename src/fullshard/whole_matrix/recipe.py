@@ -9,13 +9,16 @@ import torch.nn as nn
 def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
     """The trainable 2-D parameters outside embeddings and the output head: the hidden
     matrices, which Muon steps (each whole, Note [whole-matrix optimizers]). Embeddings,
-    the head, norms and biases stay with AdamW, as the Muon recipe has them."""
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
-                  for p in m.parameters()}
+    the head, norms and biases stay with AdamW, as the Muon recipe has them. A module
+    whose parameters each stack several (``stacked = True``: fullshard.gpt's grouped
+    experts) holds no matrix of its own: its 2-D parameters are stacked biases."""
+    left_out = {id(p) for m in model.modules()
+                if isinstance(m, nn.Embedding) or getattr(m, "stacked", False)
+                for p in m.parameters()}
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    embeddings |= {id(p) for p in (head.parameters() if head is not None else ())}
+    left_out |= {id(p) for p in (head.parameters() if head is not None else ())}
     return [p for p in model.parameters()
-            if p.requires_grad and p.dim() == 2 and id(p) not in embeddings]
+            if p.requires_grad and p.dim() == 2 and id(p) not in left_out]
 
 
 def step_cost(rows: int, numel: int) -> int:
