@@ -36,6 +36,9 @@ from torch.distributed.tensor import Shard
 from fullshard.testing import run_distributed
 
 pytest.importorskip("torchtitan")
+# minutes of 4-rank runs: make test-torchtitan runs them; make test and test-fast do not,
+# where torchtitan happens to be installed
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 32, 2048
 
