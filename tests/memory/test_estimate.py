@@ -260,3 +260,28 @@ def test_estimate_cli_takes_the_expert_parallel_degree(capsys):
         assert ("experts split over 4 ranks" in text) == (ep == "4")
     # ep 4 over 4 ranks: a rank's experts are whole on it, nothing of them gathered
     assert peaks["4"] < peaks["1"]
+
+
+def test_plan_splits_grouped_experts_when_that_is_what_fits():
+    """A budget between the estimates with and without expert parallelism: the plan
+    splits the experts (not charged) before it recomputes or offloads, the smallest
+    degree that fits first, and its flags carry --parallel.ep; a dense model and a
+    ModuleList of experts get no such candidate."""
+    from fullshard.memory.plan import expert_degrees
+    moe = dict(vocab_size=65, seq_len=64, d_model=512, n_layers=4, n_heads=4, mlp_ratio=4,
+               n_experts=8, top_k=2)
+    cfg = GPTConfig(**moe, grouped_experts=True)
+    whole, half, quarter = (estimate(cfg, world_size=4, ep=ep, batch_size=2,
+                                     strategy="shard_grad_op").total for ep in (1, 2, 4))
+    assert whole > half > quarter
+    budget = int((half + whole) / 2 * 1.1)  # the margin: half fits, whole does not
+    chosen = plan(cfg, world_size=4, budget_bytes=budget, batch_size=2)
+    assert (chosen.choice.strategy, chosen.choice.ep) == ("shard_grad_op", 2)
+    assert not chosen.choice.activation_checkpointing and not chosen.choice.offload
+    assert chosen.train_flags().endswith("--parallel.ep 2")
+    assert "experts split over 2 ranks" in chosen.explain()
+    with torch.device("meta"):
+        assert expert_degrees(GPT(cfg), 4) == (1, 2, 4)
+        assert expert_degrees(GPT(cfg), 6) == (1, 2)
+        assert expert_degrees(GPT(GPTConfig(**moe)), 4) == (1,)
+        assert expert_degrees(GPT(GPTConfig(vocab_size=65, d_model=64, n_heads=4)), 4) == (1,)

@@ -17,6 +17,17 @@ fits wins:
                                  (smaller kernels; gradient accumulation keeps
                                  the global batch: only halvings that divide it)
 
+    expert parallelism x 1.00  (a model with grouped experts, full_shard or
+                               shard_grad_op: each degree N dividing both the experts
+                               and the world size, the smallest first at equal cost)
+
+Expert parallelism is not charged: it trades a block's expert all-gathers and
+reduce-scatters over every rank for the same over world / N ranks of 1/N of the experts,
+plus two all-to-alls of the routed tokens each way. The projection (docs/projection.md)
+finds that faster inside a node and slower across nodes (1.24x at 512 GPUs, N 2), and
+plan knows no nodes: it is a memory lever first, chosen before recomputation at equal
+strategy and micro-batch.
+
 A micro-batch below the batch accumulates: the trainer reduces after the last
 micro-batch only, and keeps every unsharded gradient until then (in an fp32
 accumulator; under no_shard in fp32, the gradients themselves, already counted), so
@@ -32,15 +43,21 @@ zero1 is not a candidate: it moves what shard_grad_op moves and holds more (Note
 Quantized weights (NF4, float8) do not run on no_shard's 2-D mesh, and int8
 communication has no all-gather or reduce-scatter to quantize there, so with either
 no_shard is considered at world size 1 only. A step is traced once per
-(checkpointing, micro-batch) and replayed for each strategy and offload choice.
+(checkpointing, micro-batch, experts split or not) and replayed for each strategy,
+offload choice and expert-parallel degree.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch.nn as nn
+
+from ..gpt import GroupedExperts, MoE
 from .estimate import MemoryEstimate, TracedStep, estimate_traced, trace_workload
+from .models import workload_for
 
 STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
 CHECKPOINTING_COST = 1.33
@@ -59,6 +76,7 @@ class Candidate:
     cost: float
     states_on_disk: bool = False  # offload with DiskOffloadPolicy
     params_on_disk: bool = False  # ... and params=True
+    ep: int = 1                   # experts split over this many ranks
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,8 @@ class Plan:
                 flags.append("--parallel.offload_params true")
         elif c.offload:
             flags.append("--parallel.offload cpu")
+        if c.ep > 1:
+            flags.append(f"--parallel.ep {c.ep}")
         if precision:
             flags.append(f"--parallel.precision {precision}")
         s = self.estimate.settings
@@ -113,7 +133,8 @@ class Plan:
 
 
 def _describe(c: Candidate) -> str:
-    parts = [c.strategy] + (["activation checkpointing"] if c.activation_checkpointing else []) \
+    parts = [c.strategy] + ([f"experts split over {c.ep} ranks"] if c.ep > 1 else []) \
+        + (["activation checkpointing"] if c.activation_checkpointing else []) \
         + ([_OFFLOADS[(c.states_on_disk, c.params_on_disk)]] if c.offload else [])
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
 
@@ -122,9 +143,19 @@ _OFFLOADS = {(False, False): "offload", (True, False): "offload (states on disk)
              (True, True): "offload (states and parameters on disk)"}
 
 
+def expert_degrees(model: nn.Module, world_size: int) -> tuple[int, ...]:
+    """The expert-parallel degrees ``model`` can run at: 1, and with grouped experts every
+    N dividing both their count and ``world_size``."""
+    counts = {m.n_experts for m in model.modules()
+              if isinstance(m, MoE) and isinstance(m.experts, GroupedExperts)}
+    common = math.gcd(world_size, *counts) if counts else 1
+    return tuple(n for n in range(1, common + 1) if common % n == 0)
+
+
 def candidates(batch_size: int, allow_offload: bool,
                strategies: tuple[str, ...] = tuple(STRATEGY_COST),
-               allow_disk: bool = False) -> list[Candidate]:
+               allow_disk: bool = False, ep_degrees: tuple[int, ...] = (1,)
+               ) -> list[Candidate]:
     """Every configuration considered, cheapest first (Note [how plans are ranked])."""
     micro_batches, mb, halvings = [], batch_size, 0
     while mb >= 1:
@@ -144,9 +175,12 @@ def candidates(batch_size: int, allow_offload: bool,
                     cost = base * (CHECKPOINTING_COST if ac else 1) \
                         * (OFFLOAD_COST if offload else 1) * DISK_COST ** disk \
                         * HALVING_COST ** halvings
-                    out.append(Candidate(strategy, ac, offload, mb, batch_size // mb,
-                                         round(cost, 4), disk >= 1, disk == 2))
-    return sorted(out, key=lambda c: (c.cost, -c.micro_batch))
+                    for ep in ep_degrees:
+                        if ep > 1 and strategy not in ("full_shard", "shard_grad_op"):
+                            continue
+                        out.append(Candidate(strategy, ac, offload, mb, batch_size // mb,
+                                             round(cost, 4), disk >= 1, disk == 2, ep))
+    return sorted(out, key=lambda c: (c.cost, -c.micro_batch, c.ep))
 
 
 ACCUMULATOR_BYTES = 4  # fp32, the trainer's reduce dtype
@@ -179,20 +213,24 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
     strategies = tuple(s for s in STRATEGY_COST if not (
         s == "no_shard" and world_size > 1 and (trace_kwargs.get("quantize") or quantized_comm)))
     rejected: list[tuple[Candidate, int]] = []
-    traces: dict[tuple[bool, int], TracedStep] = {}
+    traces: dict[tuple[bool, int, bool], TracedStep] = {}
+    degrees = expert_degrees(workload_for(model_or_config, trace_kwargs.get("loss_of")).build(),
+                             world_size)
     found = lambda cand, est: Plan(cand, est, budget_bytes, rejected,  # noqa: E731
                                    host_budget_bytes, offload_dir)
-    for cand in candidates(batch_size, allow_offload, strategies, offload_dir is not None):
-        key = (cand.activation_checkpointing, cand.micro_batch)
+    for cand in candidates(batch_size, allow_offload, strategies, offload_dir is not None,
+                           degrees):
+        key = (cand.activation_checkpointing, cand.micro_batch, cand.ep > 1)
         if key not in traces:
             traces[key] = trace_workload(
                 model_or_config, activation_checkpointing=cand.activation_checkpointing,
-                batch_size=cand.micro_batch, seq_len=seq_len, **trace_kwargs)
+                batch_size=cand.micro_batch, seq_len=seq_len, split_experts=cand.ep > 1,
+                **trace_kwargs)
         offload = ("disk+params" if cand.params_on_disk else "disk") if cand.states_on_disk \
             else cand.offload
         est = _with_accumulators(estimate_traced(
             traces[key], world_size=world_size, strategy=cand.strategy, offload=offload,
-            **replay_kwargs), cand)
+            ep=cand.ep, **replay_kwargs), cand)
         if est.total * (1 + margin) > budget_bytes:
             rejected.append((cand, est.total))
         elif host_budget_bytes is not None and est.host_bytes * (1 + margin) > host_budget_bytes:
