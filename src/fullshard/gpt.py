@@ -262,15 +262,20 @@ def split_experts(model: nn.Module, ep_mesh) -> None:
         if moe.n_experts % ep:
             raise ValueError(f"split_experts: {name}'s {moe.n_experts} experts do not split "
                              f"over {ep} expert-parallel ranks.")
-        rank = ep_mesh.get_local_rank()
         for linear in (moe.experts.fc, moe.experts.proj):
             for attr in ("weight", "bias"):
-                full = getattr(linear, attr).detach()
-                mine = full.chunk(ep)[rank].clone()
-                setattr(linear, attr, nn.Parameter(DTensor.from_local(
-                    mine, ep_mesh, [Shard(0)], run_check=False,
-                    shape=full.shape, stride=full.stride())))
+                split_rows(linear, attr, ep_mesh)
         moe.ep_group = ep_mesh.get_group()
+
+
+def split_rows(module: nn.Module, name: str, ep_mesh) -> None:
+    """Replace ``module``'s parameter ``name`` by this rank's rows of it: a DTensor
+    ``Shard(0)`` on the 1-D ``ep_mesh``, cut from this rank's own copy (no collective, so
+    the copy may be on the meta device)."""
+    full = getattr(module, name).detach()
+    mine = full.chunk(ep_mesh.size())[ep_mesh.get_local_rank()].clone()
+    setattr(module, name, nn.Parameter(DTensor.from_local(
+        mine, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())))
 
 
 class Block(nn.Module):

@@ -57,7 +57,6 @@ import torch.nn as nn
 
 from ..gpt import GroupedExperts, MoE
 from .estimate import MemoryEstimate, TracedStep, estimate_traced, trace_workload
-from .models import workload_for
 
 STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
 CHECKPOINTING_COST = 1.33
@@ -213,9 +212,12 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
     strategies = tuple(s for s in STRATEGY_COST if not (
         s == "no_shard" and world_size > 1 and (trace_kwargs.get("quantize") or quantized_comm)))
     rejected: list[tuple[Candidate, int]] = []
-    traces: dict[tuple[bool, int, bool], TracedStep] = {}
-    degrees = expert_degrees(workload_for(model_or_config, trace_kwargs.get("loss_of")).build(),
-                             world_size)
+    # the cheapest candidate is always the whole micro-batch without recomputation or
+    # split experts: its trace, needed anyway, also says which degrees the model can run
+    whole = (False, batch_size, False)
+    traces: dict[tuple[bool, int, bool], TracedStep] = {whole: trace_workload(
+        model_or_config, batch_size=batch_size, seq_len=seq_len, **trace_kwargs)}
+    degrees = expert_degrees(traces[whole].model, world_size)
     found = lambda cand, est: Plan(cand, est, budget_bytes, rejected,  # noqa: E731
                                    host_budget_bytes, offload_dir)
     for cand in candidates(batch_size, allow_offload, strategies, offload_dir is not None,

@@ -156,12 +156,13 @@ def layout_groups(units: list[nn.Module], shard_size: int,
                for i in order if shapes[i]]
     # Units with tensor-subclass parameters keep their own group (core/buckets.py), as do
     # experts split over ranks.
-    alone = [g for g in singles if g.subclass or split[g.units[0]] > 1]
-    mergeable = [g for g in singles if g not in alone]
-    runs = plan_runs(mergeable, lambda g: g.unsharded_numel,
+    def alone(g: GroupLayout) -> bool:
+        return bool(g.subclass) or split[g.units[0]] > 1
+
+    runs = plan_runs([g for g in singles if not alone(g)], lambda g: g.unsharded_numel,
                      lambda first, g: joins_bucket(first.after_forward, first.is_root,
                                                    g.after_forward), bucket_numel)
-    runs += [[g] for g in alone]
+    runs += [[g] for g in singles if alone(g)]
     position = {g.units[0]: n for n, g in enumerate(singles)}
     runs.sort(key=lambda run: position[run[0].units[0]])
     return [run[0] if len(run) == 1 else _merged(run) for run in runs]

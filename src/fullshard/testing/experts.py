@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from ..gpt import mix_experts, top_k_routing
+from ..gpt import mix_experts, split_rows, top_k_routing
 
 
 class Experts(nn.Module):
@@ -111,6 +111,5 @@ def expert_parallel(model: ExpertModel, ep_mesh: DeviceMesh) -> None:
             raise ValueError(f"expert_parallel: {n} experts do not split over "
                              f"{ep_mesh.size()} expert-parallel ranks.")
         for name in ("w1", "w2"):
-            full = getattr(experts, name).detach()
-            setattr(experts, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)])))
+            split_rows(experts, name, ep_mesh)
         block.moe.ep_group = ep_mesh.get_group()
