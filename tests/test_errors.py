@@ -201,7 +201,7 @@ class _FailingWork:
 
 
 def _collective_failures():
-    from fullshard.core.collectives import CollectiveError, Pending
+    from fullshard.core.comm import CollectiveError, Pending
 
     messages = []
     for error in (RuntimeError("Inplace update to inference tensor outside InferenceMode"),

@@ -348,10 +348,10 @@ def test_profiler_trace_names_every_collective_and_copy():
 
 
 def test_no_profiler_range_is_opened_when_no_profiler_runs(monkeypatch):
-    from fullshard.core import streams
+    from fullshard.core import comm
     opened = []
-    monkeypatch.setattr(streams, "record_function", lambda name: opened.append(name))
-    with streams.traced("all_gather x"):
+    monkeypatch.setattr(comm, "record_function", lambda name: opened.append(name))
+    with comm.traced("all_gather x"):
         pass
     assert opened == []
 
@@ -419,15 +419,15 @@ def _exit_waits_for_the_last_collective():
 
     import torch.nn as nn
 
-    from fullshard.core import at_exit
+    from fullshard.core import comm
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(model[0])
     fully_shard(model)
     model[0](torch.randn(2, 4))  # a child's forward first, then the program would end
-    waited = at_exit.settle()  # what the exit handler does
-    time.sleep(at_exit.GRACE_S)
-    return at_exit._registered, 0 < waited <= at_exit.GRACE_S, at_exit.settle() == 0.0
+    waited = comm.settle_before_exit()  # what the exit handler does
+    time.sleep(comm.GRACE_S)
+    return comm._registered, 0 < waited <= comm.GRACE_S, comm.settle_before_exit() == 0.0
 
 
 def test_exit_waits_until_the_collective_threads_let_go_of_their_tensors():

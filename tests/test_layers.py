@@ -137,3 +137,65 @@ def test_tests_are_laid_out_like_the_package_and_import_no_test_module():
             if any(n.split(".")[-1] in test_modules for n in names):
                 importing_tests.append(str(path.relative_to(tests)))
     assert not importing_tests, f"test modules imported by {importing_tests}"
+
+
+def _files_of_a_steady_step() -> list[str]:
+    """The fullshard files whose functions run in a second training step of a 3-unit
+    model (the first step made the root and its buffers)."""
+    import os
+    import sys
+
+    import torch
+
+    import fullshard
+    from fullshard import fully_shard
+
+    root = os.path.dirname(fullshard.__file__)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                  for _ in range(3)])
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    seen: set[str] = set()
+
+    def called(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.add(os.path.relpath(frame.f_code.co_filename, root).replace(os.sep, "/"))
+
+    sys.setprofile(called)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return sorted(seen)
+
+
+def test_a_steady_step_stays_on_the_road_the_architecture_walks():
+    """docs/architecture.md names the eight files of a parameter's road, the clock's and
+    the guard's; a steady step at 2 ranks runs in exactly the files it says."""
+    import re
+
+    from fullshard.testing import run_distributed
+
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    life = doc[doc.index("## The life of one parameter"):doc.index("### Shard time")]
+    road = re.findall(r"^\| \d \| `([^`]+)` \|", life, re.M)
+    assert len(road) == 8, road
+    clock = life[life.index("Three more files are the clock"):life.index("Features that are off")]
+    steady = doc[doc.index("A steady step ("):doc.index("### Checkpoint")]
+    said = (set(road) - {"api.py", "core/init.py"}) | set(re.findall(r"`([\w/]+\.py)`", clock)) \
+        | (set(re.findall(r"`([\w/]+\.py)`", steady)) - {"api.py", "core/init.py",
+                                                          "tests/test_layers.py"})
+    for files in run_distributed(_files_of_a_steady_step, 2):
+        assert set(files) == said, (f"a steady step ran in {sorted(set(files) - said)} "
+                                    f"beyond docs/architecture.md's walk, and not in "
+                                    f"{sorted(said - set(files))}")

@@ -13,7 +13,7 @@ from .core import hooks
 from .core.init import shard_modules, unit_label
 from .core.placement_meshes import split_by_mesh
 from .core.state import unit_of
-from .core.streams import SharedCopies
+from .core.comm import SharedCopies
 from .fsdp_module import FSDPModule
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 
@@ -140,7 +140,7 @@ def fsdp_class(cls: type, front: type = FSDPModule) -> type:
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:
     """torch's ``share_comm_ctx``: the roots of ``modules`` (pipeline stages) use one set
-    of copy streams (core/streams.SharedCopies); collectives run on the process group's
+    of copy streams (core/comm.SharedCopies); collectives run on the process group's
     streams in any case (Note [streams and events])."""
     for module in modules:
         if not isinstance(module, FSDPModule):

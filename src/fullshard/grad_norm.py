@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .core.at_exit import note_collective
+from .core.comm import note_collective
 from .core.mesh import mesh_device
 
 

@@ -30,8 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .core import registry
-from .core.registry import SHARDED_ORIGINALS
+from .core.param import SHARDED_ORIGINALS, any_tracked, on_first_track, owner_of, stale_owner
 from .core.mapped import page_out
 from .core.state import finish_all_pending_reduces
 from .offload import step_on_disk
@@ -75,9 +74,9 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
     """The ShardedParam behind optimizer parameter ``p`` (None for other tensors), after
     checking the invariant of Note [one storage is the shard]: ``p`` is the parameter the
     model holds and its local tensor is the shard the all-gather sends."""
-    owner = registry.owner_of(p)
+    owner = owner_of(p)
     if owner is None:
-        stale = registry.stale_owner(p)
+        stale = stale_owner(p)
         if stale is None:
             return None
         raise RuntimeError(
@@ -104,7 +103,7 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
 
 
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
-    if _in_chunk_step or not registry.any_tracked():
+    if _in_chunk_step or not any_tracked():
         return None  # a chunk of a disk step (below), or no fullshard parameter at all
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
@@ -209,14 +208,14 @@ def _check_can_step_shards(opt: torch.optim.Optimizer) -> None:
     """Refuse, at the first step, a torch optimizer that fails on sharded parameters
     (inside torch, with a DTensor error that names neither the optimizer nor a remedy)."""
     params = [p for group in opt.param_groups for p in group["params"]
-              if registry.owner_of(p) is not None]
+              if owner_of(p) is not None]
     if not params:
         return
     name = next((t.__name__ for t in type(opt).__mro__ if t.__name__ in _CANNOT_STEP_SHARDS
                  and t.__module__.startswith("torch.optim")), None)
     why = _CANNOT_STEP_SHARDS.get(name)
     if name is None and isinstance(opt, torch.optim.LBFGS):
-        uneven = next((registry.owner_of(p) for p in params
+        uneven = next((owner_of(p) for p in params
                        if any(getattr(pl, "dim", None) is not None
                               and p.shape[pl.dim] % p.device_mesh.size() != 0
                               for pl in p.placements)), None)
@@ -255,11 +254,11 @@ def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
 def _page_out_parameters(opt: torch.optim.Optimizer) -> None:
     """Give back the pages the step touched of parameters kept on disk (Note [parameters
     on disk]); the disk step gives back its chunks as it goes, the rest go here."""
-    if not registry.any_tracked():
+    if not any_tracked():
         return
     for group in opt.param_groups:
         for p in group["params"]:
-            owner = registry.owner_of(p)
+            owner = owner_of(p)
             if owner is not None and getattr(owner.offload, "params", False):
                 page_out(p._local_tensor)
 
@@ -331,6 +330,6 @@ def _install() -> None:
 
 # Installed once, by the first fully_shard (importing fullshard installs nothing): torch
 # offers per-optimizer hooks only on optimizers we never see being built. Both hooks
-# touch nothing but fullshard's own sharded parameters (those the registry holds); an
-# optimizer with none of them is left exactly as it was.
-registry.on_first_track(_install)
+# touch nothing but fullshard's own sharded parameters (those the registry in
+# core/param.py holds); an optimizer with none of them is left exactly as it was.
+on_first_track(_install)

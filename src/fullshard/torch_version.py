@@ -16,7 +16,7 @@ refused at import. The differences handled, each named by a constant below:
   ``FSDPModule.finalize_backward`` and ``GradientReductionHandle``,
   ``set_manual_backward_finalization``, ``set_keep_unsharded_storage``.
 * torch 2.10 and later name the flat collectives ``all_gather_single`` /
-  ``reduce_scatter_single`` (core/collectives.py takes whichever exists).
+  ``reduce_scatter_single`` (core/comm.py takes whichever exists).
 
 Private torch names fullshard still uses, each because no public API does the job at the
 cost the hot path allows (``tests/test_torch_version.py`` checks every one on the

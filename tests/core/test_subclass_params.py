@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fullshard.core import collectives
+from fullshard.core import comm
 from fullshard.core.subclass_params import subclass_bytes
 from fullshard.memory.tracker import fullshard_buffer_bytes
 from fullshard.testing import run_distributed
@@ -76,7 +76,7 @@ def gathered_bytes(counts: Counter):
     (torch's FSDP2 calls all_gather_single from 2.13, all_gather_into_tensor before)."""
     name = "all_gather_single" if hasattr(dist, "all_gather_single") \
         else "all_gather_into_tensor"
-    ours, theirs = collectives._all_gather_flat, getattr(dist, name)
+    ours, theirs = comm._all_gather_flat, getattr(dist, name)
 
     def counting(real, key):
         def gather(output, input, *args, **kwargs):
@@ -84,12 +84,12 @@ def gathered_bytes(counts: Counter):
             return real(output, input, *args, **kwargs)
         return gather
 
-    collectives._all_gather_flat = counting(ours, "fullshard")
+    comm._all_gather_flat = counting(ours, "fullshard")
     setattr(dist, name, counting(theirs, "torch"))
     try:
         yield counts
     finally:
-        collectives._all_gather_flat = ours
+        comm._all_gather_flat = ours
         setattr(dist, name, theirs)
 
 

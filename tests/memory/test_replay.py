@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy
-from fullshard.core.buffers import BufferPool
+from fullshard.core.comm import BufferPool
 from fullshard.core.gradients import GradReduction, PendingReduce
 from fullshard.core.group import ParamGroup
 from fullshard.gpt import GPT, GPTConfig, lm_loss

@@ -30,7 +30,7 @@ import dataclasses
 import os
 import sys
 
-from ..core.collectives import CollectiveError
+from ..core.comm import CollectiveError
 from ..train.agreement import check_same_run
 from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint, hold_run,
                                  resumes_after_restart)

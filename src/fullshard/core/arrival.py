@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import CollectiveError, all_gather
+from .comm import CollectiveError, all_gather
 
 TIMEOUT_VARIABLE = "FULLSHARD_ARRIVAL_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from . import arrival
-from .at_exit import note_collective
+from .comm import note_collective
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
                      PHASE_NAMES, Entry, Ledger)
 from .schedule import DIGEST_NUMEL
@@ -85,7 +85,7 @@ def debug_enabled(requested: bool) -> bool:
 
 
 # The guard's exchanges are control traffic on their own group, called directly rather
-# than through core/collectives (whose all-gathers move a unit's data, and are counted).
+# than through core/comm.py (whose all-gathers move a unit's data, and are counted).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # One gloo group per set of ranks, made by the first root over them (every rank makes

@@ -14,13 +14,12 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from .buffers import BufferPool
-from .collectives import Pending, all_reduce_sum, reduce_scatter_sum, skips_collectives
+from .comm import (BufferPool, HostCopies, Pending, all_reduce_sum, reduce_scatter_sum,
+                   skips_collectives, traced)
 from .divergence import Guard
 from .param import ShardedParam
 from .quantized_collectives import quantized_reduce_scatter_sum
 from .schedule import DIGEST_NUMEL, reduce_numel, reduce_plan, reduce_tail
-from .streams import HostCopies, traced
 
 
 def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 The gradient side (laying gradients out, the reduce-scatter, the sharded gradient
 buffers) is the group's ``grads`` (core/gradients.py); whether its backward is over,
-its ``signals`` (core/backward_signals.py).
+its ``signals`` (core/schedule.py).
 
 Note [mixed precision]
 With a ``param_dtype`` the fp32 flat shard is cast once into this rank's chunk of
@@ -15,7 +15,7 @@ states.
 
 A unit is what one ``fully_shard`` call manages. Its parameters share three flat
 buffers, so each transition is one collective and one copy (the first two are the
-group's ``storage``, core/shard_storage.py, and ``unsharded``, core/unsharded_buffer.py):
+group's ``storage`` and ``unsharded``, both in core/storage.py):
 
 * ``flat_shard``   (S elements): this rank's padded shards, param after param. The
   DTensor parameters' local tensors are views into it, so the optimizer updates it
@@ -48,7 +48,7 @@ memory holds each parameter once, as DDP does. Gradients skip the reduce-scatter
 replicas. At world size 1 the same shortcuts apply: no collective, and with offload or
 a cast the copy-in alone, on the copy stream (a prefetch overlaps compute). Tests and
 benchmarks turn the shortcuts off (``fullshard.testing.collectives_at_one_rank``,
-``collectives.skips_collectives``) so that one GPU runs the path larger worlds take.
+``comm.skips_collectives``) so that one GPU runs the path larger worlds take.
 
 Note [custom collectives]
 torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` hand a unit an object
@@ -92,18 +92,14 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from .buffers import BufferPool
-from .backward_signals import BackwardSignals
-from .collectives import Pending, all_gather, skips_collectives
+from .comm import BufferPool, HostCopies, Pending, all_gather, skips_collectives, traced
 from .mapped import page_out
 from .quantized_collectives import quantized_all_gather
-from .shard_storage import ShardStorage
-from .unsharded_buffer import UnshardedBuffer
+from .storage import ShardStorage, UnshardedBuffer
 from .gradients import GradReduction
 from .param import ShardedParam
 from .post_forward import PostForwardShard
-from .schedule import GatherPlan, gather_plan
-from .streams import HostCopies, traced
+from .schedule import BackwardSignals, GatherPlan, gather_plan
 from .subclass_params import SubclassGather
 
 if TYPE_CHECKING:
@@ -150,7 +146,7 @@ class ParamGroup:
         self.offload = offload  # Note [CPU offload]
         for p in params:  # the optimizer hook asks a parameter (Note [optimizer states on disk])
             p.offload = offload
-        # the flat shard (core/shard_storage.py)
+        # the flat shard (core/storage.py)
         self.storage = ShardStorage(self.flat_params, unit_name, offload, compute_device)
         self.post_forward_size = post_forward_size
         self.post_forward: PostForwardShard | None = (
@@ -164,7 +160,7 @@ class ParamGroup:
         self.world_size = pg.size()
         self.unit_name = unit_name
         self.state = GroupState.SHARDED
-        # the gathered parameters (core/unsharded_buffer.py)
+        # the gathered parameters (core/storage.py)
         self.unsharded = UnshardedBuffer(self.storage, self.world_size)
         self._gather: Pending | None = None
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer

@@ -55,11 +55,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .backward_signals import BackwardSignals
 from .divergence import DivergenceError, Guard, debug_enabled, guarded
 from .group import GroupState, ParamGroup
 from .init import lazy_init
 from .ledger import BACKWARD, Ledger, unit_code
+from .schedule import BackwardSignals
 from .state import RootState, UnitState, unit_of
 
 

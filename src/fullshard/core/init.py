@@ -25,11 +25,9 @@ from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, a
 from . import arrival, divergence
 from .buckets import merge_small_units
 from .group import GroupState, ParamGroup, outside_inference_mode
-from .mesh import data_parallel_mesh, mesh_device, resolve_mesh
-from .mesh_fit import check_units_fit_root
+from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve_mesh
 from .torch_errors import FullyShardArgumentError, torch_first
-from .param import ParamRef, ShardedParam
-from .registry import SHARDED_ORIGINALS, is_sharded_param
+from .param import SHARDED_ORIGINALS, ParamRef, ShardedParam, is_sharded_param
 from .schedule import after_forward_rule
 from .subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
 from .state import RootState, UnitState, attach_unit, unit_of

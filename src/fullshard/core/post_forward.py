@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import Pending, all_gather
+from .comm import Pending, all_gather
 
 # (ranks of the shard group, size) -> this rank's subgroup. Process-wide because creating a
 # group is collective (every rank, same order): units with the same hpZ size share one.

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .collectives import Pending, _done
+from . import comm
+from .comm import Pending, _done
 
 DEFAULT_BLOCK_SIZE = 256
 _LEVELS = 127.0
@@ -95,7 +95,7 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.
     send = torch.empty(1, per_rank, dtype=torch.uint8, device=shard.device)
     quantize(shard.view(1, n), block, send)
     received = torch.empty(w * per_rank, dtype=torch.uint8, device=shard.device)
-    work = collectives._all_gather_flat(received, send.view(-1), group=group, async_op=True)
+    work = comm._all_gather_flat(received, send.view(-1), group=group, async_op=True)
 
     def unpack() -> None:
         rows = output.view(w, n)

@@ -11,12 +11,13 @@ made in one place in core, on plain values, and both call it:
   the unit keeps it, and the hpZ subgroup size) and ``frees_after_forward`` (the root's
   rule);
 * which units share a group: ``plan_runs`` with ``joins_bucket`` (core/buckets.py);
-* when a group's backward is done: ``backward_is_done``;
+* when a group's backward is done: ``backward_is_done`` (the runtime counts its signals
+  in ``BackwardSignals``);
 * what an unshard allocates: ``gather_plan``; what a gradient reduction allocates:
   ``reduce_plan`` and ``reduce_numel`` (gloo's receive buffer:
-  ``collectives.receives_into_scratch``);
+  ``comm.receives_into_scratch``);
 * which buffers are pooled and kept, and which groups keep persistent sharded
-  gradients: ``FreeLists.keeps`` (core/buffers.py).
+  gradients: ``FreeLists.keeps`` (core/comm.py).
 
 The order of the actions inside each moment (a post-backward finishes the reduction in
 flight, then frees the parameters, then starts its own reduction) is written in both
@@ -31,7 +32,7 @@ from typing import Callable, Generic, Hashable, NamedTuple, Sequence, TypeVar
 
 import torch
 
-from .collectives import receives_into_scratch, skips_collectives
+from .comm import receives_into_scratch, skips_collectives
 
 U = TypeVar("U", bound=Hashable)  # a unit (UnitState; an index in the estimator)
 G = TypeVar("G")                  # a group (ParamGroup; a byte-count group in the estimator)
@@ -192,6 +193,60 @@ def backward_is_done(watches_fired: int, watches_live: int, unwatched_calls: int
     return watches_fired > 0 and watches_live <= 0 and unwatched_calls == 0
 
 
+class BackwardSignals:
+    """Whether one unit's backward is over, from the module-boundary signals.
+
+    The hooks (core/hooks.py) watch each forward call's inputs; this object counts what
+    those watches report for one unit's group (Note [when a unit's backward is done]):
+    forward calls whose inputs are watched and whose input gradients are still to come,
+    those already computed in this backward, and forward calls with grad whose inputs
+    needed none (never watched). The estimator's trace (memory/activations.py) records
+    the same three signals with a stand-in of its own. ``on_done`` runs after each
+    computed input gradient (the hooks check ``done`` there and reduce the unit when it
+    is)."""
+
+    __slots__ = ("live", "fired", "unwatched_calls", "epoch", "on_done")
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.fired = 0
+        self.unwatched_calls = 0
+        self.epoch = 0  # bumped when a backward is forgotten: older watches are void
+        self.on_done: Callable[[], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        """The gradients of every watched forward input are computed and no forward call
+        went unwatched: the unit's backward is over."""
+        return backward_is_done(self.fired, self.live, self.unwatched_calls)
+
+    def end_backward(self) -> None:
+        """Forget this backward's signals (the final callback; watches of forwards it did
+        not reach stay live until their graphs are freed)."""
+        self.fired = 0
+        self.unwatched_calls = 0
+
+    def forget(self) -> None:
+        """Drop every watch, live ones too (``reset_iter_state``): they no longer count."""
+        self.end_backward()
+        self.live = 0
+        self.epoch += 1
+
+    # what one watch reports
+    def watch_started(self) -> None:
+        self.live += 1
+
+    def watch_dropped(self) -> None:
+        """A watched forward's graph was freed without a backward through it."""
+        self.live -= 1
+
+    def input_grads_ready(self) -> None:
+        self.live -= 1
+        self.fired += 1
+        if self.on_done is not None:
+            self.on_done()
+
+
 # -- buffers --------------------------------------------------------------------------------
 def shard_device_for(offload: bool, compute_device: torch.device) -> torch.device:
     """Where the flat shard, the sharded gradients and the optimizer states live
@@ -213,7 +268,7 @@ def gather_plan(*, shard_size: int, shard_dtype: torch.dtype, shard_device: torc
     """What gathering a group allocates. One rank per shard group (Note [shard groups of
     one rank]): no collective, and without a cast, offload or a post-forward subgroup
     the parameters are views of the shard itself (unless the one-rank shortcuts are off:
-    ``collectives.skips_collectives``). A cast needs no buffer of its own (Note
+    ``comm.skips_collectives``). A cast needs no buffer of its own (Note
     [in-place all-gather])."""
     if skips_collectives(shard_size):
         aliased = not offload and not post_forward and compute_dtype == shard_dtype

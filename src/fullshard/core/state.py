@@ -16,12 +16,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..policies import MixedPrecisionPolicy
-from .buffers import BufferPool
+from .comm import BufferPool, SharedCopies
 from .gradients import DEFAULT_REDUCE, PendingReduce, ReduceOptions, UnknownPresence
 from .ledger import BACKWARD
 from .group import ParamGroup
 from .schedule import PrefetchOrder, frees_after_forward
-from .streams import SharedCopies
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.buffers import FreeLists
+from ..core.comm import FreeLists
 
 SHARDED_PARAMS = "sharded parameters"
 GRADIENTS = "gradients"

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..activation_checkpointing import apply_activation_checkpointing
-from ..core.buffers import DEFAULT_MAX_NUMEL
+from ..core.comm import DEFAULT_MAX_NUMEL
 from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..gpt import GroupedExperts

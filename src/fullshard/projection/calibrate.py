@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import all_gather, reduce_scatter_sum
+from ..core.comm import all_gather, reduce_scatter_sum
 from ..gpt import GPT, GPTConfig, lm_loss
 from .hardware import Device, Link, ProjectionError
 from .shapes import shape_of

@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..core import collectives as collectives_module
-from ..core.collectives import skips_collectives
+from ..core import comm as comm_module
+from ..core.comm import skips_collectives
 from ..core import gradients as gradients_module
 from ..core import group as group_module
 from ..core import post_forward as post_forward_module
@@ -63,7 +63,7 @@ def count_sent_bytes():
     all-gathers, quantized or not) and ``reduce_scatter`` (all-to-alls: gloo's
     reduce-scatter is one, Note [reduce-scatter on gloo], and so is the quantized one)."""
     counts: Counter = Counter()
-    real_gather, real_a2a = collectives_module._all_gather_flat, dist.all_to_all_single
+    real_gather, real_a2a = comm_module._all_gather_flat, dist.all_to_all_single
 
     def gather(output, input, *args, **kwargs):
         counts["all_gather"] += input.numel() * input.element_size()
@@ -73,11 +73,11 @@ def count_sent_bytes():
         counts["reduce_scatter"] += input.numel() * input.element_size()
         return real_a2a(output, input, *args, **kwargs)
 
-    collectives_module._all_gather_flat, dist.all_to_all_single = gather, a2a
+    comm_module._all_gather_flat, dist.all_to_all_single = gather, a2a
     try:
         yield counts
     finally:
-        collectives_module._all_gather_flat, dist.all_to_all_single = real_gather, real_a2a
+        comm_module._all_gather_flat, dist.all_to_all_single = real_gather, real_a2a
 
 
 def count_forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[dict, dict]:

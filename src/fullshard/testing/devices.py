@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import set_one_rank_shortcuts
+from ..core.comm import set_one_rank_shortcuts
 
 
 def uses_cuda(backend: str) -> bool:

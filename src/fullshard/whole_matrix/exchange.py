@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..core.at_exit import note_collective
+from ..core.comm import note_collective
 from ..core.param import ShardLayout
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from fullshard.core.collectives import skips_collectives
+from fullshard.core.comm import skips_collectives
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.core.state import unit_of
 from fullshard.testing import collectives_at_one_rank, run_distributed

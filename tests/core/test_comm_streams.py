@@ -14,7 +14,7 @@ import torch.distributed as dist
 from fullshard import CPUOffloadPolicy, fully_shard
 from fullshard.core.group import GroupState
 from fullshard.core.state import unit_of
-from fullshard.core.streams import HostCopies, SharedCopies
+from fullshard.core.comm import HostCopies, SharedCopies
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import collectives_at_one_rank, run_distributed
 from fullshard.testing.models import token_batch
