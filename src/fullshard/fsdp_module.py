@@ -65,6 +65,41 @@ class GradientReductionHandle:
             root.settle_gradients()
 
 
+def _set_manual_finalization(unit: UnitState, enabled: bool) -> None:
+    """``set_manual_backward_finalization``: on the root, and not while a backward runs."""
+    _expect_bool("set_manual_backward_finalization", enabled)
+    if unit.root is not None and unit.root.unit is not unit:
+        raise RuntimeError(f"set_manual_backward_finalization must be called on the root "
+                           f"module, not {unit.name}")
+    if (unit.root is not None and unit.root.in_backward
+            and enabled != unit.manual_backward_finalization):
+        raise RuntimeError("set_manual_backward_finalization cannot change mode during "
+                           "backward")
+    unit.manual_backward_finalization = enabled
+
+
+def _finalize(unit: UnitState, async_op: bool) -> "GradientReductionHandle | None":
+    """``finalize_backward``: wait for the root's reduction now, or hand out the handle."""
+    _expect_bool("finalize_backward(async_op=)", async_op)
+    root = unit.root
+    if root is not None and root.unit is not unit:
+        raise RuntimeError(f"finalize_backward must be called on the root module, not "
+                           f"{unit.name}")
+    if root is not None and root.in_backward:
+        raise RuntimeError("finalize_backward: a backward is still running; call it "
+                           "after loss.backward() returns")
+    if root is not None and root.reduction_handle is not None:
+        raise RuntimeError("The previous gradient reduction must be waited on before "
+                           "finalizing backward again")
+    handle = GradientReductionHandle(root)
+    if not async_op:
+        handle.wait()
+        return None
+    if root is not None:
+        root.reduction_handle = handle
+    return handle
+
+
 class FSDPModule:
     """Mixed into every module passed to ``fully_shard`` (``isinstance`` checks both)."""
 
@@ -201,40 +236,13 @@ class FSDPModule:
         backward with :meth:`finalize_backward` (after one or several backward passes),
         which supersedes :meth:`set_is_last_backward`. Every pass still reduces and
         reshards as its settings say; ``finalize_backward`` waits for the last reduction."""
-        _expect_bool("set_manual_backward_finalization", enabled)
-        unit = self._unit
-        if unit.root is not None and unit.root.unit is not unit:
-            raise RuntimeError(f"set_manual_backward_finalization must be called on the root "
-                               f"module, not {unit.name}")
-        if (unit.root is not None and unit.root.in_backward
-                and enabled != unit.manual_backward_finalization):
-            raise RuntimeError("set_manual_backward_finalization cannot change mode during "
-                               "backward")
-        unit.manual_backward_finalization = enabled
+        _set_manual_finalization(self._unit, enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """Finish the logical backward on the root: wait for the gradient reduction still in
         flight (and host copies), so every ``.grad`` is final. With ``async_op=True`` the
         wait is left to the returned handle's ``wait()``. A no-op before the first forward."""
-        _expect_bool("finalize_backward(async_op=)", async_op)
-        unit = self._unit
-        root = unit.root
-        if root is not None and root.unit is not unit:
-            raise RuntimeError(f"finalize_backward must be called on the root module, not "
-                               f"{unit.name}")
-        if root is not None and root.in_backward:
-            raise RuntimeError("finalize_backward: a backward is still running; call it "
-                               "after loss.backward() returns")
-        if root is not None and root.reduction_handle is not None:
-            raise RuntimeError("The previous gradient reduction must be waited on before "
-                               "finalizing backward again")
-        handle = GradientReductionHandle(root)
-        if not async_op:
-            handle.wait()
-            return None
-        if root is not None:
-            root.reduction_handle = handle
-        return handle
+        return _finalize(self._unit, async_op)
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Keep (``True``) the gathered parameters' storage allocated when resharding, so
@@ -327,31 +335,14 @@ class FSDPModule:
         full precision. The sharded parameters, optimizer and checkpoints stay exact; the
         gathered copy and the reduced gradients carry the rounding. With hybrid sharding
         the all-reduce across replicas stays in the reduce dtype."""
-        method = "set_quantized_communication"
-        _expect_bool(method, weights)
-        _expect_bool(method, grads)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) \
-                or block_size < 32 or block_size % 32:
-            raise ValueError(f"{method} on {self._unit.name}: block_size must be a positive "
-                             f"multiple of 32 (elements per scale), got {block_size!r}.")
-        units = _units(self, recurse)
-        for unit in units:
-            _check_quantizable(unit, units, weights, grads)
-        for unit in units:
-            if unit.group is not None:
-                unit.group.quantize_weights = block_size if weights else 0
-                unit.group.quantize_grads = block_size if grads else 0
+        _set_quantized(self._unit, _units(self, recurse), weights, grads, block_size)
 
     # -- communication tuning with no fullshard counterpart -----------------------------------
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
         """Accepted and validated; fullshard keeps at most one reduce-scatter in flight and
         recycles its input buffers through its pool."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(f"max_input_buffers must be an int, got "
-                            f"{type(max_input_buffers).__name__}")
-        if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        _check_max_input_buffers(max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
@@ -368,7 +359,6 @@ class FSDPModule:
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm: only the 'NCCL' backend exists, got "
                              f"{backend!r}")
-
 
     # -- state dict and module moves -------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -465,6 +455,24 @@ def _prefetch_targets(method: str, modules) -> list[UnitState]:
     return targets
 
 
+def _set_quantized(unit: UnitState, units: list[UnitState], weights: bool, grads: bool,
+                   block_size: int) -> None:
+    """``set_quantized_communication`` on ``unit``, applied to ``units``."""
+    method = "set_quantized_communication"
+    _expect_bool(method, weights)
+    _expect_bool(method, grads)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) \
+            or block_size < 32 or block_size % 32:
+        raise ValueError(f"{method} on {unit.name}: block_size must be a positive "
+                         f"multiple of 32 (elements per scale), got {block_size!r}.")
+    for u in units:
+        _check_quantizable(u, units, weights, grads)
+    for u in units:
+        if u.group is not None:
+            u.group.quantize_weights = block_size if weights else 0
+            u.group.quantize_grads = block_size if grads else 0
+
+
 def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool,
                        grads: bool) -> None:
     """Errors for set_quantized_communication on ``unit`` that cannot hold (E141)."""
@@ -491,6 +499,14 @@ def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool
                              "into one collective at the first forward, so its communication "
                              "cannot differ from theirs. Call it before the first forward, or "
                              "on a module that contains them all.")
+
+
+def _check_max_input_buffers(max_input_buffers) -> None:
+    if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+        raise TypeError(f"max_input_buffers must be an int, got "
+                        f"{type(max_input_buffers).__name__}")
+    if max_input_buffers < 1:
+        raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
 
 def _expect_bool(method: str, value) -> None:
