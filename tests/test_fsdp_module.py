@@ -228,7 +228,7 @@ def _abandoned_forward_worker():
     real = hooks._post_backward
 
     def post_backward(root, group):
-        in_place.append(root.in_backward and not _in_final_callback[0])
+        in_place.append(root.backward.running and not _in_final_callback[0])
         return real(root, group)
 
     _in_final_callback = [False]

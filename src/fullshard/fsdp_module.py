@@ -61,7 +61,7 @@ class GradientReductionHandle:
                                "reset_iter_state; its gradients were discarded")
         root, self._root = self._root, None
         if root is not None:
-            root.reduction_handle = None
+            root.backward.handle = None
             root.settle_gradients()
 
 
@@ -71,7 +71,7 @@ def _set_manual_finalization(unit: UnitState, enabled: bool) -> None:
     if unit.root is not None and unit.root.unit is not unit:
         raise RuntimeError(f"set_manual_backward_finalization must be called on the root "
                            f"module, not {unit.name}")
-    if (unit.root is not None and unit.root.in_backward
+    if (unit.root is not None and unit.root.backward.running
             and enabled != unit.manual_backward_finalization):
         raise RuntimeError("set_manual_backward_finalization cannot change mode during "
                            "backward")
@@ -85,10 +85,10 @@ def _finalize(unit: UnitState, async_op: bool) -> "GradientReductionHandle | Non
     if root is not None and root.unit is not unit:
         raise RuntimeError(f"finalize_backward must be called on the root module, not "
                            f"{unit.name}")
-    if root is not None and root.in_backward:
+    if root is not None and root.backward.running:
         raise RuntimeError("finalize_backward: a backward is still running; call it "
                            "after loss.backward() returns")
-    if root is not None and root.reduction_handle is not None:
+    if root is not None and root.backward.handle is not None:
         raise RuntimeError("The previous gradient reduction must be waited on before "
                            "finalizing backward again")
     handle = GradientReductionHandle(root)
@@ -96,7 +96,7 @@ def _finalize(unit: UnitState, async_op: bool) -> "GradientReductionHandle | Non
         handle.wait()
         return None
     if root is not None:
-        root.reduction_handle = handle
+        root.backward.handle = handle
     return handle
 
 

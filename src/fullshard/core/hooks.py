@@ -117,7 +117,7 @@ def ensure_root(unit: UnitState) -> RootState:
     ranks = unit.mesh.mesh.flatten().tolist()
     if guarded(ranks):  # Note [ranks agree on every collective]
         root.guard = Guard(Ledger([u.name for u in root.units]), ranks,
-                           debug_enabled(unit.debug), lambda: root.in_backward)
+                           debug_enabled(unit.debug), lambda: root.backward.running)
         root.patience = root.guard if unit.mesh.device_type == "cpu" else None
     for u in root.units:
         u.ledger_code = unit_code(u.name)
@@ -145,7 +145,8 @@ def run_post_forward(unit: UnitState, args: Any, kwargs: Any, output: Any) -> An
 def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     root = ensure_root(unit)
     group = unit.group
-    if root.in_backward:  # activation-checkpoint recompute: parameters are needed again
+    backward = root.backward
+    if backward.running:  # activation-checkpoint recompute: parameters are needed again
         if group is not None:
             group.unshard()
             group.wait_unshard()
@@ -153,8 +154,9 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         # ran without grad): watch it; otherwise cast only (Note [when a unit's backward
         # is done])
         recomputed = (group is not None and torch.is_grad_enabled()
-                      and not unit.ran_forward_with_grad)
-        unit.recomputed_with_grad |= recomputed
+                      and unit not in backward.ran_with_grad)
+        if recomputed:
+            backward.recomputed.add(unit)
         return _prepare_inputs(unit, group.signals if recomputed else None, args, kwargs)
     if unit is root.unit:
         _check_input_devices(unit, args, kwargs)
@@ -305,8 +307,8 @@ def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
     """Start gathering each group that is sharded and not yet done with this backward."""
     for group in groups:
         if group is not None and group.state is GroupState.SHARDED \
-                and group not in root.reduced \
-                and (not root.in_backward or root.unshards_in_backward(group)):
+                and group not in root.backward.reduced \
+                and (not root.backward.running or root.unshards_in_backward(group)):
             group.unshard(async_op=True)
 
 
@@ -318,8 +320,8 @@ def _root_pre_forward(root: RootState) -> None:
     # Parameters still gathered from an earlier forward without backward may be stale
     # after an optimizer step: gather them again, unless the user just did or asked to
     # keep them gathered across backward (set_reshard_after_backward(False)).
-    fresh = {u.group for u in root.units if u.explicit_unshard} | root.kept_gathered
-    root.kept_gathered = set()
+    fresh = {u.group for u in root.units if u.explicit_unshard} | root.backward.kept_gathered
+    root.backward.kept_gathered = set()
     for group in root.members:
         if group.state is not GroupState.SHARDED and group not in fresh:
             group.reshard()
@@ -333,12 +335,12 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
     root = unit.root
     if unit.mp_policy.output_dtype is not None:
         output = _cast_floats(output, unit.mp_policy.output_dtype)
-    if root.in_backward:
+    if root.backward.running:
         return output
     group = unit.group
     if torch.is_grad_enabled():
         root.record_post_forward(unit)
-        unit.ran_forward_with_grad = True
+        root.backward.ran_with_grad.add(unit)
         _hook_outputs(unit, output)
         if group is not None and unit.reshards_after_forward and root.forward_finished(unit):
             group.reshard_after_forward()
@@ -366,10 +368,11 @@ def _hook_outputs(unit: UnitState, output: Any) -> None:
 # -- backward ---------------------------------------------------------------------------
 def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     root = unit.root
-    if not root.in_backward:
+    if not root.backward.running:
         _start_backward(root)
     group = unit.group
-    if group is not None and group not in root.reduced and root.unshards_in_backward(group):
+    if group is not None and group not in root.backward.reduced \
+            and root.unshards_in_backward(group):
         group.unshard()
         group.wait_unshard()
     _prefetch(root, [c.group for c in unit.companions])
@@ -381,12 +384,13 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
 
 
 def _start_backward(root: RootState) -> None:
-    root.in_backward = True
+    root.backward.running = True
     Variable._execution_engine.queue_callback(partial(_final_callback, root))
 
 
 def _on_backward_done(root: RootState, group: ParamGroup) -> None:
-    if root.in_backward and group not in root.reduced and group.signals.done:
+    backward = root.backward
+    if backward.running and group not in backward.reduced and group.signals.done:
         _post_backward(root, group)
 
 
@@ -398,24 +402,25 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
     if first.backward_prefetch is None and first.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(first)])
     if any(u.requires_gradient_sync for u in root.members[group]):
-        root.pending_reduce = group.grads.reduce(root.reduce_options(group))
+        root.backward.pending_reduce = group.grads.reduce(root.reduce_options(group))
     else:  # accumulate unsharded until a backward with gradient sync reduces it all
         group.grads.accumulate_unsharded()
-    root.reduced.add(group)
+    root.backward.reduced.add(group)
 
 
 def _final_callback(root: RootState) -> None:
-    root.backward_count += 1
-    root.backward_since_settle = True
+    backward = root.backward
+    backward.passes += 1
+    backward.ended_since_settle = True
     # before the final reductions take more gradients; a parameter used outside its unit
     # is a trait of the model, so a few backward passes and then every 16th show it
-    late = (_late_gradients(root) if root.backward_count <= 2 or root.backward_count % 16 == 0
+    late = (_late_gradients(root) if backward.passes <= 2 or backward.passes % 16 == 0
             or (root.guard is not None and root.guard.debug) else None)
     for u in root.units:  # units without a boundary signal, in one order on every rank
         group = u.group
-        if group is None or group in root.reduced:
+        if group is None or group in backward.reduced:
             continue
-        if u.ran_forward_with_grad or u.recomputed_with_grad or (
+        if backward.expects_gradients(u) or (
                 root.reduce_options(group).unused_as_zeros and group.unsharded.built):
             _post_backward(root, group)
     if late:
@@ -429,19 +434,16 @@ def _final_callback(root: RootState) -> None:
     for group in root.members:
         group.signals.end_backward()
         if root.stays_gathered_after_backward(group):
-            root.kept_gathered.add(group)
+            backward.kept_gathered.add(group)
         else:
             group.reshard()
-    for u in root.units:
-        u.ran_forward_with_grad = u.recomputed_with_grad = False
-    root.reduced.clear()
-    root.in_backward = False
+    backward.end()
 
 
 def _late_gradients(root: RootState) -> str | None:
     """A gradient that reached a unit's parameter after the unit was reduced (Note [when
     a unit's backward is done]): named, never dropped or carried into the next step."""
-    for group in root.reduced:
+    for group in root.backward.reduced:
         if not any(u.requires_gradient_sync for u in root.members[group]):
             continue  # accumulating without sync: its gradients stay on the parameters
         for p in group.trainable():

@@ -1,9 +1,10 @@
 """Explicit run-time state: one UnitState per ``fully_shard`` call, one RootState per tree.
 
 The root is the outermost sharded module whose forward runs first; at that moment
-it claims every unit below it (lazy init). Per-iteration bookkeeping (the order
-units ran in, whether backward is in progress, the reduce-scatter in flight) lives
-on the RootState so that units stay plain descriptions of themselves.
+it claims every unit below it (lazy init). Per-iteration bookkeeping lives on the
+RootState so that units stay plain descriptions of themselves: the order units ran in
+(``order``), and everything one backward needs from the forward that records it to the
+final callback that ends it, in one ``BackwardState`` (``root.backward``).
 """
 
 from __future__ import annotations
@@ -83,10 +84,6 @@ class UnitState:
         # The units its fully_shard call split off for parameters on meshes of their own,
         # gathered with it (Note [parameters on meshes of their own])
         self.companions: list[UnitState] = []
-        self.ran_forward_with_grad = False
-        # reentrant activation checkpointing: the forward ran without grad and its
-        # recomputation in backward is what autograd goes through (watched there)
-        self.recomputed_with_grad = False
         self.ledger_code = 0  # this unit in its root's ledger (core/ledger.py)
 
     def gathered_together(self) -> list["UnitState"]:
@@ -128,6 +125,40 @@ def finish_all_pending_reduces() -> None:
         root.settle_gradients()
 
 
+class BackwardState:
+    """One root's backward, from the forwards that record what it must reduce to the
+    final callback that ends it (Note [when a unit's backward is done]).
+
+    Each group counts its own watches' signals (``group.signals``, core/schedule.py):
+    a forward's watch stays live until its graph is freed, past any one backward."""
+
+    def __init__(self) -> None:
+        self.running = False  # from the first output gradient to the final callback
+        self.ran_with_grad: set[UnitState] = set()  # forwards with grad since the last end
+        # reentrant activation checkpointing: the forward ran without grad and its
+        # recomputation in backward is what autograd goes through (watched there)
+        self.recomputed: set[UnitState] = set()
+        self.reduced: set[ParamGroup] = set()  # groups reduced in this backward
+        self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
+        self.pending_reduce: PendingReduce | None = None  # at most one reduction in flight
+        self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
+        self.handle = None  # finalize_backward(async_op=True)'s, until waited
+        self.passes = 0  # backward passes ended (when late gradients are looked for)
+        self.ended_since_settle = False  # a backward ended since the last settle
+
+    def expects_gradients(self, unit: UnitState) -> bool:
+        """Whether ``unit``'s forward, or its recomputation, ran with grad."""
+        return unit in self.ran_with_grad or unit in self.recomputed
+
+    def end(self) -> None:
+        """The final callback is done: what this backward reduced and whose forwards it
+        covered is forgotten."""
+        self.reduced.clear()
+        self.ran_with_grad.clear()
+        self.recomputed.clear()
+        self.running = False
+
+
 class RootState:
     """Iteration state shared by every unit under one root.
 
@@ -139,29 +170,22 @@ class RootState:
     def __init__(self, unit: UnitState, units: list[UnitState]):
         self.unit = unit
         self.units = units
-        self.backward_since_settle = False  # a backward ended since the last settle
+        self.backward = BackwardState()
         self.members: dict[ParamGroup, list[UnitState]] = {}
         for u in units:
             if u.group is not None:
                 self.members.setdefault(u.group, []).append(u)
         self.forward_done: set[UnitState] = set()
-        self.reduced: set[ParamGroup] = set()
-        self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
         self.pool = BufferPool()
         for group in self.members:
             group.pool = self.pool
         self.use_copies(unit.shared_copies)
         _LIVE_ROOTS.add(self)
         self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
-        self.in_backward = False
-        self.pending_reduce: PendingReduce | None = None
-        self.reduction_handle = None  # finalize_backward(async_op=True)'s, until waited
         # Note [ranks agree on every collective]: set at lazy init when the mesh has more
         # than one rank; ``patience`` is the guard where waiting blocks the host (CPU)
         self.guard = None
         self.patience = None
-        self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
-        self.backward_count = 0  # backward passes finished (when late gradients are looked for)
 
     # -- orders -------------------------------------------------------------------------
     def record_pre_forward(self, unit: UnitState) -> None:
@@ -199,23 +223,22 @@ class RootState:
         collectives in flight, reshard every group, drop the aborted iteration's gradients
         (also those accumulated without sync) and its bookkeeping. The forward order
         recorded by the last complete iteration is kept for prefetching."""
-        pending, self.pending_reduce = self.pending_reduce, None
+        backward = self.backward
+        pending, backward.pending_reduce = backward.pending_reduce, None
         if pending is not None:
             pending.discard()
-        if self.reduction_handle is not None:  # finalize_backward(async_op=True)'s
-            self.reduction_handle.invalidate()
-            self.reduction_handle = None
+        if backward.handle is not None:  # finalize_backward(async_op=True)'s
+            backward.handle.invalidate()
+            backward.handle = None
         self.copies.settle()
         for group in self.members:
             group.reshard()
             group.forget_backward()
-        self.unknown_presence = []
+        backward.unknown_presence = []
         for u in self.units:
-            u.ran_forward_with_grad = u.recomputed_with_grad = False
             u.explicit_unshard = False
-        self.in_backward = False
-        self.reduced.clear()
-        self.kept_gathered = set()
+        backward.end()
+        backward.kept_gathered = set()
         self.order.forget_recording()
         self.start_iteration()
 
@@ -240,11 +263,12 @@ class RootState:
 
     # -- reduce-scatter in flight -----------------------------------------------------------
     def finish_pending_reduce(self) -> None:
-        if self.pending_reduce is not None:
-            pending, self.pending_reduce = self.pending_reduce, None
+        backward = self.backward
+        if backward.pending_reduce is not None:
+            pending, backward.pending_reduce = backward.pending_reduce, None
             unknown = pending.finish(self.patience)
             if unknown is not None:
-                self.unknown_presence.append(unknown)
+                backward.unknown_presence.append(unknown)
 
     def use_copies(self, shared: SharedCopies) -> None:
         """Move every group's host<->device copies to ``shared``'s streams (after the
@@ -266,9 +290,10 @@ class RootState:
         # optimizer.step() settles every live root, and a model no longer used may be
         # collected on one rank and not yet on another; a check on some ranks only would
         # pair with another model's on the rest.
-        if self.guard is not None and self.backward_since_settle:
+        backward = self.backward
+        if self.guard is not None and backward.ended_since_settle:
             self.guard.ensure_agreed(BACKWARD)
-        self.backward_since_settle = False
-        unknown, self.unknown_presence = self.unknown_presence, []
+        backward.ended_since_settle = False
+        unknown, backward.unknown_presence = backward.unknown_presence, []
         for presence in unknown:  # after the copies: offloaded flags are on the host now
             presence.resolve()

@@ -25,7 +25,8 @@ def _sharded_slots(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, st
     modules = module.modules() if recurse else (m for _, m in managed_modules(module))
     slots = []
     for m in modules:
-        if isinstance(m, FSDPModule) and m._unit.root is not None and m._unit.root.in_backward:
+        root = m._unit.root if isinstance(m, FSDPModule) else None
+        if root is not None and root.backward.running:
             raise RuntimeError("summon_full_params cannot be used during backward.")
         for name, p in m._parameters.items():
             if isinstance(p, DTensor):
