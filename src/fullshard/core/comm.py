@@ -7,8 +7,8 @@ copies between host and device on their own streams.
   caller can overlap the collective with compute and ``wait()`` later.
 * ``BufferPool`` keeps the communication buffers of one root across steps.
 * ``HostCopies`` runs CPU offload's device<->host copies on CUDA streams of their own.
-* ``note_collective`` / ``settle_before_exit``: the collective threads finish before the interpreter
-  does.
+* ``note_collective`` / ``settle_before_exit``: the collective threads finish before the
+  interpreter does.
 
 Note [collectives are always issued async]
 Blocking calls are issued with async_op=True and waited at once: the cost is the
@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 
-
 # -- collectives settle before exit -----------------------------------------------------------
 # Note [collectives settle before exit]
 # A gloo collective runs on one of the process group's worker threads, which drops its
@@ -49,7 +48,8 @@ from torch.autograd.profiler import record_function
 # below. Every collective fullshard issues or waits notes the time (its gathers and
 # reductions, the divergence guard's exchanges, clipping's norm, a whole-matrix step's
 # exchanges, checkpoints' collectives); at exit, while the interpreter is still whole,
-# fullshard waits until GRACE_S has passed since the last one, so the threads finish first. A program that ends later than that waits for nothing.
+# fullshard waits until GRACE_S has passed since the last one, so the threads finish
+# first. A program that ends later than that waits for nothing.
 
 GRACE_S = 0.1  # the worker drops its reference microseconds after completing the work
 
@@ -334,8 +334,9 @@ class BufferPool(FreeLists[torch.Tensor]):
 #   non-blocking into pinned memory and an event marks its end. The source stays
 #   referenced here until that event has passed (checked without waiting at each new
 #   copy), so its memory cannot be reused while the copy reads it: what
-#   ``record_stream`` would do, without delaying every free on that stream. ``settle()`` synchronizes on the events: at the end of
-#   backward, before the optimizer steps on the host gradients, as FSDP2 does.
+#   ``record_stream`` would do, without delaying every free on that stream. ``settle()``
+#   synchronizes on the events: at the end of backward, before the optimizer steps on
+#   the host gradients, as FSDP2 does.
 # * host -> device (the shard before its all-gather): on the ``to_device`` stream,
 #   which waits for the current stream first (the pooled destination may still be
 #   read there), and the all-gather is issued on that stream so NCCL orders itself
