@@ -50,9 +50,9 @@ test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended"
 
 # 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
-# without faults (48 minutes on 2 cores): tests/train/test_soak_restarts.py.
+# without faults (48 minutes on 2 cores): tests/train/test_launch_soak_restarts.py.
 soak: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests/train/test_soak_restarts.py -m soak
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/train/test_launch_soak_restarts.py -m soak
 
 # The CUDA lane (tests/gpu): NCCL ranks, one per visible GPU, against references on the
 # same GPUs. It runs on the Python that has a CUDA torch: .venv where one exists (the CPU

@@ -27,7 +27,7 @@ DIR gets gpu-check.md (the report, rewritten after every step, so a window that 
 early still brings back what ran), gpu-check.log (every step's output) and the JSON
 the benchmarks write. The dry run runs the same steps on CPU with tiny shapes (the CUDA
 lane is collected, not run; no install; nothing compiled), so this script cannot rot
-unnoticed: tests/test_gpu_check.py runs it.
+unnoticed: tests/repo/test_gpu_check.py runs it.
 """
 
 from __future__ import annotations

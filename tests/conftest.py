@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-# The tests are laid out like the package (tests/core for src/fullshard/core, ...); they
+# The tests are laid out like the package (tests/core/test_group.py for
+# src/fullshard/core/group.py, docs/architecture.md's Testing); they
 # import what they share from tests/support, e.g. ``from support.catalogue import
 # matches_documented``, and tests/lanes.py by module name.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -34,7 +35,7 @@ if not lanes.is_cuda_lane(os.environ):
 
 # The multi-node lane (2 launchers x 2 ranks each, ~3 minutes on 2 cores): left out of
 # `make test` to keep it under 10 minutes, run by `make test-multinode`; CI runs both.
-MULTINODE_FILES = ("tests/train/test_multinode.py",)
+MULTINODE_FILES = ("tests/train/test_launch_multinode.py",)
 
 
 def pytest_collection_modifyitems(config, items):

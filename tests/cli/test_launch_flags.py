@@ -1,7 +1,7 @@
 """``fullshard train``'s launch flags and the environments that replace them (Slurm, a
 launcher that sets torch.distributed's variables, CUDA's GPU count), in-process: what
 reaches torchrun and the workers, and the one-line errors. The runs themselves:
-tests/train/test_multinode.py."""
+tests/train/test_launch_multinode.py."""
 
 import argparse
 import os
@@ -137,7 +137,7 @@ NODE = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234",
 ])
 def test_nodes_that_do_not_meet_are_one_line_naming_the_flag(failure, node_rank, code, message,
                                                              capsys, monkeypatch, torchrun_calls):
-    """torchrun's rendezvous errors (real ones: tests/train/test_multinode.py), as the user sees
+    """torchrun's rendezvous errors (real ones: tests/train/test_launch_multinode.py), as the user sees
     them: one line, no traceback."""
     def fail(args):
         raise failure()

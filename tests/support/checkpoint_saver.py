@@ -1,5 +1,5 @@
 """A process that saves checkpoints for ever, for the kill -9 trials of
-tests/checkpoint/test_faults.py.
+tests/checkpoint/test_io_faults.py.
 
     python tests/support/checkpoint_saver.py DIR
 

@@ -1,7 +1,7 @@
 """``fullshard ckpt export --hf`` of the built-in GPT (as GPT-2), the folder and file
 layout, and the one-line errors of its flags (one process, no training: a checkpoint
 laid out as ``fullshard train`` lays it out). Hugging Face models trained with
-``--model hf:DIR``: tests/train/test_train_hf.py."""
+``--model hf:DIR``: tests/train/test_model_hf.py."""
 
 import json
 

@@ -1,14 +1,16 @@
-"""The training loop's options at world size 2, in-process through the test harness."""
+"""The training loop's options at world size 2, in-process through the test harness, and
+how its micro-batches reach the GPU, the learning-rate schedule and the step skipped on a
+non-finite gradient norm."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import ConfigError, get_preset
+from fullshard.train.config import ConfigError, OptimConfig, get_preset
 from fullshard.train.flags import apply_overrides
 from fullshard.train.launch import Worker
-from fullshard.train.loop import Trainer
+from fullshard.train.loop import Trainer, learning_rate, on_device, step_or_skip
 from support.train_runs import QUIET, train_losses
 
 def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
@@ -132,3 +134,58 @@ def test_muon_trains_and_resumes_exactly(tmp_path):
     straight, resumed = out["runs"]["straight"], out["runs"]["resumed"]
     assert len(straight) == 6 and straight[-1] < straight[0]
     assert resumed[-3:] == straight[-3:]
+
+
+class _HostBatch:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def pin_memory(self):
+        self.calls.append("pin_memory")
+        return self
+
+    def to(self, device, non_blocking=False):
+        self.calls.append(("to", str(device), non_blocking))
+        return self
+
+
+def test_micro_batches_reach_the_gpu_through_pinned_memory_without_blocking():
+    calls = []
+    on_device([_HostBatch(calls), _HostBatch(calls)], torch.device("cuda", 1))
+    assert calls == ["pin_memory", ("to", "cuda:1", True)] * 2
+    x = torch.ones(2)
+    assert on_device([x], torch.device("cpu"))[0] is x
+
+
+def test_learning_rate_warms_up_then_follows_the_cosine_to_min_lr():
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
+    assert learning_rate(5, optim) == pytest.approx(0.5)
+    assert learning_rate(10, optim) == pytest.approx(1.0)
+    assert learning_rate(60, optim) == pytest.approx(0.55)  # half way: the mean
+    assert learning_rate(110, optim) == pytest.approx(0.1)
+    assert learning_rate(500, optim) == pytest.approx(0.1)
+    rates = [learning_rate(s, optim) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_with_a_non_finite_gradient_norm_leaves_weights_and_states_alone(fused):
+    """The trainer's step_or_skip: a fused AdamW skips on the device (no host read of the
+    norm), any other optimizer after reading it; a finite norm steps."""
+    weight = torch.nn.Parameter(torch.ones(8))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused, foreach=None if fused else False)
+    weight.grad = torch.full((8,), 0.5)
+    step_or_skip(optimizer, torch.tensor(1.0))
+    after_one = weight.detach().clone()
+    assert not torch.equal(after_one, torch.ones(8))
+    states = {k: v.clone() for k, v in optimizer.state[weight].items()}
+    for bad in (float("nan"), float("inf")):
+        weight.grad = torch.full((8,), bad)
+        step_or_skip(optimizer, torch.tensor(bad))
+        assert torch.equal(weight.detach(), after_one)
+        for k, v in optimizer.state[weight].items():
+            assert torch.equal(v, states[k]), k  # the step count too
+    weight.grad = torch.full((8,), 0.5)
+    step_or_skip(optimizer, torch.tensor(1.0))
+    assert float(optimizer.state[weight]["step"]) == 2.0
+    assert not torch.equal(weight.detach(), after_one)

@@ -11,9 +11,11 @@ core/group.py) or in a file mapping (Note [parameters on disk] in core/mapped.py
 The gathered parameters lie param-major in one tensor, which the unsharded parameters
 are persistent views of (Note [unsharded params are persistent views] in
 core/param.py); its storage is freed (resized to 0) while the unit is sharded and
-allocated again before each gather's copy-out, so the views keep their addresses
-without holding memory. With a shard group of one rank and nothing to cast or
-copy it is the flat shard itself (Note [shard groups of one rank] in core/group.py).
+allocated again before each gather's copy-out, so the views stay the same tensors
+without holding memory (at the same addresses only where the allocator hands the bytes
+back, or with ``set_keep_unsharded_storage``). With a shard group of one rank and
+nothing to cast or copy it is the flat shard itself (Note [shard groups of one rank] in
+core/group.py).
 """
 
 from __future__ import annotations

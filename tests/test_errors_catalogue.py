@@ -734,13 +734,13 @@ _TESTED_ELSEWHERE = {
             "test_states_loaded_on_some_ranks_only_are_refused_on_every_rank",
     "E150": "tests/core/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
-    "E133": "tests/train/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
-    "E134": "tests/train/test_train_cli.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
-    "E132": "tests/train/test_train_cli.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
+    "E133": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
+    "E134": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
+    "E132": "tests/cli/test_train.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
     "E131": "tests/core/test_divergence.py::test_ranks_at_different_collective_functions_both_name_them",
     "E82": "tests/cli/test_cli_errors.py::"
            "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
-    "E34": "tests/train/test_reliability.py::"
+    "E34": "tests/train/test_launch_reliability.py::"
            "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
     **{code: "tests/core/test_placement_meshes.py::"
               "test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes"
@@ -759,10 +759,10 @@ _TESTED_ELSEWHERE = {
        for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},
     # launching: in-process with a patched environment or torchrun, or several launchers
     "E60": "tests/cli/test_launch_flags.py::test_more_ranks_than_gpus_is_refused_before_nccl_sees_them",
-    "E61": "tests/train/test_multinode.py::test_a_node_with_another_config_is_named_on_every_node",
+    "E61": "tests/train/test_launch_multinode.py::test_a_node_with_another_config_is_named_on_every_node",
     "E62": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
     "E63": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
-    "E64": "tests/train/test_multinode.py::"
+    "E64": "tests/train/test_launch_multinode.py::"
            "test_an_out_that_only_its_own_node_sees_stops_at_the_first_save",
     "E65": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",
     "E66": "tests/cli/test_launch_flags.py::test_nodes_that_do_not_meet_are_one_line_naming_the_flag",

@@ -8,7 +8,7 @@ import ast
 import collections
 import pathlib
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "fullshard"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "fullshard"
 
 # Bottom first. A module may import from its own layer and the layers below it.
 LAYERS = [
@@ -116,18 +116,38 @@ def test_every_note_is_defined_once_and_indexed():
 
 
 # Folders of tests/ that mirror no package: code fullshard did not write, the CUDA lane,
-# what tests share, faults injected into workers.
-TEST_FOLDERS_OF_THEIR_OWN = {"conformance", "gpu", "support", "faults"}
+# what tests share, faults injected into workers, and the repository's own files (docs,
+# benchmarks, Makefile, the test lanes).
+TEST_FOLDERS_OF_THEIR_OWN = {"conformance", "gpu", "support", "faults", "repo"}
+
+
+def _modules_of(package: pathlib.Path) -> set[str]:
+    """The names a test of this package may start with: its files and subpackages, and
+    the package itself (for what its ``__init__`` holds or the package as a whole)."""
+    names = {p.stem for p in package.glob("*.py") if not p.stem.startswith("__")}
+    return names | {p.name for p in package.iterdir() if (p / "__init__.py").exists()} \
+        | {package.name}
+
+
+def _is_named_for(test: str, modules: set[str]) -> bool:
+    name = test.removeprefix("test_")
+    return any(name == m or name.startswith(m + "_") for m in modules)
 
 
 def test_tests_are_laid_out_like_the_package_and_import_no_test_module():
-    """tests/PKG/ holds the tests of src/fullshard/PKG/; a test module imports what it
-    shares from tests/support (or fullshard.testing), never from another test module."""
-    tests = pathlib.Path(__file__).resolve().parent
+    """tests/PKG/ holds the tests of src/fullshard/PKG/, each named for the file it tests
+    (``test_<file>.py`` or ``test_<file>_<topic>.py``); a test module imports what it shares
+    from tests/support (or fullshard.testing), never from another test module."""
+    tests = pathlib.Path(__file__).resolve().parents[1]
     packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
     folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert not folders - packages - TEST_FOLDERS_OF_THEIR_OWN, \
         "test folders that match no package of src/fullshard"
+    unnamed = [str(t.relative_to(tests)) for folder in [tests, *(tests / p for p in packages)]
+               for t in sorted(folder.glob("test_*.py"))
+               if not _is_named_for(t.stem, _modules_of(SRC if folder == tests
+                                                        else SRC / folder.name))]
+    assert not unnamed, f"tests named for no file of their package: {unnamed}"
     test_modules = {p.stem for p in tests.rglob("test_*.py")}
     importing_tests = []
     for path in sorted(tests.rglob("*.py")):
@@ -137,6 +157,29 @@ def test_tests_are_laid_out_like_the_package_and_import_no_test_module():
             if any(n.split(".")[-1] in test_modules for n in names):
                 importing_tests.append(str(path.relative_to(tests)))
     assert not importing_tests, f"test modules imported by {importing_tests}"
+
+
+def _road_and_clock() -> list[str]:
+    """The files docs/architecture.md walks a parameter through, then the clock's."""
+    import re
+
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    life = doc[doc.index("## The life of one parameter"):doc.index("### Shard time")]
+    road = re.findall(r"^\| \d \| `([^`]+)` \|", life, re.M)
+    clock = life[life.index("Three more files are the clock"):life.index("Features that are off")]
+    return road + re.findall(r"`([\w/]+\.py)`", clock)
+
+
+def test_every_file_of_the_road_and_the_clock_has_tests_named_for_it():
+    """A reader about to change one of the files a parameter's life runs through finds its
+    tests by the file's name: tests/core/test_group*.py for core/group.py."""
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    files = _road_and_clock()
+    assert len(files) == 11, files
+    untested = [f for f in files
+                if not [t for t in (tests / pathlib.Path(f).parent).glob("test_*.py")
+                        if _is_named_for(t.stem, {pathlib.Path(f).stem})]]
+    assert not untested, f"no tests named for {untested}"
 
 
 def _files_of_a_steady_step() -> list[str]:
@@ -187,13 +230,9 @@ def test_a_steady_step_stays_on_the_road_the_architecture_walks():
     from fullshard.testing import run_distributed
 
     doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
-    life = doc[doc.index("## The life of one parameter"):doc.index("### Shard time")]
-    road = re.findall(r"^\| \d \| `([^`]+)` \|", life, re.M)
-    assert len(road) == 8, road
-    clock = life[life.index("Three more files are the clock"):life.index("Features that are off")]
     steady = doc[doc.index("A steady step ("):doc.index("### Checkpoint")]
-    named = set(road) | set(re.findall(r"`([\w/]+\.py)`", clock + steady))
-    said = named - {"api.py", "core/init.py", "tests/test_layers.py"}  # shard time; this test
+    named = set(_road_and_clock()) | set(re.findall(r"`([\w/]+\.py)`", steady))
+    said = named - {"api.py", "core/init.py", "tests/repo/test_layers.py"}  # shard time; this test
     for files in run_distributed(_files_of_a_steady_step, 2):
         assert set(files) == said, (f"a steady step ran in {sorted(set(files) - said)} "
                                     f"beyond docs/architecture.md's walk, and not in "
