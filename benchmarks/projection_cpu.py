@@ -12,8 +12,8 @@ their ratio:
 With ``--check TOL`` it exits 1 when a projection is off by more than TOL (a fraction) of
 the measured time: `make bench-projection` runs it so. The check is a measurement of this
 machine, not a unit test: on a shared machine the measured side moves by more than 15%
-from run to run, which is why `make test` does not run it (tests/projection/test_projection.py checks
-the comparison itself, within a factor that load cannot reach).
+from run to run, which is why `make test` does not run it (tests/projection/test_calibrate.py
+checks the comparison itself, within a factor that load cannot reach).
 """
 
 from __future__ import annotations

@@ -730,7 +730,7 @@ _TESTED_ELSEWHERE = {
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E151": "tests/whole_matrix/test_whole_matrix.py::"
             "test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
-    "E225": "tests/whole_matrix/test_whole_matrix_state.py::"
+    "E225": "tests/whole_matrix/test_kept.py::"
             "test_states_loaded_on_some_ranks_only_are_refused_on_every_rank",
     "E150": "tests/core/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
@@ -772,5 +772,5 @@ _TESTED_ELSEWHERE = {
     **{code: "tests/cli/test_project.py::test_bad_input_is_one_line_naming_it"
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
                     "E213", "E226", "E227")},
-    "E127": "tests/projection/test_projection.py::test_library_sizes_must_be_positive",
+    "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
 }

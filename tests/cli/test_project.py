@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fullshard.cli import main
-from fullshard.projection import DEVICES, SHAPES, Cluster, rank_configurations
+from fullshard.projection import DEVICES, SHAPES, Cluster, rank_configurations, shape_named
 
 from support.catalogue import matches_documented
 
@@ -148,3 +148,35 @@ def test_bad_numbers_are_one_line_naming_the_flag(argv, flag, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and flag in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["plan", "--gpus", "8", "--model", "debug", "--seq", "100000", "--plot", ""], "E185"),
+    (["project", "--model", "debug", "--seq", "33"], "E185"),
+    (["project", "--calibrate", "--preset", "debug", "--gpus", "1", "--seq", "4096"], "E81"),
+])
+def test_a_sequence_longer_than_a_preset_model_is_refused_before_anything_runs(argv, code,
+                                                                             capsys):
+    """What the trainer would refuse (--batch.seq-len beyond the GPT's positions) is
+    neither planned nor timed: one line, before calibration starts a process."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    kind = "ConfigError" if code == "E81" else "ProjectionError"
+    assert matches_documented(code, f"{kind}: " + err.split(": ", 1)[1]), err
+
+
+def test_a_preset_model_projects_within_its_positions_by_default(capsys):
+    """The default --seq (4096) becomes a preset GPT's positions; with --calibrate, the
+    length the preset trains with."""
+    from fullshard.cli.project import _sequence
+    from fullshard.projection import shape_of
+    from fullshard.train.config import get_preset
+
+    assert main(["plan", "--gpus", "8", "--model", "debug", "--plot", ""]) == 0
+    flags = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("fullshard train")]
+    assert "--batch.seq_len 32" in flags[0], flags
+    debug = get_preset("debug")
+    assert _sequence(None, shape_of(debug.gpt, "debug"), debug.batch.seq_len) == 32
+    assert _sequence(None, shape_named("llama3-8b")) == 4096

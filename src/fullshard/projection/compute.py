@@ -162,7 +162,7 @@ def embedding_seconds(shape: ModelShape, tokens: int, rates: Rates) -> PassSecon
 
 
 # Fitted by ``projection.fit.fit_constants`` on the fit half of published_runs.csv
-# (docs/projection.md); tests/projection/test_projection.py checks that no constant moved alone lowers
+# (docs/projection.md); tests/projection/test_fit.py checks that no constant moved alone lowers
 # the fit half's error, i.e. that these are the fit's minimum.
 FITTED = KernelConstants(matmul={"ampere": 0.7594, "hopper": 0.6499},
                          attention={"ampere": 0.3116, "hopper": 0.1850},

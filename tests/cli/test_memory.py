@@ -1,0 +1,26 @@
+"""``fullshard estimate`` on the command line (cli/memory.py): one estimate, a sweep over
+strategies, the ZeRO table, and the expert-parallel degree."""
+
+from fullshard.cli.memory import estimate_main
+
+
+def test_cli_estimate_sweep_and_zero_table(capsys):
+    assert estimate_main(["--preset", "debug", "--world-size", "2", "--batch", "2"]) == 0
+    assert "peak per rank" in capsys.readouterr().out
+    assert estimate_main(["--preset", "debug", "--world-size", "4", "--sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "no_shard" in out and len(out.strip().splitlines()) == 5  # title, head, 1 2 4
+    assert estimate_main(["--zero-table", "--params", "7.5e9", "--world-size", "64"]) == 0
+    assert "31.406" in capsys.readouterr().out
+
+
+def test_estimate_cli_takes_the_expert_parallel_degree(capsys):
+    peaks = {}
+    for ep in ("1", "4"):
+        assert estimate_main(["--preset", "moe", "--world-size", "4", "--ep", ep,
+                              "--batch", "1"]) == 0
+        text = capsys.readouterr().out
+        peaks[ep] = float(text.split("peak per rank")[1].split("MiB")[0].split()[-1])
+        assert ("experts split over 4 ranks" in text) == (ep == "4")
+    # ep 4 over 4 ranks: a rank's experts are whole on it, nothing of them gathered
+    assert peaks["4"] < peaks["1"]

@@ -1,0 +1,62 @@
+"""The published runs the projection is judged on (projection/published.py): the
+split between the runs that fit the constants and those held out, the held-out runs
+projected within the goal, every run fitting its GPUs, the parameter counts as published."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from fullshard.projection import published
+
+# src/fullshard/projection/published_runs.csv: 230 published FSDP runs (docs/projection.md
+# names the sources), half of them fitted by projection.fit, half only judging the fit.
+
+RUNS = published.load()
+
+
+def test_the_split_is_the_stated_rule_and_the_data_is_whole():
+    with open(published.RUNS, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["id"]: r["split"] for r in rows} == published.split_of(rows)
+    assert len({r["id"] for r in rows}) == len(rows) == len(RUNS)
+    teams = {r.team for r in RUNS}
+    assert len(teams) >= 3 and all(r["source"] and r["date"] for r in rows)
+    for team in teams:  # every team judges the fit as well as feeding it
+        assert {r.split for r in RUNS if r.team == team} == {"fit", "held-out"}
+
+
+def test_held_out_runs_are_projected_within_the_goal():
+    # the goal: median within 5%, none beyond 20%; benchmarks/projection_published.py names
+    # the three held-out runs beyond (docs/projection.md says why), and nothing else may be
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from projection_published import KNOWN_MISSES
+
+    errors = {r.id: abs(r.error()) for r in RUNS if r.split == "held-out"}
+    assert statistics.median(errors.values()) <= 0.05
+    assert {i for i, e in errors.items() if e > 0.20} <= KNOWN_MISSES, errors
+    fitted = [abs(r.error()) for r in RUNS if r.split == "fit"]
+    assert statistics.median(fitted) <= 0.05
+
+
+def test_every_published_run_is_projected_to_fit_its_gpus():
+    # they all ran; torchtitan publishes its peak (reserved) memory: the projection is within 5%
+    for r in RUNS:
+        p = r.projection()
+        assert p.fits(margin=0.0), (r.id, p.memory_bytes / p.device_memory_bytes)
+        if r.memory_gib:
+            assert p.memory_bytes / 2**30 == pytest.approx(r.memory_gib, rel=0.05), r.id
+
+
+def test_published_shapes_have_the_published_parameter_counts():
+    with open(published.RUNS, newline="") as f:
+        counts = {r["id"]: int(r["published_params"]) for r in csv.DictReader(f)
+                  if r["published_params"]}
+    assert len(counts) > 100
+    for r in RUNS:
+        if r.id in counts:  # MPT's biases are not modelled: 13 vectors of d per block
+            assert r.shape.num_params == pytest.approx(counts[r.id], rel=2e-3), r.id
