@@ -70,7 +70,7 @@ def _build(case: str, shape, device: torch.device):
     if case == "qlora":
         import transformers
 
-        from fullshard.train.config import LoraConfig
+        from fullshard.train.config.schema import LoraConfig
         from fullshard.train.lora import add_lora
         fields = dict(shape)
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from fullshard.gpt import lm_loss
 from fullshard.testing import free_port
-from fullshard.train.config import get_preset
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import get_preset
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer, build_optimizers
 from fullshard.train.model import COMPUTE_DTYPES, build_workload, compile_blocks
 

@@ -141,8 +141,8 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E24"] = message_of(summon_rank0_writeback)
 
     def reentrant():
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl, checkpoint_wrapper)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                                 checkpoint_wrapper)
         apply_activation_checkpointing(_Pair(), checkpoint_wrapper_fn=partial(
             checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
     out["E25"] = message_of(reentrant)
@@ -490,7 +490,7 @@ def _verification_cases(tmp: str) -> dict[str, str]:
 
     from fullshard import checkpoint as ckpt
     from support.checkpoint_dirs import (fullshard_checkpoint, shard_file, small_model,
-                                 torch_checkpoint, truncate)
+                                         torch_checkpoint, truncate)
 
     root = os.path.join(tmp, "verification")
     load = partial(_message_of_load, ckpt)
@@ -572,14 +572,14 @@ def _model_folder(tmp: str) -> str:
 
 
 def _one_rank_shard_groups_quantized():
-    from fullshard.train.config import ParallelConfig
+    from fullshard.train.config.schema import ParallelConfig
     from fullshard.train.model import build_mesh
     build_mesh(ParallelConfig(strategy="hybrid_shard", replicas=2, quantize="weights,grads"),
                "cpu", 2, 2)
 
 
 def _expert_degree_not_dividing_the_world():
-    from fullshard.train.config import ParallelConfig
+    from fullshard.train.config.schema import ParallelConfig
     from fullshard.train.model import build_mesh
     build_mesh(ParallelConfig(ep=3), "cpu", 4, 4)
 
@@ -589,11 +589,11 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
 
     from fullshard import checkpoint
     from fullshard.cli.train import build_parser, resolve_config
-    from fullshard.train.config import get_preset, to_toml
-    from fullshard.train.flags import apply_overrides
+    from fullshard.train.config.schema import get_preset, to_toml
+    from fullshard.train.config.flags import apply_overrides
     from fullshard.cli.ckpt import _export as export_command
-    from fullshard.train.adapter_export import export_adapters
-    from fullshard.train.hf_export import export_hf, parse_size
+    from fullshard.train.export.adapters import export_adapters
+    from fullshard.train.export.hf import export_hf, parse_size
 
     def resolve(*argv):
         resolve_config(build_parser().parse_args(list(argv)))
@@ -656,7 +656,7 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
 
     from fullshard.cli import main
     from fullshard.cli.memory import _resolve, estimate_parser
-    from fullshard.train.paths import check_hf_model, check_output_dir, check_text_file
+    from fullshard.train.config.paths import check_hf_model, check_output_dir, check_text_file
 
     def stderr_of(*argv):
         err = io.StringIO()

@@ -330,7 +330,7 @@ class GPT(nn.Module):
 
 # The model shape of each of the trainer's presets (``fullshard train --preset NAME``), by
 # name: what ``fullshard.memory.estimate`` sizes for a preset name. The presets' other
-# settings, and why each is this size, are in fullshard/train/config.py.
+# settings, and why each is this size, are in fullshard/train/config/schema.py.
 SHAKESPEARE_VOCAB = 65  # distinct characters in the shipped tinyshakespeare.txt
 
 PRESET_SHAPES: dict[str, GPTConfig] = {

@@ -237,7 +237,7 @@ def _round_trips(runs: dict) -> dict:
     import dataclasses
 
     from fullshard.gpt import GPT
-    from fullshard.train.config import get_preset
+    from fullshard.train.config.schema import get_preset
     transformers.utils.logging.set_verbosity_error()
     shape = dataclasses.replace(get_preset("debug").gpt, tie_embeddings=False)
     with torch.device("meta"):
@@ -253,7 +253,7 @@ def _round_trips(runs: dict) -> dict:
             continue
         model = _sharded(folder)
         load_hf(model, folder)
-        if name == "gpt2":  # the GPT's export, which test_hf_export.py compares with it
+        if name == "gpt2":  # the GPT's export, which test_export_hf.py compares with it
             reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
             out[name] = _state_differences(model, reference.state_dict())
             continue
@@ -278,8 +278,8 @@ def _hf_run(out: str, source: str) -> None:
     """OUT/config.toml of a ``--model hf:SOURCE`` run and a checkpoint of the model with
     its weights moved away from the saved ones."""
     from fullshard import checkpoint
-    from fullshard.train.config import get_preset, to_toml
-    from fullshard.train.flags import apply_overrides
+    from fullshard.train.config.schema import get_preset, to_toml
+    from fullshard.train.config.flags import apply_overrides
     cfg = apply_overrides(get_preset("debug"), {"model": f"hf:{source}"}, "test")
     os.makedirs(out)
     with open(os.path.join(out, "config.toml"), "w") as f:

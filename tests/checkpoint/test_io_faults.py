@@ -43,7 +43,7 @@ STEP = "step_000001"
 
 
 def _config():
-    from fullshard.train.config import get_preset
+    from fullshard.train.config.schema import get_preset
     return get_preset("debug")
 
 
@@ -57,7 +57,7 @@ def _save_run(out: str) -> None:
     """OUT/config.toml and OUT/checkpoints/step_000001 of the debug GPT, saved at the
     world size this runs at (the weights are the same at every world size)."""
     from fullshard import fully_shard
-    from fullshard.train.config import to_toml
+    from fullshard.train.config.schema import to_toml
 
     model = _fresh_model()
     if dist.is_initialized():
@@ -81,7 +81,7 @@ def _safetensors_in(folder: str) -> dict[str, torch.Tensor]:
 
 def _readers(run: str, scratch: str) -> dict:
     """Each reader of the checkpoint in ``run``, as a function returning what it read."""
-    from fullshard.train.hf_export import export_hf
+    from fullshard.train.export.hf import export_hf
 
     step = os.path.join(run, "checkpoints", STEP)
 

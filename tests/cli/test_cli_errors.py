@@ -13,9 +13,9 @@ import pytest
 from fullshard.cli import main
 from fullshard.cli import memory as memory_cli
 from fullshard.cli import train as train_cli
-from fullshard.train.config import (ConfigError, OptimConfig, TrainConfig, get_preset,
-                                    scalar_fields, sections, to_toml, validate)
-from fullshard.train.flags import load_toml
+from fullshard.train.config.schema import (ConfigError, OptimConfig, TrainConfig, get_preset,
+                                           scalar_fields, sections, to_toml, validate)
+from fullshard.train.config.flags import load_toml
 from support.catalogue import matches_documented
 
 
@@ -186,7 +186,7 @@ def test_configs_built_in_python_are_checked_as_strictly_as_flags(change, messag
 
 
 def test_a_refusal_the_hook_does_not_word_still_comes_out_as_one_line(monkeypatch):
-    from fullshard.train import flags
+    from fullshard.train.config import flags
 
     monkeypatch.setattr(flags._Hook, "message", lambda self, event: None)  # tyro's own box
     with pytest.raises(ConfigError) as err:

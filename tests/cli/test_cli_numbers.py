@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fullshard.cli import main
 from fullshard.cli import train as train_cli
-from fullshard.train.config import GPT_BOUNDS, TrainConfig, sections, scalar_fields
+from fullshard.train.config.schema import GPT_BOUNDS, TrainConfig, sections, scalar_fields
 
 LAUNCH_NUMBERS = ["--nproc", "--nnodes", "--node-rank", "--master-port", "--join-timeout",
                   "--max-restarts"]

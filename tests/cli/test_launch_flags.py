@@ -18,8 +18,8 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
 
 from fullshard.cli import launch_flags
 from fullshard.cli import train as train_cli
-from fullshard.train.cluster import expand_hostlist, slurm_launch_settings
-from fullshard.train.config import ConfigError
+from fullshard.train.launch.cluster import expand_hostlist, slurm_launch_settings
+from fullshard.train.config.schema import ConfigError
 from support.catalogue import matches_documented
 
 # A negative value too: it must stay with its flag.
@@ -252,8 +252,8 @@ def test_an_incomplete_worker_environment_is_named(environment, code, message, c
 
 
 def test_a_pod_with_one_rank_per_pod_is_a_worker(monkeypatch):
-    from fullshard.train.cluster import check_worker_environment, local_place
-    from fullshard.train.launch import is_worker
+    from fullshard.train.launch.cluster import check_worker_environment, local_place
+    from fullshard.train.launch.launcher import is_worker
 
     monkeypatch.setattr(os, "environ", {**POD, "PET_NPROC_PER_NODE": "auto"})
     assert is_worker() and local_place(os.environ) == (0, 1)

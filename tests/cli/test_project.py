@@ -171,7 +171,7 @@ def test_a_preset_model_projects_within_its_positions_by_default(capsys):
     length the preset trains with."""
     from fullshard.cli.project import _sequence
     from fullshard.projection import shape_of
-    from fullshard.train.config import get_preset
+    from fullshard.train.config.schema import get_preset
 
     assert main(["plan", "--gpus", "8", "--model", "debug", "--plot", ""]) == 0
     flags = [line for line in capsys.readouterr().out.splitlines()

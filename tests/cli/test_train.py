@@ -126,7 +126,7 @@ def test_the_same_command_plus_resume_resumes(tmp_path, flags):
     """The README's recipe: the command that started a run, plus --resume, continues it;
     a --preset is compared as that command configures it, not as the bare preset."""
     from fullshard.cli.train import build_parser, resolve_config
-    from fullshard.train.config import to_toml
+    from fullshard.train.config.schema import to_toml
 
     llama = tmp_path / "llama"
     llama.mkdir()

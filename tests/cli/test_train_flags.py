@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fullshard.cli import train as train_cli
-from fullshard.train.config import PRESETS, get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.metrics import expected_memory_line
+from fullshard.train.config.schema import PRESETS, get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.report.metrics import expected_memory_line
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -55,7 +55,7 @@ def _armed(variable: str, step: int) -> bool:
 
 
 def _attempts_step(variable: str) -> int | None:
-    from fullshard.train.launch import restart_count
+    from fullshard.train.launch.launcher import restart_count
 
     steps = [int(s) for s in os.environ.get(variable, "").split(",") if s]
     attempt = restart_count()
@@ -63,7 +63,7 @@ def _attempts_step(variable: str) -> int | None:
 
 
 def _kill_rank() -> int:
-    from fullshard.train.launch import restart_count
+    from fullshard.train.launch.launcher import restart_count
 
     ranks = [int(r) for r in os.environ.get(KILL_RANK, "1").split(",")]
     return ranks[min(restart_count(), len(ranks) - 1)]
@@ -85,7 +85,7 @@ def _kill_at_step_start() -> None:
     """Rank 1 dies as step K starts: the trainer begins a step's memory tracking first
     thing after counting the step."""
     import torch.distributed as dist
-    from fullshard.train.metrics import StepMemory
+    from fullshard.train.report.metrics import StepMemory
 
     begin_step = StepMemory.begin_step
 

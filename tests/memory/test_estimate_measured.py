@@ -44,7 +44,7 @@ def train_and_track(cfg: GPTConfig, strategy: str, batch: int, activation_checkp
     model.init_weights()
     optimizers = None
     if optimizer != "adamw":  # the trainer's recipe (muon: Muon on the hidden matrices)
-        from fullshard.train.config import OptimConfig
+        from fullshard.train.config.schema import OptimConfig
         from fullshard.train.loop import build_optimizers
         optimizers = lambda m: build_optimizers(m, OptimConfig(name=optimizer))  # noqa: E731
     return testing_memory.tracked_token_steps(

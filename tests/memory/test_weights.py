@@ -148,7 +148,7 @@ def _qlora_peak(config: dict) -> dict:
     base) on a Llama sharded per decoder layer."""
     import transformers
 
-    from fullshard.train.config import LoraConfig
+    from fullshard.train.config.schema import LoraConfig
     from fullshard.train.lora import add_lora
 
     tune_cpu_allocator()

@@ -53,7 +53,7 @@ def _what_a_rank_sees():
 def test_the_cpu_lane_hides_cuda_from_tests_ranks_and_subprocesses():
     from fullshard.fsdp1.mesh import ranks_per_node
     from fullshard.memory.tracker import MemoryTracker
-    from fullshard.train.launch import default_nproc
+    from fullshard.train.launch.launcher import default_nproc
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     assert not torch.cuda.is_available() and visible_gpus() == 0

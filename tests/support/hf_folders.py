@@ -9,8 +9,8 @@ import os
 import torch
 
 from fullshard import checkpoint
-from fullshard.train.config import get_preset, to_toml
-from fullshard.train.flags import apply_overrides
+from fullshard.train.config.schema import get_preset, to_toml
+from fullshard.train.config.flags import apply_overrides
 from fullshard.train.data import load_text
 from fullshard.train.model import build_model
 

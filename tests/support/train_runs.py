@@ -12,9 +12,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import get_preset, validate
-from fullshard.train.flags import apply_overrides
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import get_preset, validate
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
 
 FS, SGO, Z1, NS, HY = "full_shard", "shard_grad_op", "zero1", "no_shard", "hybrid_shard"

@@ -1,10 +1,10 @@
-"""The trainer's config (train/config.py): a config written as TOML and read back is the
+"""The trainer's config (train/config/schema.py): a config written as TOML and read back is the
 same config, after flags changed it."""
 
 import pytest
 
-from fullshard.train.config import get_preset, to_toml
-from fullshard.train.flags import apply_overrides, load_toml
+from fullshard.train.config.schema import get_preset, to_toml
+from fullshard.train.config.flags import apply_overrides, load_toml
 
 
 def test_toml_round_trip_and_overrides():

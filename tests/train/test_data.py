@@ -4,7 +4,7 @@ seeded order that resumes exactly; too little data is named."""
 import pytest
 import torch
 
-from fullshard.train.config import ConfigError
+from fullshard.train.config.schema import ConfigError
 from fullshard.train.data import EpochSampler, validation_batches
 
 

@@ -1,7 +1,7 @@
 """The process group a worker starts: NCCL for the GPUs, with gloo beside it for the
 host tensors of an offloading run."""
 
-from fullshard.train.launch import process_group_backend
+from fullshard.train.launch.launcher import process_group_backend
 
 
 def test_offloading_runs_add_gloo_beside_nccl_for_host_tensors():

@@ -24,8 +24,8 @@ import torch
 from fullshard import checkpoint
 from fullshard.gpt import lm_loss
 from fullshard.testing import free_port
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
 from fullshard.train.data import EpochSampler
 from fullshard.train.loop import build_optimizers, learning_rate, set_learning_rate
 from fullshard.train.model import build_model, build_workload

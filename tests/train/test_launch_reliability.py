@@ -10,12 +10,11 @@ import torch
 
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config import get_preset
+from fullshard.train.config.schema import get_preset
 from fullshard.train.model import build_model
 from faults.sitecustomize import KILL_AT_STEP, KILL_IN_SAVE, POISON_AT_STEP, environment
 from support.catalogue import matches_documented
-from support.train_runs import (checkpoints, fullshard_train_preset, metrics,
-                        train_in_process)
+from support.train_runs import checkpoints, fullshard_train_preset, metrics, train_in_process
 
 STEPS, EVERY = 12, 4
 FLAGS = {"steps": STEPS, "checkpoint.every": EVERY, "eval.every": 0, "eval.sample_tokens": 0}

@@ -19,7 +19,7 @@ import torch
 from faults.sitecustomize import KILL_AT_STEP, KILL_RANK, environment
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config import DEFAULT_PRESET, get_preset
+from fullshard.train.config.schema import DEFAULT_PRESET, get_preset
 from fullshard.train.model import build_model
 from support.train_runs import checkpoints, fullshard_train_preset, metrics, train_in_process
 

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import ConfigError, OptimConfig, get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import ConfigError, OptimConfig, get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer, learning_rate, on_device, step_or_skip
 from support.train_runs import QUIET, train_losses
 

@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.testing import run_distributed
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
 from fullshard.train.model import build_model
 

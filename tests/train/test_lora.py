@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
 from fullshard.cli import main as fullshard_main
 from support.hf_folders import save_tiny_llama, write_jsonl_dataset
@@ -166,7 +166,7 @@ def _run(model_dir: str, data: str, out: str, steps: int, resume: bool) -> list 
 
 
 def _refused(model_dir: str, data: str, out: str) -> str:
-    from fullshard.train.config import ConfigError
+    from fullshard.train.config.schema import ConfigError
     try:
         _run(model_dir, data, out, 6, True)
     except ConfigError as err:

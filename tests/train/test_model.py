@@ -1,7 +1,7 @@
 """Building the trainer's models (train/model.py): the presets' parameter counts, on the
 meta device, and an initialized debug model."""
 
-from fullshard.train.config import PRESETS, get_preset, validate
+from fullshard.train.config.schema import PRESETS, get_preset, validate
 from fullshard.train.model import build_model, preset_model
 
 

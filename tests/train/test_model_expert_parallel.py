@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.launch import Worker
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
 from support.train_runs import QUIET
 

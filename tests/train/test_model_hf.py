@@ -15,10 +15,10 @@ from fullshard import FSDPModule
 from fullshard.checkpoint.safetensors_files import SafetensorsFiles
 from fullshard.cli import main as fullshard_main
 from fullshard.testing import run_distributed
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
 from fullshard.train.data import load_text
-from fullshard.train.launch import Worker
+from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
 from support.hf_folders import save_tiny_llama, write_jsonl_dataset
 from support.train_runs import tensorboard_scalars

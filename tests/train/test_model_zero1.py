@@ -12,8 +12,8 @@ from fullshard.memory import estimate
 from fullshard.testing import models as m
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import check_parity
-from fullshard.train.config import ConfigError, get_preset, validate
-from fullshard.train.flags import apply_overrides
+from fullshard.train.config.schema import ConfigError, get_preset, validate
+from fullshard.train.config.flags import apply_overrides
 
 
 def _zero1(model):

@@ -78,13 +78,13 @@ def _inspect(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from ..checkpoint.export import export_safetensors
     from ..train.checkpoints import resolve_checkpoint
-    from ..train.config import ConfigError
+    from ..train.config.schema import ConfigError
 
     if args.adapters:
         if args.hf or args.max_shard_size is not None:
             raise ConfigError("--adapters: writes the adapters alone, in one file; leave "
                               "out --hf and --max-shard-size (they export the whole model)")
-        from ..train.adapter_export import export_adapters
+        from ..train.export.adapters import export_adapters
         for path in export_adapters(args.dir, args.out):
             print(path)
         return 0
@@ -94,7 +94,7 @@ def _export(args: argparse.Namespace) -> int:
                               "or leave it out for one .safetensors file")
         print(export_safetensors(resolve_checkpoint(args.dir), args.out))
         return 0
-    from ..train.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_size
+    from ..train.export.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_size
 
     size = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     for path in export_hf(args.dir, args.out, size):

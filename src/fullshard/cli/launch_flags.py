@@ -4,7 +4,7 @@ They are read first, on their own, and taken out of the command line: what is le
 to the run's configuration flags and, unchanged, to every worker. So workers never see
 them (a worker does not launch), and neither does torchrun's parser (which would take
 ``--nproc`` for an ambiguous abbreviation of its ``--nproc-per-node``). Inside a Slurm
-step, Slurm's variables supply the defaults (train/cluster.py); a flag given wins.
+step, Slurm's variables supply the defaults (train/launch/cluster.py); a flag given wins.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import argparse
 from typing import Mapping
 
 from ..bounds import Bounds, flag_type
-from ..train.cluster import slurm_launch_settings
-from ..train.launch import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, LaunchOptions
+from ..train.launch.cluster import slurm_launch_settings
+from ..train.launch.launcher import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, LaunchOptions
 from .parsing import OneLineParser
 
 PROG = "fullshard train"

@@ -21,8 +21,8 @@ from ..memory.plan import plan
 from ..memory.weights import QUANTIZE
 from ..memory.zero_table import format_zero_table
 from ..bounds import Bounds, flag_type
-from ..train.config import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
-from ..train.paths import check_hf_model
+from ..train.config.schema import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
+from ..train.config.paths import check_hf_model
 from .parsing import OneLineParser, check_seq
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -27,7 +27,7 @@ from ..projection.project import CHECKPOINTING, STRATEGIES
 from ..projection.shapes import hf_shape_fields
 from ..bounds import Bounds, flag_type
 from ..errors import ConfigError
-from ..train.paths import check_hf_model
+from ..train.config.paths import check_hf_model
 from .parsing import OneLineParser, check_seq
 
 GiB = 2**30
@@ -203,7 +203,7 @@ def _calibrate(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, De
     the ranks will be), memory bandwidth, and a gloo sweep of fullshard's collectives at
     each world size asked for (ranks sharing cores slow collectives as much as compute)."""
     from ..testing import run_distributed
-    from ..train.config import get_preset
+    from ..train.config.schema import get_preset
 
     cfg = get_preset(args.preset)
     args.seq = _sequence(args.seq, shape_of(cfg.gpt, args.preset), cfg.batch.seq_len,

@@ -31,25 +31,26 @@ import os
 import sys
 
 from ..core.comm import CollectiveError
-from ..train.agreement import check_same_run
+from ..train.launch.agreement import check_same_run
 from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint, hold_run,
                                  resumes_after_restart)
-from ..train.cluster import check_worker_environment, local_place
-from ..train.config import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
-                            get_preset, validate)
+from ..train.launch.cluster import check_worker_environment, local_place
+from ..train.config.schema import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
+                                   get_preset, validate)
 from ..train.data import BUILTIN
-from ..train.flags import help_text, load_toml, parse_flags
-from ..train.launch import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions, agree_on_attempt,
-                            is_worker, launch, start_worker, stop_worker)
-from ..train.packages import check_packages
-from ..train.paths import check_hf_model, check_output_dir, check_text_file
+from ..train.config.flags import help_text, load_toml, parse_flags
+from ..train.launch.launcher import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions,
+                                     agree_on_attempt, is_worker, launch, start_worker,
+                                     stop_worker)
+from ..train.config.packages import check_packages
+from ..train.config.paths import check_hf_model, check_output_dir, check_text_file
 from . import launch_flags
 from .parsing import OneLineParser
 
 
 class _RunParser(OneLineParser):
     """The run flags; every other flag is a config field's, kept in ``args.fields`` for
-    tyro (train/flags.py), which also writes their part of ``--help``."""
+    tyro (train/config/flags.py), which also writes their part of ``--help``."""
 
     def parse_args(self, args=None, namespace=None):
         known, fields = self.parse_known_args(args, namespace)
@@ -150,8 +151,8 @@ def _check_launch(args: argparse.Namespace, out: str) -> None:
 def _print_expected_memory(cfg: TrainConfig, preset: str, options: LaunchOptions) -> None:
     import torch
 
-    from ..train.launch import default_nproc
-    from ..train.metrics import expected_memory_line
+    from ..train.launch.launcher import default_nproc
+    from ..train.report.metrics import expected_memory_line
 
     world = (options.nproc or default_nproc()) * options.nnodes
     line = expected_memory_line(cfg, preset, world,

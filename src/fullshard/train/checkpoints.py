@@ -57,10 +57,10 @@ import torch.nn as nn
 from .. import checkpoint
 from ..checkpoint.agreement import on_every_rank
 from ..checkpoint.verify import verified_extra
-from .agreement import counted
-from .config import ConfigError, TrainConfig
-from .flags import load_toml
-from .launch import job_id, restart_count
+from .launch.agreement import counted
+from .config.schema import ConfigError, TrainConfig
+from .config.flags import load_toml
+from .launch.launcher import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DELETING = ".deleting"  # a pruned checkpoint on its way out

@@ -36,8 +36,8 @@ from typing import Protocol
 
 import torch
 
-from .config import ConfigError
-from .paths import not_text
+from .config.schema import ConfigError
+from .config.paths import not_text
 
 
 # -- the shipped text ------------------------------------------------------------------

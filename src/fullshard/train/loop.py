@@ -30,17 +30,17 @@ from ..memory import tune_cpu_allocator
 from ..memory.allocator import release_free_heap
 from ..whole_matrix.recipe import muon_matrices
 from . import checkpoints
-from .config import ConfigError, OptimConfig, TrainConfig, to_toml
+from .config.schema import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
-from .launch import StopRequest, Worker, restart_count
-from .dashboards import import_dashboards, open_dashboards
-from .metrics import (FIGURES, MetricsLog, StepMemory, estimate_line, estimated_peak_bytes,
-                      metrics_fields)
-from .model import (Workload, build_mesh, build_workload, load_initial_weights,
-                    save_for_export, shard_model)
-from .packages import check_packages
-from .plot import NOT_INSTALLED, matplotlib_figure, plot_losses
-from .progress import ProgressLine
+from .launch.launcher import StopRequest, Worker, restart_count
+from .report.dashboards import import_dashboards, open_dashboards
+from .report.metrics import (FIGURES, MetricsLog, StepMemory, estimate_line, estimated_peak_bytes,
+                             metrics_fields)
+from .model import (Workload, build_mesh, build_workload, load_initial_weights, save_for_export,
+                    shard_model)
+from .config.packages import check_packages
+from .report.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
+from .report.progress import ProgressLine
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).

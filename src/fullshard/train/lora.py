@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .config import LoraConfig
-from .packages import import_optional
+from .config.schema import LoraConfig
+from .config.packages import import_optional
 
 # NF4 quantizes blocks of values (one int8 scaler each) and the scalers in blocks of
 # their own (one fp32 factor each); torchao's defaults, tried first.

@@ -89,10 +89,10 @@ from ..fsdp_module import FSDPModule
 from ..gpt import GPT, GPTConfig, GroupedExperts, MoE, split_experts
 from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
 from ..wrap import auto_wrap, repeated_block_classes
-from .config import ConfigError, ParallelConfig, TrainConfig, get_preset
+from .config.schema import ConfigError, ParallelConfig, TrainConfig, get_preset
 from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
 from .lora import add_lora
-from .packages import import_optional
+from .config.packages import import_optional
 
 
 # -- what a run trains -----------------------------------------------------------------
@@ -237,7 +237,7 @@ def hf_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits
 
 
-# What ``fullshard ckpt export --hf`` copies beside the weights (train/hf_export.py).
+# What ``fullshard ckpt export --hf`` copies beside the weights (train/export/hf.py).
 EXPORT_DIR = "hf"
 
 

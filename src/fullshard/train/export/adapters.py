@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import sys
 
-from ..checkpoint.export import SINGLE_FILE, ExportedTensor, export_sharded, model_tensors
-from ..checkpoint.verify import open_checkpoint
-from .checkpoints import run_checkpoint
-from .config import ConfigError
-from .packages import import_optional
+from ...checkpoint.export import SINGLE_FILE, ExportedTensor, export_sharded, model_tensors
+from ...checkpoint.verify import open_checkpoint
+from ..checkpoints import run_checkpoint
+from ..config.schema import ConfigError
+from ..config.packages import import_optional
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_NAME = "default"  # the name peft gives the adapters it adds

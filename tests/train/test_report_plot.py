@@ -1,4 +1,4 @@
-"""The loss plot (train/plot.py): a PNG of the asked size with both curves, and a notice
+"""The loss plot (train/report/plot.py): a PNG of the asked size with both curves, and a notice
 naming the extra when matplotlib is not installed."""
 
 import math
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fullshard.train.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
+from fullshard.train.report.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
 
 
 def _rgb_pixels(path):

@@ -1,10 +1,10 @@
-"""The progress line (train/progress.py): one line per step into a file or pipe, one
+"""The progress line (train/report/progress.py): one line per step into a file or pipe, one
 line rewritten in place on a terminal."""
 
 import io
 import re
 
-from fullshard.train.progress import ProgressLine
+from fullshard.train.report.progress import ProgressLine
 
 
 def _progress(stream, steps=range(41, 45)):

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .cluster import check_gpus, local_place
-from .config import ConfigError
+from ..config.schema import ConfigError
 
 SHUTDOWN_TIMEOUT_S = "300"
 # A worker's own exit codes, which the launcher passes on (any other failure: 1).

@@ -10,7 +10,7 @@ import torch
 
 from fullshard import checkpoint
 from fullshard.cli import main
-from fullshard.train.hf_export import parse_size
+from fullshard.train.export.hf import parse_size
 from support.hf_folders import gpt_run_folder
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ that order. The docstring under each field is what ``fullshard train --help`` pr
 Fields that take one of a few values have a ``Literal`` type; numeric fields declare
 their bounds in metadata (``bounds.within``): :func:`validate` checks both and the
 cross-field rules, raising :class:`ConfigError` with a one-line message that names the
-field. Flags and TOML values are parsed by tyro (train/flags.py says why tyro).
+field. Flags and TOML values are parsed by tyro (train/config/flags.py says why tyro).
 
 Named training configurations (and the model each one builds: ``model.build_model``).
 ``PRESETS[name]`` is a complete :class:`TrainConfig`; ``--config`` files and command-line
@@ -15,8 +15,8 @@ flags are applied on top of a copy (:func:`get_preset`). The model shape of a pr
 plain :class:`GPTConfig` (``fullshard.gpt.PRESET_SHAPES``), so a preset can be sized
 without training it::
 
-    from fullshard.train.config import PRESETS
-    from fullshard.train.model import build_model
+    from .schema import PRESETS
+    from ..model import build_model
     model = build_model(PRESETS["gpt2-124m"].gpt, device="meta")   # no memory allocated
 
 - ``debug``: a tiny GPT that trains for a few seconds (tests, smoke runs).
@@ -59,9 +59,9 @@ from typing import Annotated, Any, Literal
 import tomli_w
 import tyro
 
-from ..gpt import PRESET_SHAPES, GPTConfig
-from ..bounds import Bounds, within
-from ..errors import ConfigError
+from ...gpt import PRESET_SHAPES, GPTConfig
+from ...bounds import Bounds, within
+from ...errors import ConfigError
 
 Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
 Quantize = Literal["none", "weights", "grads", "weights,grads"]

@@ -1,6 +1,6 @@
 """``--section.field VALUE`` flags onto a :class:`TrainConfig`, and their ``--help``, by tyro.
 
-tyro builds the flags from the dataclasses in train/config.py: one per field, named
+tyro builds the flags from the dataclasses in train/config/schema.py: one per field, named
 ``--section.field`` (``--section.field_name`` and ``--section.field-name`` both work),
 typed by the annotation, listed in ``--help`` with the docstring written under the field.
 TOML values go through the same parser (load_toml, below, turns them into flags), so a
@@ -32,8 +32,8 @@ from typing import Any
 import tyro
 from tyro import _errors as tyro_errors
 
-from .config import _FALSE, _TRUE, SECTIONS, TrainConfig, scalar_fields
-from ..errors import ConfigError
+from .schema import _FALSE, _TRUE, SECTIONS, TrainConfig, scalar_fields
+from ...errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,7 +87,7 @@ def parse_flags(cfg: TrainConfig, argv: list[str], source: str = COMMAND_LINE) -
 def help_text() -> str:
     """What ``fullshard train --help`` lists under the launch and run flags: every config
     field, its type, its docstring and its default (the default preset's)."""
-    from .config import DEFAULT_PRESET, get_preset
+    from .schema import DEFAULT_PRESET, get_preset
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.suppress(SystemExit):

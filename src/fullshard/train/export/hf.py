@@ -29,14 +29,14 @@ import re
 
 import torch
 
-from ..checkpoint.export import ExportedTensor, export_sharded, model_tensors
-from ..checkpoint.layout import CheckpointError
-from ..checkpoint.verify import open_checkpoint
-from ..gpt import GPTConfig
-from .checkpoints import RUN_CONFIG, run_checkpoint
-from .config import ConfigError, TrainConfig
-from .model import EXPORT_DIR, TOKENIZER_FILES
-from .packages import import_optional
+from ...checkpoint.export import ExportedTensor, export_sharded, model_tensors
+from ...checkpoint.layout import CheckpointError
+from ...checkpoint.verify import open_checkpoint
+from ...gpt import GPTConfig
+from ..checkpoints import RUN_CONFIG, run_checkpoint
+from ..config.schema import ConfigError, TrainConfig
+from ..model import EXPORT_DIR, TOKENIZER_FILES
+from ..config.packages import import_optional
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 4
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

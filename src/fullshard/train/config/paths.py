@@ -8,7 +8,7 @@ import codecs
 import json
 import os
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 _CHUNK = 1 << 20
 

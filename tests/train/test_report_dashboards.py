@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from fullshard.cli import train as train_cli
-from fullshard.train.config import get_preset
-from fullshard.train.flags import apply_overrides
-from fullshard.train.dashboards import TensorBoard, WandB, scalars
-from fullshard.train.packages import check_packages
+from fullshard.train.config.schema import get_preset
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.report.dashboards import TensorBoard, WandB, scalars
+from fullshard.train.config.packages import check_packages
 from support.train_runs import tensorboard_scalars
 
 RECORDS = [{"step": 0, "val_loss": 4.2},

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-from .config import ConfigError, TrainConfig
+from ..config.schema import ConfigError, TrainConfig
 
 # The field that asks for a package -> (the module imported, the pip extra installing it).
 OPTIONAL_PACKAGES = {

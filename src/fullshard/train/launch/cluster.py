@@ -19,7 +19,7 @@ from typing import Mapping
 
 import torch
 
-from .config import ConfigError
+from ..config.schema import ConfigError
 
 # One name of a Slurm hostlist: text with bracketed ranges, e.g. "gpu[01-03,7]-ib".
 _BRACKET = re.compile(r"\[([^\]]*)\]")

@@ -18,8 +18,8 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, TrainConfig, scalar_fields, sections
-from .launch import LAUNCH_VARIABLE
+from ..config.schema import ConfigError, TrainConfig, scalar_fields, sections
+from .launcher import LAUNCH_VARIABLE
 
 # Differences named in full in the error; more are counted.
 SHOWN_DIFFERENCES = 3

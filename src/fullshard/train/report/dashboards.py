@@ -17,8 +17,8 @@ import dataclasses
 import importlib
 import os
 
-from .config import TrainConfig
-from .packages import import_optional
+from ..config.schema import TrainConfig
+from ..config.packages import import_optional
 
 WANDB_RUN_ID = "wandb_run_id"
 

@@ -27,9 +27,9 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ..memory import MemoryTracker, estimate
-from .config import TrainConfig, offload_kind
-from .model import COMPUTE_DTYPES
+from ...memory import MemoryTracker, estimate
+from ..config.schema import TrainConfig, offload_kind
+from ..model import COMPUTE_DTYPES
 
 
 class MetricsLog:
