@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
 
 from fullshard.cli import launch_flags
 from fullshard.cli import train as train_cli
-from fullshard.train.launch.cluster import expand_hostlist, slurm_launch_settings
+from fullshard.train.launch.cluster import slurm_launch_settings
 from fullshard.train.config.schema import ConfigError
 from support.catalogue import matches_documented
 
@@ -184,14 +184,6 @@ def test_a_worker_started_with_more_ranks_than_gpus_says_so(one_gpu, capsys, mon
 
 
 # -- Slurm -----------------------------------------------------------------------------
-
-def test_slurm_hostlists_expand_as_scontrol_does():
-    assert expand_hostlist("node1") == ["node1"]
-    assert expand_hostlist("gpu[08-10,3],login2") == ["gpu08", "gpu09", "gpu10", "gpu3",
-                                                       "login2"]
-    assert expand_hostlist("r[1-2]-n[1,3]") == ["r1-n1", "r1-n3", "r2-n1", "r2-n3"]
-    assert expand_hostlist("a-ib,b[1-2]-ib") == ["a-ib", "b1-ib", "b2-ib"]
-
 
 SRUN = {"SLURM_JOB_ID": "812", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_NODES": "4",
         "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "2", "SLURM_STEP_NODELIST": "gpu[07-10]"}
