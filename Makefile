@@ -44,10 +44,10 @@ test-multinode: $(STAMP)
 test-extended: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m extended -n 2
 
-# The tests a developer runs often (under 2 minutes on 2 cores): everything but those that
-# carry @pytest.mark.slow.
+# The tests a developer runs often (under 2 minutes on 2 cores, two workers as in `make
+# test`): everything but those that carry @pytest.mark.slow.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended"
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended" -n 2
 
 # 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
 # without faults (48 minutes on 2 cores): tests/train/test_launch_soak_restarts.py.

@@ -748,11 +748,11 @@ _TESTED_ELSEWHERE = {
     "E212": "tests/core/test_placement_meshes.py::"
             "test_a_module_with_parameters_on_two_meshes_is_refused_naming_the_parameter",
     # world size 4, a (dp, tp) mesh
-    "E45": "tests/conformance/test_tensor_parallel.py::"
+    "E45": "tests/core/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
-    "E46": "tests/conformance/test_tensor_parallel.py::"
+    "E46": "tests/core/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
-    "E47": "tests/conformance/test_tensor_parallel.py::"
+    "E47": "tests/core/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
     **{code: "tests/core/test_subclass_params.py::"
               "test_misuse_is_one_line_naming_the_parameter_on_every_rank"

@@ -11,6 +11,7 @@ from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from support.catalogue import matches_documented
+from support.rank_failures import failure_report, first_error
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
 
@@ -71,26 +72,12 @@ _SCENARIOS = {
                  marks=[pytest.mark.extended] if name == "extra_forward" and not debug else [])
     for debug in (False, True) for name in _SCENARIOS])
 def test_divergence_raises_on_every_rank(scenario, expected, debug):
-    text = _failure_report(scenario, debug)
+    text = failure_report(scenario, debug)
     assert "2 of 2 ranks failed" in text, text[-3000:]
     assert text.count("DivergenceError: fullshard: ranks diverged") == 2, text[-3000:]
     for phrase in expected:
         assert phrase in text, (phrase, text[-3000:])
-    assert matches_documented("E29", _raised(text, "DivergenceError")), text[-3000:]
-
-
-def _failure_report(scenario, *args) -> str:
-    """The harness's report of the ranks that failed running ``scenario`` at world size 2."""
-    with pytest.raises(AssertionError) as failure:
-        run_distributed(scenario, 2, *args, timeout=120)
-    return str(failure.value)
-
-
-def _raised(report: str, error_type: str) -> str:
-    """The first ``error_type: message`` a rank's traceback in ``report`` ends with."""
-    start = report.index(error_type + ": ")
-    end = report.find("\n\n--- rank", start)
-    return report[start:end if end >= 0 else None].strip()
+    assert matches_documented("E29", first_error(text, "DivergenceError")), text[-3000:]
 
 
 def _peer_stops_early():
@@ -103,10 +90,10 @@ def _peer_stops_early():
 
 
 def test_without_debug_a_failed_collective_names_the_unit():
-    text = _failure_report(_peer_stops_early)
+    text = failure_report(_peer_stops_early)
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
     assert "all-gather of" in text and "FULLSHARD_DEBUG=1" in text, text[-3000:]
-    assert matches_documented("E30", _raised(text, "CollectiveError")), text[-3000:]
+    assert matches_documented("E30", first_error(text, "CollectiveError")), text[-3000:]
 
 
 def _peer_never_arrives():
@@ -131,88 +118,12 @@ def _peer_never_arrives():
 
 @pytest.mark.slow
 def test_without_debug_a_timed_out_collective_names_the_unit():
-    text = _failure_report(_peer_never_arrives)
+    text = failure_report(_peer_never_arrives)
     assert "1 of 2 ranks failed" in text and "CollectiveError" in text, text[-3000:]
-    raised = _raised(text, "CollectiveError")
+    raised = first_error(text, "CollectiveError")
     # the root and its small layers share one group (merged units are named first..last)
     assert "all-gather of GPT..layers.2 failed on rank 0" in raised and "imed out" in raised, raised
     assert matches_documented("E30", raised), raised
-
-
-# -- collective functions some ranks never call (Note [every rank arrives]) ---------------
-def _trained_model():
-    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "3"
-    model = _model(debug=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
-    lm_loss(model(x), y).backward()
-    opt.step()
-    return model, opt, x, y
-
-
-def _save_on_rank0_only(path):
-    from fullshard import checkpoint
-
-    model, opt, x, y = _trained_model()
-    if dist.get_rank() == 0:
-        checkpoint.save(path, model, opt)
-    else:  # goes on training: its next all-gather waits for a rank that is saving
-        lm_loss(model(x), y).backward()
-
-
-def _full_state_dict_on_rank0_only(_path):
-    from fullshard.checkpoint import StateDictOptions, get_model_state_dict
-
-    model, _opt, x, y = _trained_model()
-    if dist.get_rank() == 0:
-        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    else:
-        lm_loss(model(x), y).backward()
-
-
-def _save_here_load_there(path):
-    from fullshard import checkpoint
-
-    model, opt, _x, _y = _trained_model()
-    if dist.get_rank() == 0:
-        checkpoint.save(path, model, opt)
-    else:
-        checkpoint.load(path, model, opt)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("scenario,call", [
-    (_save_on_rank0_only, "fullshard.checkpoint.save"),
-    (_full_state_dict_on_rank0_only, "get_model_state_dict (full_state_dict=True"),
-], ids=["save", "full_state_dict"])
-def test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds(
-        scenario, call, tmp_path):
-    import time
-
-    started = time.monotonic()
-    with pytest.raises(AssertionError) as failure:
-        run_distributed(scenario, 2, str(tmp_path / "ckpt"), timeout=120)
-    text = str(failure.value)
-    assert time.monotonic() - started < 60, text[-3000:]  # not the group's 30 minutes
-    assert "2 of 2 ranks failed" in text, text[-3000:]
-    raised = _raised(text[text.index(f"CollectiveError: fullshard: {call}"):],
-                     "CollectiveError")  # rank 0's
-
-    assert "Ranks 1 failed to pass monitoredBarrier in 3000 ms" in raised, raised
-    assert matches_documented("E130", raised), raised
-    # rank 1, stalled in a training all-gather, names it when rank 0 does not come to compare
-    assert ("DivergenceError: fullshard: rank 1 waited in the all-gather of GPT (step 1), then "
-            "waited for the other ranks") in text, text[-3000:]
-    assert matches_documented("E150", _raised(text, "DivergenceError")), text[-3000:]
-
-
-def test_ranks_at_different_collective_functions_both_name_them(tmp_path):
-    text = str(pytest.raises(AssertionError, run_distributed, _save_here_load_there, 2,
-                             str(tmp_path / "ckpt"), timeout=120).value)
-    assert "2 of 2 ranks failed" in text, text[-3000:]
-    assert text.count("rank 0: fullshard.checkpoint.save (check-in 1), rank 1: "
-                      "fullshard.checkpoint.load (check-in 1)") == 2, text[-3000:]
-    assert matches_documented("E131", _raised(text, "CollectiveError")), text[-3000:]
 
 
 # -- models no longer used ------------------------------------------------------------------

@@ -170,13 +170,16 @@ def _road_and_clock() -> list[str]:
     return road + re.findall(r"`([\w/]+\.py)`", clock)
 
 
-def test_every_file_of_the_road_and_the_clock_has_tests_named_for_it():
-    """A reader about to change one of the files a parameter's life runs through finds its
-    tests by the file's name: tests/core/test_group*.py for core/group.py."""
+def test_every_file_of_the_core_and_of_the_road_has_tests_named_for_it():
+    """A reader about to change a file a parameter's life runs through, or any file of
+    core/, finds its tests by the file's name: tests/core/test_group*.py for
+    core/group.py."""
     tests = pathlib.Path(__file__).resolve().parents[1]
-    files = _road_and_clock()
-    assert len(files) == 11, files
-    untested = [f for f in files
+    road = _road_and_clock()
+    assert len(road) == 11, road
+    core = [f"core/{p.name}" for p in sorted((SRC / "core").glob("*.py"))
+            if not p.stem.startswith("__")]
+    untested = [f for f in dict.fromkeys(road + core)
                 if not [t for t in (tests / pathlib.Path(f).parent).glob("test_*.py")
                         if _is_named_for(t.stem, {pathlib.Path(f).stem})]]
     assert not untested, f"no tests named for {untested}"

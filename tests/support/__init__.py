@@ -3,6 +3,6 @@ tests/conftest.py): the error catalogue's texts (catalogue), trainer runs and th
 folders (train_runs), checkpoint runs and damaged checkpoint directories
 (checkpoint_runs, checkpoint_dirs, and checkpoint_saver, the process the kill -9 trials
 stop), Hugging Face folders (hf_folders), quantized-weight subclasses
-(quantized_weights), the whole-matrix optimizer's test model (whole_matrix_runs) and
-the small GPT sharded per layer that the core's tests step (small_gpt).
-Test modules never import each other."""
+(quantized_weights), the whole-matrix optimizer's test model (whole_matrix_runs), the
+small GPT sharded per layer that the core's tests step (small_gpt) and the errors of
+ranks that failed on purpose (rank_failures). Test modules never import each other."""
