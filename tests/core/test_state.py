@@ -1,9 +1,13 @@
 """One backward's bookkeeping (``BackwardState``, core/state.py): what it expects to
-reduce, and what a dropped forward leaves behind."""
+reduce, what a dropped forward leaves behind, and a graph backpropagated more than once."""
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
+from fullshard import fully_shard
 from fullshard.core.state import unit_of
 from fullshard.gpt import lm_loss
 from fullshard.testing import run_distributed
@@ -69,14 +73,104 @@ def _backward_state_worker():
         running=backward.running, expects=[backward.expects_gradients(u) for u in units],
         reduced=len(backward.reduced)))
     lm_loss(logits, y).backward()
-    after = (backward.running, len(backward.reduced), len(backward.ran_with_grad))
+    after = (backward.running, len(backward.reduced), len(backward.ran_with_grad),
+             all(u in backward.retained for u in units))
     with torch.no_grad():
         model(x)
-    return during, after, [backward.expects_gradients(u) for u in units]
+    after_eval = [backward.expects_gradients(u) for u in units]
+    model(x)  # a forward with grad: another graph
+    after_new_graph = (len(backward.retained), all(u in backward.ran_with_grad for u in units))
+    return during, after, after_eval, after_new_graph
 
 
 def test_a_backward_runs_from_the_first_gradient_to_the_final_callback_and_then_forgets():
-    during, after, after_eval = run_distributed(_backward_state_worker, 2)[0]
+    during, after, after_eval, after_new_graph = run_distributed(_backward_state_worker, 2)[0]
     assert during == {"running": True, "expects": [True] * CFG.n_layers, "reduced": 0}
-    assert after == (False, 0, 0)  # BackwardState.end() in the final callback
-    assert after_eval == [False] * CFG.n_layers  # a forward without grad expects nothing
+    # BackwardState.end() in the final callback: what it reduced is forgotten; the graph's
+    # units stay expected (retain_graph may backpropagate it again) ...
+    assert after == (False, 0, 0, True)
+    assert after_eval == [True] * CFG.n_layers  # ... a forward without grad builds none
+    assert after_new_graph == (0, True)  # ... until a forward with grad builds another
+
+
+class _Block(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        if self.checkpointed:
+            return checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=False)
+        return torch.tanh(self.lin(x))
+
+
+class _Net(nn.Module):
+    def __init__(self, checkpointed: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([_Block(checkpointed) for _ in range(3)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h), h
+
+
+def _backward_twice(model, x, scale, how):
+    """Two (or three) backward passes through one forward's graph, kept by retain_graph."""
+    out, hidden = model(x)
+    loss, other = out.square().mean() * scale, hidden.sum() * 0.01 * scale
+    if how == "twice":
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif how == "then_another_loss":  # the second backward does not reach the head
+        loss.backward(retain_graph=True)
+        other.backward()
+    else:  # "three_times"
+        loss.backward(retain_graph=True)
+        other.backward(retain_graph=True)
+        loss.backward()
+
+
+def _retained_graph_worker(how, checkpointed, bucket_numel):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    reference = _Net(checkpointed)
+    torch.manual_seed(0)
+    model = _Net(checkpointed)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.set_bucket_numel(bucket_numel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(3):
+        xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + r))
+              for r in range(world)]
+        _backward_twice(model, xs[rank], 1.0, how)
+        for x in xs:
+            _backward_twice(reference, x, 1 / world, how)
+        worst = max(worst, *((p.grad.full_tensor() - q.grad).abs().max().item()
+                             for p, q in zip(model.parameters(), reference.parameters())))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize("how,checkpointed,bucket_numel", [
+    ("twice", False, 0), ("then_another_loss", False, 0), ("three_times", False, 1 << 20),
+    ("twice", True, 0)], ids=["twice", "then_another_loss", "three_times_merged",
+                              "twice_checkpointed"])
+def test_a_graph_backpropagated_again_reduces_its_gradients_as_one_process(
+        how, checkpointed, bucket_numel):
+    """Note [when a unit's backward is done]: the second backward through a retained graph
+    fires no watch; its units are still expected, and reduced in its final callback
+    (its gradients used to stay on the unsharded parameters into the next step)."""
+    assert max(run_distributed(_retained_graph_worker, 2, how, checkpointed,
+                               bucket_numel)) < 1e-6

@@ -43,6 +43,14 @@ is kept alive across the backward of another forward holds its unit's reduction 
 gathered parameters) to the final callback, as the graph holds its activations.
 Reentrant activation checkpointing runs the forward without grad and backpropagates
 through the recomputation: the recomputed call is watched instead.
+
+A graph can be backpropagated twice (``loss.backward(retain_graph=True)``, then again):
+its watches fired in the first backward and do not fire again, so the second backward
+reduces the units of that graph in its final callback. Until a forward with grad builds
+another graph, the units the last backward covered are still expected
+(``BackwardState.retained``); the gradients of the second backward add to the reduced
+ones, as in one process. Without that they stayed on the unsharded parameters and were
+reduced with the next step's.
 """
 
 from __future__ import annotations
@@ -154,7 +162,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         # ran without grad): watch it; otherwise cast only (Note [when a unit's backward
         # is done])
         recomputed = (group is not None and torch.is_grad_enabled()
-                      and unit not in backward.ran_with_grad)
+                      and not backward.ran_forward_with_grad(unit))
         if recomputed:
             backward.recomputed.add(unit)
         return _prepare_inputs(unit, group.signals if recomputed else None, args, kwargs)
@@ -340,7 +348,7 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
     group = unit.group
     if torch.is_grad_enabled():
         root.record_post_forward(unit)
-        root.backward.ran_with_grad.add(unit)
+        root.backward.forward_with_grad(unit)
         _hook_outputs(unit, output)
         if group is not None and unit.reshards_after_forward and root.forward_finished(unit):
             group.reshard_after_forward()
