@@ -1,6 +1,7 @@
-"""The forward hooks (core/hooks.py): a forward without backward frees what it gathered,
-uses the weights of the last optimizer step, and under inference mode prepares nothing
-that training cannot write later."""
+"""The hooks (core/hooks.py): a forward without backward frees what it gathered, uses the
+weights of the last optimizer step, and under inference mode prepares nothing that
+training cannot write later; a backward that creates a graph (a gradient penalty) leaves
+the parameters gathered for the backward through it."""
 
 import copy
 
@@ -87,3 +88,48 @@ def test_an_inference_mode_forward_then_training_matches_one_process(bucket_nume
     # torch's FSDP2 raises "Inplace update to inference tensor outside InferenceMode" here:
     # the buffers its first gather made under inference mode cannot be written later
     assert run_distributed(_inference_then_train_worker, 2, bucket_numel, raf) == [True, True]
+
+
+def _penalized_loss(model, x, scale):
+    """A gradient penalty (WGAN-GP's): the input gradient computed with create_graph=True,
+    then backpropagated through with the loss."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    input_grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return (out.square().mean() + (input_grad.norm(dim=1) - 1).square().mean()) * scale
+
+
+def _gradient_penalty_worker(bucket_numel):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 3))
+    model = copy.deepcopy(reference)
+    for i in (0, 2, 4):
+        fully_shard(model[i])
+    fully_shard(model)
+    model.set_bucket_numel(bucket_numel)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for step in range(3):
+        xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + r))
+              for r in range(world)]
+        _penalized_loss(model, xs[rank], 1.0).backward()
+        for x in xs:
+            _penalized_loss(reference, x, 1 / world).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+    return all(isinstance(p, DTensor) for p in model.parameters())  # resharded after
+
+
+@pytest.mark.parametrize("bucket_numel", [0, 1 << 20], ids=["units", "merged"])
+def test_a_gradient_penalty_through_create_graph_trains_as_one_process(bucket_numel):
+    """Note [a backward that creates a graph]: the backward that builds the penalty's graph
+    leaves the parameters gathered for the backward through it (torch's FSDP2 frees them
+    and fails there: "setStorage: ... storage of size 0")."""
+    assert run_distributed(_gradient_penalty_worker, 2, bucket_numel) == [True, True]

@@ -51,6 +51,17 @@ another graph, the units the last backward covered are still expected
 (``BackwardState.retained``); the gradients of the second backward add to the reduced
 ones, as in one process. Without that they stayed on the unsharded parameters and were
 reduced with the next step's.
+
+Note [a backward that creates a graph]
+``torch.autograd.grad(out, x, create_graph=True)`` (a gradient penalty) or
+``backward(create_graph=True)`` builds a graph of the backward itself, and that graph
+reads the gathered parameters: freeing them after the backward, as usual, made the next
+backward through it fail deep in autograd ("setStorage: ... storage of size 0"), as it
+does with torch's FSDP2. The engine runs such a backward in grad mode, which the first
+pre-backward hook sees; that backward then leaves every group gathered. The backward
+through the new graph reduces and reshards as usual; a group nothing backpropagates
+through again is resharded by the next forward (its values may be stale after an
+optimizer step, unlike ``set_reshard_after_backward(False)``'s, which are kept).
 """
 
 from __future__ import annotations
@@ -393,6 +404,9 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
 
 def _start_backward(root: RootState) -> None:
     root.backward.running = True
+    # create_graph=True runs the backward in grad mode (Note [a backward that creates a
+    # graph])
+    root.backward.creates_graph = torch.is_grad_enabled()
     Variable._execution_engine.queue_callback(partial(_final_callback, root))
 
 
@@ -404,7 +418,7 @@ def _on_backward_done(root: RootState, group: ParamGroup) -> None:
 
 def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
-    if not root.stays_gathered_after_backward(group):
+    if not (root.stays_gathered_after_backward(group) or root.backward.creates_graph):
         group.reshard()  # free the parameters before the reduce allocates its buffers
     first = root.members[group][0]
     if first.backward_prefetch is None and first.backward_prefetch_after_grads:
@@ -443,7 +457,7 @@ def _final_callback(root: RootState) -> None:
         group.signals.end_backward()
         if root.stays_gathered_after_backward(group):
             backward.kept_gathered.add(group)
-        else:
+        elif not backward.creates_graph:  # else gathered until the next forward reshards
             group.reshard()
     backward.end()
 

@@ -134,6 +134,9 @@ class BackwardState:
 
     def __init__(self) -> None:
         self.running = False  # from the first output gradient to the final callback
+        # backward(create_graph=True) / autograd.grad(..., create_graph=True): the graph it
+        # builds reads the gathered parameters, so this backward leaves them gathered
+        self.creates_graph = False
         self.ran_with_grad: set[UnitState] = set()  # forwards with grad since the last end
         # the units of the graph the last backward went through, until a forward with grad
         # builds another: a second backward through it (retain_graph) reduces them again
@@ -173,6 +176,7 @@ class BackwardState:
         self.retained, self.ran_with_grad = self.ran_with_grad | self.retained, set()
         self.recomputed.clear()
         self.running = False
+        self.creates_graph = False
 
     def forget(self) -> None:
         """``reset_iter_state``: no graph of the aborted iteration is expected again."""
