@@ -163,14 +163,19 @@ def _retained_graph_worker(how, checkpointed, bucket_numel):
     return worst
 
 
-@pytest.mark.parametrize("how,checkpointed,bucket_numel", [
-    ("twice", False, 0), ("then_another_loss", False, 0), ("three_times", False, 1 << 20),
-    ("twice", True, 0)], ids=["twice", "then_another_loss", "three_times_merged",
-                              "twice_checkpointed"])
-def test_a_graph_backpropagated_again_reduces_its_gradients_as_one_process(
-        how, checkpointed, bucket_numel):
+def _retained_graph_cases():
+    return {f"{how}{'_checkpointed' if checkpointed else ''}{'_merged' if bucket else ''}":
+            _retained_graph_worker(how, checkpointed, bucket)
+            for how, checkpointed, bucket in [
+                ("twice", False, 0), ("then_another_loss", False, 0),
+                ("three_times", False, 1 << 20), ("twice", True, 0)]}
+
+
+def test_a_graph_backpropagated_again_reduces_its_gradients_as_one_process():
     """Note [when a unit's backward is done]: the second backward through a retained graph
     fires no watch; its units are still expected, and reduced in its final callback
-    (its gradients used to stay on the unsharded parameters into the next step)."""
-    assert max(run_distributed(_retained_graph_worker, 2, how, checkpointed,
-                               bucket_numel)) < 1e-6
+    (its gradients used to stay on the unsharded parameters into the next step). Twice,
+    then another loss that does not reach the head, three times with merged units, and
+    twice through non-reentrant checkpointing, in one pair of processes."""
+    for case, worst in run_distributed(_retained_graph_cases, 2)[0].items():
+        assert worst < 1e-6, case

@@ -61,6 +61,7 @@ def _combined(out: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_expert_parallelism_combines_with_the_other_settings(tmp_path):
     runs = run_distributed(_combined, 2, str(tmp_path))[0]
     assert runs[2] == pytest.approx(runs[1], rel=1e-5)
