@@ -31,9 +31,7 @@ def _hsdp(model, mesh, raf=True):
 
 
 def _gpt_batch(step, n):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len), generator=g)
-    return x, torch.roll(x, -1, 1)
+    return m.token_batch(step, n, CFG.vocab_size, CFG.seq_len)
 
 
 def _parity(case, raf):

@@ -16,9 +16,7 @@ CFG = GPTConfig(vocab_size=48, seq_len=12, d_model=24, n_layers=3, n_heads=4)
 
 
 def _gpt_batch(step, n):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len), generator=g)
-    return x, torch.roll(x, -1, 1)
+    return m.token_batch(step, n, CFG.vocab_size, CFG.seq_len)
 
 
 def _hpz_parity(case):

@@ -73,13 +73,13 @@ def _backward_state_worker():
         running=backward.running, expects=[backward.expects_gradients(u) for u in units],
         reduced=len(backward.reduced)))
     lm_loss(logits, y).backward()
-    after = (backward.running, len(backward.reduced), len(backward.ran_with_grad),
-             all(u in backward.retained for u in units))
+    after = (backward.running, len(backward.reduced), backward.backpropagated,
+             all(backward.expects_gradients(u) for u in units))
     with torch.no_grad():
         model(x)
     after_eval = [backward.expects_gradients(u) for u in units]
     model(x)  # a forward with grad: another graph
-    after_new_graph = (len(backward.retained), all(u in backward.ran_with_grad for u in units))
+    after_new_graph = (backward.backpropagated, all(u in backward.ran_with_grad for u in units))
     return during, after, after_eval, after_new_graph
 
 
@@ -88,9 +88,9 @@ def test_a_backward_runs_from_the_first_gradient_to_the_final_callback_and_then_
     assert during == {"running": True, "expects": [True] * CFG.n_layers, "reduced": 0}
     # BackwardState.end() in the final callback: what it reduced is forgotten; the graph's
     # units stay expected (retain_graph may backpropagate it again) ...
-    assert after == (False, 0, 0, True)
+    assert after == (False, 0, True, True)
     assert after_eval == [True] * CFG.n_layers  # ... a forward without grad builds none
-    assert after_new_graph == (0, True)  # ... until a forward with grad builds another
+    assert after_new_graph == (False, True)  # ... until a forward with grad builds another
 
 
 class _Block(nn.Module):

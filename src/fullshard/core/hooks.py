@@ -47,9 +47,9 @@ through the recomputation: the recomputed call is watched instead.
 A graph can be backpropagated twice (``loss.backward(retain_graph=True)``, then again):
 its watches fired in the first backward and do not fire again, so the second backward
 reduces the units of that graph in its final callback. Until a forward with grad builds
-another graph, the units the last backward covered are still expected
-(``BackwardState.retained``); the gradients of the second backward add to the reduced
-ones, as in one process. Without that they stayed on the unsharded parameters and were
+another graph, the units the last backward covered are still expected (they stay in
+``BackwardState.ran_with_grad``); the gradients of the second backward add to the
+reduced ones, as in one process. Without that they stayed on the unsharded parameters and were
 reduced with the next step's.
 
 Note [a backward that creates a graph]
@@ -173,7 +173,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         # ran without grad): watch it; otherwise cast only (Note [when a unit's backward
         # is done])
         recomputed = (group is not None and torch.is_grad_enabled()
-                      and not backward.ran_forward_with_grad(unit))
+                      and unit not in backward.ran_with_grad)
         if recomputed:
             backward.recomputed.add(unit)
         return _prepare_inputs(unit, group.signals if recomputed else None, args, kwargs)

@@ -137,10 +137,11 @@ class BackwardState:
         # backward(create_graph=True) / autograd.grad(..., create_graph=True): the graph it
         # builds reads the gathered parameters, so this backward leaves them gathered
         self.creates_graph = False
-        self.ran_with_grad: set[UnitState] = set()  # forwards with grad since the last end
-        # the units of the graph the last backward went through, until a forward with grad
-        # builds another: a second backward through it (retain_graph) reduces them again
-        self.retained: set[UnitState] = set()
+        # the units whose forward ran with grad in the graph a backward may go through:
+        # those since the last backward, else the last backward's own (a second backward
+        # through it, retain_graph, reduces them again), until a forward with grad
+        self.ran_with_grad: set[UnitState] = set()
+        self.backpropagated = False  # ran_with_grad is a graph a backward went through
         # reentrant activation checkpointing: the forward ran without grad and its
         # recomputation in backward is what autograd goes through (watched there)
         self.recomputed: set[UnitState] = set()
@@ -152,28 +153,25 @@ class BackwardState:
         self.passes = 0  # backward passes ended (when late gradients are looked for)
         self.ended_since_settle = False  # a backward ended since the last settle
 
-    def ran_forward_with_grad(self, unit: UnitState) -> bool:
-        """Whether a graph this backward may go through holds ``unit``'s forward: one since
-        the last backward, or the last backward's own (kept by ``retain_graph=True``)."""
-        return unit in self.ran_with_grad or unit in self.retained
-
     def expects_gradients(self, unit: UnitState) -> bool:
         """Whether ``unit``'s forward, or its recomputation, ran with grad."""
-        return self.ran_forward_with_grad(unit) or unit in self.recomputed
+        return unit in self.ran_with_grad or unit in self.recomputed
 
     def forward_with_grad(self, unit: UnitState) -> None:
-        """``unit``'s forward ran with grad outside a backward: a new graph, so the last
-        backward's units are no longer expected unless they run again."""
-        if self.retained and not self.ran_with_grad:
-            self.retained = set()
+        """``unit``'s forward ran with grad outside a backward. The first after a backward
+        starts a new graph: the last backward's units are no longer expected unless they
+        run again."""
+        if self.backpropagated:
+            self.ran_with_grad.clear()
+            self.backpropagated = False
         self.ran_with_grad.add(unit)
 
     def end(self) -> None:
         """The final callback is done: what this backward reduced is forgotten; whose
-        forwards it covered is kept as ``retained`` until a forward with grad (Note [when
-        a unit's backward is done]: a graph backpropagated twice)."""
+        forwards it covered stay expected until a forward with grad (Note [when a unit's
+        backward is done]: a graph backpropagated twice)."""
         self.reduced.clear()
-        self.retained, self.ran_with_grad = self.ran_with_grad | self.retained, set()
+        self.backpropagated = True
         self.recomputed.clear()
         self.running = False
         self.creates_graph = False
@@ -181,7 +179,8 @@ class BackwardState:
     def forget(self) -> None:
         """``reset_iter_state``: no graph of the aborted iteration is expected again."""
         self.end()
-        self.retained = set()
+        self.ran_with_grad.clear()
+        self.backpropagated = False
 
 
 class RootState:
