@@ -9,13 +9,15 @@ every parameter, one with torch.optim.Muon on the hidden matrices and AdamW on t
 (the embeddings, norms and biases), as the Muon recipe does; fullshard steps each Muon
 matrix whole on one rank (Note [whole-matrix optimizers]). Reported: the median
 ``optimizer.step()`` time of each and their difference, split into the whole-matrix
-exchange (fullshard's agreement and two all-to-alls and the assembling of whole
-gradients; the second waits for the slowest owner's step) and the rest (the stock step:
-Newton-Schulz in bf16, which a CPU computes slowly whatever the sharding); the bytes the
+exchange (fullshard's agreement, each round's all-to-all to the owners and the assembling
+of whole gradients; each round's all-to-all back, the last of which waits for the slowest
+owner) and the rest (the stock step: Newton-Schulz in bf16, which a CPU computes slowly
+whatever the sharding); the bytes the
 whole-matrix step sends per step (every rank's all-to-alls and agreements, summed; the
 first step apart, which also brings every parameter to its owner) against the least a
 whole-matrix step can move (each matrix's gradient to one rank and its update back:
-2 x (N-1)/N of the matrices); and rank 0's peak RSS.
+2 x (N-1)/N of the matrices); and rank 0's peak RSS (with --step-peak, also the peak
+above its start within ``step()``, each freed tensor's memory returned at once).
 """
 
 from __future__ import annotations
@@ -57,12 +59,20 @@ def _build(kind: str, config: GPTConfig):
 
 
 def _worker(steps: int, warmup: int, config: GPTConfig) -> dict:
-    from fullshard import whole_matrix
+    from fullshard.whole_matrix import rounds
     rank, world = dist.get_rank(), dist.get_world_size()
+    # fullshard's part of the step, on this rank: "before", bringing the gradients to the
+    # owners (the agreement, each round's gather, waiting for it and assembling the whole
+    # gradients); "after", sending the updated rows back (each round's return, waiting
+    # for it, which for the last round includes waiting for the slowest owner, and the
+    # copy into the shards). The rest of step() is this rank's stock step.
     exchange = {"before": 0.0, "after": 0.0}
     phase = {"now": "other"}  # which part of the step the counted bytes belong to
-    for name in ("before", "after"):
-        real_fn = getattr(whole_matrix, name)
+    timed_parts = [(rounds, "plan_rounds", "before"), (rounds.Round, "start_gather", "before"),
+                   (rounds.Round, "assemble", "before"), (rounds.Round, "start_return", "after"),
+                   (rounds.Round, "finish_return", "after")]
+    for owner, attr, name in timed_parts:
+        real_fn = getattr(owner, attr)
 
         def timed(*a, _real=real_fn, _name=name, **k):
             start = time.perf_counter()
@@ -72,7 +82,7 @@ def _worker(steps: int, warmup: int, config: GPTConfig) -> dict:
             finally:
                 phase["now"] = "other"
                 exchange[_name] += time.perf_counter() - start
-        setattr(whole_matrix, name, timed)
+        setattr(owner, attr, timed)
     runs = {kind: _build(kind, config) for kind in ("adamw", "muon")}
     sent = {"before": 0, "after": 0, "other": 0}
     real = dist.all_to_all_single
@@ -98,6 +108,7 @@ def _worker(steps: int, warmup: int, config: GPTConfig) -> dict:
     dist.all_to_all_single = counted
     dist.all_reduce = counted_reduce
     times: dict[str, list[float]] = {kind: [] for kind in runs}
+    step_peaks: dict[str, list[int]] = {kind: [] for kind in runs}
     sent_per_step, exchange_per_step = [], []
     gen = torch.Generator().manual_seed(rank)
     for step in range(warmup + steps):
@@ -106,10 +117,13 @@ def _worker(steps: int, warmup: int, config: GPTConfig) -> dict:
             lm_loss(model(x), torch.roll(x, -1, 1)).backward()
             dist.barrier()
             before, exchanged = dict(sent), dict(exchange)
+            rss_start = _reset_peak_rss()
             start = time.perf_counter()
             for opt in opts:
                 opt.step()
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            if step >= warmup:
+                step_peaks[kind].append(_kib("VmHWM") - rss_start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
@@ -134,7 +148,21 @@ def _worker(steps: int, warmup: int, config: GPTConfig) -> dict:
             "sent_bytes": dict(zip(("before", "after"), total_sent.tolist())),
             "first_step_bytes": sum(first.tolist()), "matrix_bytes": matrix_bytes,
             "minimum_bytes": 2 * (world - 1) / world * matrix_bytes,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "step_peak_mib": {k: max(v) / 1024 for k, v in step_peaks.items()}}
+
+
+def _kib(field: str) -> int:
+    """This process's /proc/self/status ``field`` (VmRSS, VmHWM), in KiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> int:
+    """Set the peak RSS to the current RSS (Linux's clear_refs 5); returns the RSS, KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _kib("VmRSS")
 
 
 def main(argv=None) -> None:
@@ -146,7 +174,13 @@ def main(argv=None) -> None:
     # on a CPU without bf16 matrix units
     parser.add_argument("--d-model", type=int, default=W1.d_model)
     parser.add_argument("--layers", type=int, default=W1.n_layers)
+    # glibc then returns every freed tensor's memory at once, so the RSS follows the
+    # tensors alive and the step's own peak shows (slower: each tensor maps its pages)
+    parser.add_argument("--step-peak", action="store_true",
+                        help="report step()'s peak RSS above its start (MALLOC_MMAP_THRESHOLD_)")
     args = parser.parse_args(argv)
+    if args.step_peak:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     config = GPTConfig(vocab_size=W1.vocab_size, seq_len=W1.seq_len, d_model=args.d_model,
                        n_layers=args.layers, n_heads=W1.n_heads)
     if not hasattr(torch.optim, "Muon"):
@@ -176,6 +210,10 @@ def main(argv=None) -> None:
           f"{out['matrix_bytes'] / 2**20:.1f} MiB; the first step "
           f"{out['first_step_bytes'] / 2**20:.1f} MiB")
     print(f"peak RSS of rank 0 (both copies): {out['peak_rss_mib']:.0f} MiB")
+    if args.step_peak:
+        peaks = out["step_peak_mib"]
+        print("step()'s peak RSS above its start, rank 0, the largest of the timed steps: "
+              + ", ".join(f"{k} {v:.1f} MiB" for k, v in peaks.items()))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,31 @@ def test_step_that_raises_leaves_optimizer_usable():
     assert all(run_distributed(_raising_step_worker, 2))
 
 
+def _hooks_per_step(directory):
+    from fullshard import DiskOffloadPolicy
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    for layer in model:  # states on disk: stepped a chunk at a time
+        fully_shard(layer, offload_policy=DiskOffloadPolicy(path=directory))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    calls = {"pre": 0, "post": 0}
+    opt.register_step_pre_hook(lambda *a: calls.__setitem__("pre", calls["pre"] + 1))
+    opt.register_step_post_hook(lambda *a: calls.__setitem__("post", calls["post"] + 1))
+    for _ in range(2):
+        model(torch.randn(3, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return calls
+
+
+def test_step_hooks_run_once_per_step_when_states_step_in_chunks(tmp_path):
+    # each chunk of a disk step once ran the optimizer's hooked step: a user's hooks
+    # (an EMA update, a step counter) ran once per chunk as well
+    for calls in run_distributed(_hooks_per_step, 2, str(tmp_path)):
+        assert calls == {"pre": 2, "post": 2}, calls
+
+
 def _closure_worker(pass_as):
     torch.manual_seed(0)
     base = GPT(CFG)

@@ -24,6 +24,7 @@ ones that work.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -54,12 +55,14 @@ _enabled = True
 # What the pre-step hook swapped, per optimizer, until the post-step hook restores it.
 # Keyed weakly: this module must not keep a user's optimizer alive.
 _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
-# True while a disk step runs the optimizer's own step over one chunk (Note [optimizer
-# states on disk]): the hooks then leave param_groups alone.
-_in_chunk_step = False
 # What a whole-matrix step swapped in (whole_matrix.before), per optimizer, until after it.
 _WHOLE: "weakref.WeakKeyDictionary[torch.optim.Optimizer, whole_matrix.WholeStep]" = \
     weakref.WeakKeyDictionary()
+# Per optimizer, the step calls running inside its step (an override's super().step()):
+# their hooks leave the outer step's swap alone.
+_NESTED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+# The code of the wrapper torch puts around each optimizer class's step, hooks and all.
+_HOOKED_STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda self: None).__code__
 # Optimizers already checked against SHARDED_ORIGINALS (the check runs at a first step).
 _CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -103,8 +106,12 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
 
 
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
-    if _in_chunk_step or not any_tracked():
-        return None  # a chunk of a disk step (below), or no fullshard parameter at all
+    if not any_tracked():
+        return None  # no fullshard parameter at all
+    if (opt in _WHOLE or opt in _SWAPPED) and _inside_its_own_step(opt):
+        _NESTED[opt] = _NESTED.get(opt, 0) + 1
+        return None  # an override's super().step(): the outer step's hooks do the work
+    _NESTED.pop(opt, None)
     _restore(opt)  # a previous step that raised left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
@@ -116,7 +123,8 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if whole_matrix.needs_whole_matrices(opt) and any(o is not None for g in owners for o in g):
         replaced = _run_closure_first(args, kwargs)
         finish_all_pending_reduces()
-        _WHOLE[opt] = whole_matrix.before(opt, owners)
+        _WHOLE[opt] = whole_matrix.before(
+            opt, owners, _step_unhooked if whole_matrix.steps_each_alone(opt) else None)
         return replaced
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
                 and any(o is not None for group in owners for o in group))
@@ -131,7 +139,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if not swapping:
         return replaced
     if on_disk:  # Note [optimizer states on disk]: these step first, a chunk at a time
-        step_on_disk(opt, [(p, o.offload) for p, o in on_disk], lambda: _chunk_step(opt))
+        step_on_disk(opt, [(p, o.offload) for p, o in on_disk], lambda: _step_unhooked(opt))
     swaps = []
     for group, group_owners in zip(opt.param_groups, owners):
         params = group["params"]
@@ -242,13 +250,31 @@ def _local_view(p: DTensor) -> torch.Tensor | None:
     return p._local_tensor
 
 
+def _inside_its_own_step(opt: torch.optim.Optimizer) -> bool:
+    """Whether this step call runs inside another step of ``opt`` (a subclass's step that
+    calls ``super().step()``, whose class torch wrapped with the hooks too), rather than
+    after a step that raised and left its swap behind: two hooked step frames of ``opt``
+    on this thread's stack."""
+    frames, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP_CODE and frame.f_locals.get("self") is opt:
+            frames += 1
+            if frames == 2:
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    if not _in_chunk_step:
-        whole = _WHOLE.pop(opt, None)
-        if whole is not None:
-            whole_matrix.after(opt, whole)
-        _restore(opt)
-        _page_out_parameters(opt)
+    nested = _NESTED.get(opt, 0)
+    if nested:
+        _NESTED[opt] = nested - 1
+        return
+    whole = _WHOLE.pop(opt, None)
+    if whole is not None:
+        whole_matrix.after(opt, whole)
+    _restore(opt)
+    _page_out_parameters(opt)
 
 
 def _page_out_parameters(opt: torch.optim.Optimizer) -> None:
@@ -263,15 +289,13 @@ def _page_out_parameters(opt: torch.optim.Optimizer) -> None:
                 page_out(p._local_tensor)
 
 
-def _chunk_step(opt: torch.optim.Optimizer) -> None:
-    """The optimizer's own step over one chunk of disk-offloaded slices (its
-    ``param_groups`` hold just those); fullshard's hooks stand aside meanwhile."""
-    global _in_chunk_step
-    _in_chunk_step = True
-    try:
-        type(opt).step(opt)
-    finally:
-        _in_chunk_step = False
+def _step_unhooked(opt: torch.optim.Optimizer) -> None:
+    """The optimizer's own step over what its ``param_groups`` hold now (a round of a
+    whole-matrix step, a chunk of a disk step), without the step hooks: the user's hooks
+    and fullshard's run once around the whole ``step()``, not once per round or chunk."""
+    step = type(opt).step
+    # torch wraps each optimizer class's step once with the hooks (profile_hook_step)
+    (step.__wrapped__ if getattr(step, "hooked", False) else step)(opt)
 
 
 def _refuse_disk_states(opt: torch.optim.Optimizer, owner) -> None:

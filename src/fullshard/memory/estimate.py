@@ -118,7 +118,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         optimizer: adamw, adam, muon, sgd, sgd-momentum, adagrad or rmsprop (muon: the
             recipe ``fullshard train --optim.name muon`` builds, Muon on the hidden
             matrices with its one state, the owners' whole copies and each rank's rows as
-            last written, and the whole gradients its step assembles, Note [whole-matrix
+            last written, and the pieces of the rounds its step runs in, Note [whole-matrix
             optimizers]; AdamW's two states on the embeddings, head, norms and biases).
         device: ``cuda`` (NCCL; figures comparable to torch.cuda.max_memory_allocated)
             or ``cpu`` (gloo; figures comparable to peak RSS).

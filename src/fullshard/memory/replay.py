@@ -121,6 +121,8 @@ class Replay:
         self._reduced: set[int] = set()
         self._forward_done: set[int] = set()
         self.owned_whole = owned_whole_numel(settings, self.groups)  # the same every step
+        self.largest_whole = max((p.numel for g in self.groups for p in g.layout.trainable
+                                  if p.key in settings.whole_matrix), default=0)
         self.disk_bytes = allocate_model_states(self.ledger, self.groups, settings,
                                                 self.owned_whole)
 
@@ -372,8 +374,11 @@ class Replay:
         shards = [p.shard_numel(g.layout.shard_size) * s.param_dtype.itemsize
                   for g in self.groups for p in g.layout.trainable
                   if p.key not in s.whole_matrix]
-        whole = (sum(_whole_matrix_numel(s, g) for g in self.groups)
-                 + self.owned_whole) * s.param_dtype.itemsize
+        # Note [whole-matrix optimizers], "In rounds": at most the next round's gather
+        # (its send and receive), this round's whole gradient and the previous round's
+        # send are alive: four of the largest matrix. The rows coming back replace the
+        # rows as last written, which the step no longer needs once it compared them.
+        whole = 4 * self.largest_whole * s.param_dtype.itemsize
         if s.offload or not shards or not s.optimizer_states:
             temporaries = 0  # offloaded: the step runs on the host
         elif s.foreach_optimizer:
@@ -381,9 +386,7 @@ class Replay:
         else:
             temporaries = 2 * max(shards)  # one parameter's sqrt(v) and its quotient
         if whole and not s.offload:
-            # Note [whole-matrix optimizers]: the gradients' rows in flight, then the
-            # owned whole gradients they assemble; the return's send beside its receive
-            # alike. One optimizer steps after the other.
+            # One optimizer steps after the other.
             temporaries = max(temporaries, whole)
         self._sample(extra=temporaries)
         for g in self.groups:  # zero_grad(set_to_none=True): fresh gradients die

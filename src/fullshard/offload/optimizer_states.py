@@ -13,7 +13,8 @@ a chunk may end inside a parameter, which is fine because the update is elementw
 slice of a parameter steps alone with the same slice of its gradient and states. For
 each chunk the states are read into a staging set, the optimizer itself steps the
 slices (``param_groups`` briefly hold only those slices, their states views of the
-staging set), and the set is written back. Reads run one chunk ahead and writes behind,
+staging set; its step without the step hooks, which run once around ``step()``), and
+the set is written back. Reads run one chunk ahead and writes behind,
 on one I/O thread (offload/files.py), so three staging sets bound the host memory:
 chunk c+1 being read, c stepping, c-1 being written. The read of the first chunk of
 the next step is queued right after the last write, so it overlaps forward and backward.

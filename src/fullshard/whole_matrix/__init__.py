@@ -13,16 +13,33 @@ what that needs:
   m x n matrix, m <= n), largest first, to the least loaded rank. Every sharded
   parameter the optimizer holds is placed, with a gradient this step or not, so owners
   stay put from step to step (they keep state, below) until ``param_groups`` change.
-* Before the step, one all-to-all per shard group sends every rank's rows of each
-  parameter's reduced gradient to its owner, which assembles the whole gradient (padding
-  dropped). The optimizer's own ``step()`` then runs, unchanged, on each rank's owned
-  whole matrices only (the others are taken out of ``param_groups`` for the step).
-* After the step, one all-to-all sends each owner's updated rows of the parameter back
-  to the ranks that hold them, which copy them into their shards.
+* An all-to-all sends every rank's rows of each parameter's reduced gradient to its
+  owner, which assembles the whole gradient (padding dropped). The optimizer's own step
+  then runs, unchanged, on the rank's owned whole matrices only (the others are taken
+  out of ``param_groups``).
+* Another all-to-all sends each owner's updated rows of the parameter back to the ranks
+  that hold them, which copy them into their shards.
 
 That is 2 x (N-1)/N of the parameters' bytes per step over a shard group of N ranks, the
-least any whole-matrix step can move: the gradient to one rank, the update back. It
-holds because the owner keeps, between steps, what the step also needs:
+least any whole-matrix step can move: the gradient to one rank, the update back.
+
+In rounds. Both exchanges would wait on the step, and the step on them, if each ran once
+for every parameter. For an optimizer that steps each parameter from its own gradient
+and states alone (Muon and Adafactor; ``register_whole_matrix_optimizer(cls,
+steps_each_alone=True)`` declares another), the step runs in rounds of one parameter
+per owner, each owner's largest first, so that a round takes about as long on every
+rank. Round k+1's gather is issued before round k steps; round k's rows go back as soon
+as it has stepped, while round k+1 steps. The optimizer's own step runs once per round
+on what that round gives the rank, without the step hooks (the user's hooks run once,
+around ``step()``); the last round is the stock step's, beside the optimizer's plain
+parameters. At most the next round's pieces and this round's whole gradient exist at
+once, not every owned whole gradient. The bytes are the same; the collectives are two per round instead of two per step. An
+optimizer not so declared, or a subclass that overrides ``step`` without being declared
+itself (it may count or combine across parameters), steps in one round: one call of
+its step over everything the rank owns.
+
+The bytes stay the least because the owner keeps, between steps, what the step also
+needs:
 
 * Its optimizer states, whole (Muon's momentum). ``opt.state[p]`` holds an empty dict
   meanwhile. ``state_dict()`` first hands the states back in torch's layout (a pre-hook:
@@ -46,7 +63,10 @@ holds because the owner keeps, between steps, what the step also needs:
 
 Memory per rank: the owned whole parameters and states (about 1/N of the matrices each
 when balanced) and its rows as last written (1/N), where the sharded states took 1/N;
-during the step, the owned whole gradients and the pieces in flight.
+during a step in rounds, about four of the largest matrix (the next round's gather, this
+round's whole gradient, the last round's return): the rows as last written are dropped
+once compared, and each round's returned rows take their place. In one round, the owned
+whole gradients and the pieces in flight.
 
 The result is one process's, bit for bit where the arithmetic is the same (each matrix is
 stepped by the same code on the same values); docs/benchmarks.md has the measured time
@@ -64,29 +84,49 @@ from __future__ import annotations
 
 import torch
 
-from .exchange import (Item, agree, all_to_all, by_group, comm_device, numel, rows, same_bits,
-                       shard_group)
-from .kept import Kept, describe, forget, kept_for
+from collections.abc import Callable
+
+from .exchange import Item, by_group, shard_group
+from .kept import Kept, forget, kept_for
 from .recipe import owners_by_cost, step_cost
+from .rounds import Round, plan_rounds
 
 # Muon orthogonalizes each matrix; Adafactor factors each matrix's second moment over its
-# whole rows and columns (on DTensor shards torch's fails outright).
+# whole rows and columns (on DTensor shards torch's fails outright). Both step each
+# parameter on its own (no state shared between parameters), so a step may run in rounds.
 WHOLE_MATRIX_OPTIMIZERS: set[type] = {getattr(torch.optim, name) for name in ("Muon", "Adafactor")
                                       if hasattr(torch.optim, name)}
+STEPS_EACH_ALONE: set[type] = set(WHOLE_MATRIX_OPTIMIZERS)
 
 
-def register_whole_matrix_optimizer(cls: type) -> None:
+def register_whole_matrix_optimizer(cls: type, steps_each_alone: bool = False) -> None:
     """Declare that optimizer class ``cls`` needs whole parameters for its update: fullshard
     then steps its sharded parameters whole, each on one rank (Note [whole-matrix
-    optimizers])."""
+    optimizers]). ``steps_each_alone=True`` says that its step updates each parameter from
+    that parameter's gradient and states only (nothing kept per group, such as a shared
+    step count): its step may then run a few parameters at a time, each round's updates
+    travelling back while the next round steps."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"register_whole_matrix_optimizer: expected a torch.optim.Optimizer "
                         f"subclass, got {cls!r}")
     WHOLE_MATRIX_OPTIMIZERS.add(cls)
+    (STEPS_EACH_ALONE.add if steps_each_alone else STEPS_EACH_ALONE.discard)(cls)
 
 
 def needs_whole_matrices(opt: torch.optim.Optimizer) -> bool:
     return any(isinstance(opt, cls) for cls in WHOLE_MATRIX_OPTIMIZERS)
+
+
+def steps_each_alone(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s class is declared to step each parameter on its own. A subclass
+    inherits the declaration unless it overrides ``step`` without being declared itself
+    (its step may count or combine across parameters)."""
+    for cls in type(opt).__mro__:
+        if cls in WHOLE_MATRIX_OPTIMIZERS:
+            return cls in STEPS_EACH_ALONE
+        if "step" in vars(cls):
+            return False
+    return False
 
 
 class WholeStep:
@@ -95,21 +135,34 @@ class WholeStep:
     def __init__(self, kept: Kept, items: list[Item]):
         self.kept = kept
         self.items = items    # the parameters stepped (those with a gradient), in order
+        self.rounds: list[Round] = []
         self.groups: list[tuple[dict, list]] = []  # (param_group, its original params)
         self.whole: dict[int, torch.Tensor] = {}   # id(DTensor param) -> whole tensor here
         self.taken: dict[int, dict] = {}  # id(param) -> the state the owner held, in use
+        self.stepped: set[int] = set()    # id(param) of those stepped before the stock step
 
 
-def before(opt: torch.optim.Optimizer, owners: list[list]) -> WholeStep:
+def before(opt: torch.optim.Optimizer, owners: list[list],
+           step_alone: Callable[[torch.optim.Optimizer], None] | None = None) -> WholeStep:
     """Gather each sharded parameter's gradient (and whatever its owner lacks) whole on
-    its owner and leave in ``param_groups`` only what this rank steps: its owned whole
-    tensors and the optimizer's other (plain) parameters."""
+    its owner and leave in ``param_groups`` only what the stock step still steps here:
+    its owned whole tensors of the last round and the optimizer's other (plain)
+    parameters. With ``step_alone`` (the optimizer's step without hooks; for optimizers
+    that step each parameter alone), the rounds before the last are stepped here, each
+    round's updated rows sent back while the next one steps."""
     kept = _kept(opt, owners)
     step = WholeStep(kept, [item for item in kept.items if item.param.grad is not None])
     for item in step.items:
         _check_supported(opt, item.sp)
-    for group_items in by_group(step.items):
-        _gather_group(opt, step, group_items)
+    per_round = 1 if step_alone is not None else None
+    try:
+        step.rounds = [rnd for group_items in by_group(step.items)
+                       for rnd in plan_rounds(opt, kept, group_items, per_round)]
+        kept.rows = {}  # compared: the returns bring the rows this step writes
+        _run_rounds(opt, step, step_alone)
+    except BaseException:
+        undo(opt, step)
+        raise
     sharded = {id(item.param) for item in kept.items}
     for group in opt.param_groups:
         params = group["params"]
@@ -117,7 +170,8 @@ def before(opt: torch.optim.Optimizer, owners: list[list]) -> WholeStep:
             continue
         step.groups.append((group, params))
         group["params"] = [step.whole.get(id(p), p) for p in params
-                           if id(p) not in sharded or id(p) in step.whole]
+                           if id(p) not in sharded
+                           or (id(p) in step.whole and id(p) not in step.stepped)]
     return step
 
 
@@ -126,20 +180,14 @@ def after(opt: torch.optim.Optimizer, step: WholeStep) -> None:
     rows back, restore ``param_groups``."""
     for group, params in step.groups:
         group["params"] = params
-    kept = step.kept
-    for item in step.items:
-        key = id(item.param)
-        value = step.whole.get(key)
-        if value is not None:
-            kept.states[key] = opt.state.pop(value, {})
-            kept.whole[key] = value
-            value.grad = None
-        opt.state[item.param] = {}  # its states are on the owner (Note: "Between steps")
-        kept.held.add(key)
+    for rnd in step.rounds:
+        if rnd.back is None:  # stepped by the stock step
+            _keep(opt, step, rnd)
+            rnd.start_return(step)
     written: dict[int, torch.Tensor] = {}
-    for group_items in by_group(step.items):
-        _return_group(step, group_items, written)
-    kept.rows = written  # a parameter stepped now and then is gathered again when stepped
+    for rnd in step.rounds:
+        rnd.finish_return(written)
+    step.kept.rows = written  # a parameter not stepped now is gathered whole when it is
 
 
 def undo(opt: torch.optim.Optimizer, step: WholeStep) -> None:
@@ -152,6 +200,62 @@ def undo(opt: torch.optim.Optimizer, step: WholeStep) -> None:
         value.grad = None
     step.kept.states.update(step.taken)
     forget(opt)
+
+
+# -- the rounds ------------------------------------------------------------------------
+def _run_rounds(opt: torch.optim.Optimizer, step: WholeStep, step_alone) -> None:
+    """Each round's gather is issued while the round before it assembles and steps; each
+    round stepped here sends its rows back while the next steps. The last round (every
+    round, without ``step_alone``) is left to the stock step."""
+    rounds = step.rounds
+    early = len(rounds) - 1 if step_alone is not None else 0
+    group_of = {id(p): i for i, group in enumerate(opt.param_groups) for p in group["params"]}
+    if rounds:
+        rounds[0].start_gather(opt)
+    for k, rnd in enumerate(rounds):
+        if k + 1 < len(rounds):
+            rounds[k + 1].start_gather(opt)
+        rnd.assemble(opt, step)
+        if k < early:
+            _step_round(opt, step, rnd, group_of, step_alone)
+            _keep(opt, step, rnd)
+            rnd.start_return(step)
+            if k > 0:  # sent while this round stepped: its send buffer can go
+                rounds[k - 1].settle_return()
+
+
+def _step_round(opt, step: WholeStep, rnd: Round, group_of: dict, step_alone) -> None:
+    """The optimizer's own step over this rank's whole parameters of one round alone."""
+    mine = [id(e.item.param) for e in rnd.mine()]
+    if not mine:
+        return
+    lists: list[list] = [[] for _ in opt.param_groups]
+    for key in mine:
+        lists[group_of[key]].append(step.whole[key])
+        step.stepped.add(key)
+    saved = [group["params"] for group in opt.param_groups]
+    try:
+        for group, params in zip(opt.param_groups, lists):
+            group["params"] = params
+        step_alone(opt)
+    finally:
+        for group, params in zip(opt.param_groups, saved):
+            group["params"] = params
+
+
+def _keep(opt, step: WholeStep, rnd: Round) -> None:
+    """After a round stepped: each owner keeps its whole copies and states (Note: "Between
+    steps"); ``opt.state`` holds an empty entry for each of the round's parameters."""
+    kept = step.kept
+    for entry in rnd.entries:
+        key = id(entry.item.param)
+        value = step.whole.get(key)
+        if value is not None:
+            kept.states[key] = opt.state.pop(value, {})
+            kept.whole[key] = value
+            value.grad = None
+        opt.state[entry.item.param] = {}
+        kept.held.add(key)
 
 
 # -- which rank steps what -------------------------------------------------------------
@@ -182,106 +286,3 @@ def _check_supported(opt: torch.optim.Optimizer, sp) -> None:
             f"but parameter '{sp.fqn}' cannot be stepped whole: {why}. Shard it on dim 0 "
             "without tensor parallelism and with optimizer states in memory, or give it to "
             "an elementwise optimizer.")
-
-
-# -- the two all-to-alls -----------------------------------------------------------------
-def _what_travels(opt, kept: Kept, item: Item, me: int) -> tuple[list[int], tuple]:
-    """This rank's view of one parameter: [its rows changed since the last step wrote
-    them (or its owner has no whole copy), how ``opt.state`` holds it (0: no entry, 1: an
-    empty one, 2: states), how many of those are shaped like it], and their names."""
-    p = item.param
-    written = kept.rows.get(id(p))
-    changed = (written is None or not same_bits(p._local_tensor, written)
-               or (item.owner == me and id(p) not in kept.whole))
-    entry = opt.state[p] if p in opt.state else None
-    names = describe(opt, item, entry, sharded=True)[0] if entry else ()
-    return [int(changed), 0 if entry is None else 2 if entry else 1, len(names)], names
-
-
-def _gather_group(opt, step: WholeStep, group_items: list[Item]) -> None:
-    pg = group_items[0].pg
-    me, world = pg.rank(), pg.size()
-    ref = group_items[0].param._local_tensor
-    device = comm_device(pg, ref)
-    views = [_what_travels(opt, step.kept, item, me) for item in group_items]
-    plan = []
-    sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for item, (_, names), (high, low) in zip(group_items, views,
-                                             agree(pg, [v[0] for v in views], device)):
-        if high[1:] != low[1:]:
-            raise RuntimeError(
-                f"fullshard: {type(opt).__name__} holds optimizer state for parameter "
-                f"'{item.sp.fqn}' in another form on some ranks of its shard group than on "
-                "others (states loaded or changed in optimizer.state on some ranks only): "
-                "its owner, which steps it whole, would combine them. Load or change "
-                "optimizer states on every rank (optimizer.load_state_dict, "
-                "set_optimizer_state_dict).")
-        changed, present = bool(high[0]), high[1]
-        p = item.param
-        sends[item.owner].append(p.grad._local_tensor)
-        if changed:
-            sends[item.owner].append(p._local_tensor)
-        sends[item.owner].extend(opt.state[p][k]._local_tensor for k in names)
-        plan.append((item, changed, present, names))
-    receive = [sum((1 + changed + len(names)) * numel(item, r)
-                   for item, changed, _, names in plan if item.owner == me)
-               for r in range(world)]
-    got = all_to_all(pg, sends, receive, ref.dtype, device)
-    offsets = [0] * world
-    for item, changed, present, names in plan:
-        if item.owner != me:
-            continue
-        parts = []
-        for r in range(world):
-            k, n = 1 + changed + len(names), numel(item, r)
-            parts.append(got[r][offsets[r]:offsets[r] + k * n].view(k, n))
-            offsets[r] += k * n
-        whole = [torch.cat([part[i] for part in parts]).view(item.param.shape).to(ref.device)
-                 for i in range(1 + changed + len(names))]
-        _assemble(opt, step, item, whole, changed, present, names)
-
-
-def _assemble(opt, step: WholeStep, item: Item, whole: list[torch.Tensor], changed: bool,
-              present: int, names: tuple) -> None:
-    """The owner's whole parameter, gradient and states for the step."""
-    p, key, kept = item.param, id(item.param), step.kept
-    grad, *rest = whole
-    value = rest.pop(0) if changed else kept.whole[key]
-    value.grad = grad
-    held = kept.states.pop(key, {})
-    if present == 1:    # an empty entry: the states are the ones held here
-        state = step.taken[key] = held
-    elif present == 2:  # states in opt.state (loaded, handed back or set): these count
-        state = {k: v for k, v in opt.state[p].items() if k not in names}
-        state.update(zip(names, rest))
-    else:               # no entry: the states were removed, as for a fresh optimizer
-        state = {}
-    step.whole[key] = value
-    opt.state[value] = state
-
-
-def _return_group(step: WholeStep, group_items: list[Item],
-                  written: dict[int, torch.Tensor]) -> None:
-    pg = group_items[0].pg
-    me, world = pg.rank(), pg.size()
-    ref = group_items[0].param._local_tensor
-    sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for item in group_items:
-        if item.owner == me:
-            value = step.whole[id(item.param)]
-            for r in range(world):
-                first, count = rows(item, r)
-                sends[r].append(value.detach().narrow(0, first, count))
-    receive = [sum(numel(item, me) for item in group_items if item.owner == r)
-               for r in range(world)]
-    got = all_to_all(pg, sends, receive, ref.dtype, comm_device(pg, ref))
-    if got and got[0].device != ref.device:  # kept beside the shards, to compare there
-        got = [g.to(ref.device) for g in got]
-    offsets = [0] * world
-    for item in group_items:
-        local, n = item.param._local_tensor, numel(item, me)
-        mine = got[item.owner][offsets[item.owner]:offsets[item.owner] + n].view_as(local)
-        offsets[item.owner] += n
-        with torch.no_grad():
-            local.copy_(mine)
-        written[id(item.param)] = mine

@@ -54,10 +54,31 @@ def comm_device(pg: dist.ProcessGroup, ref: torch.Tensor) -> torch.device:
     return ref.device
 
 
-def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_numel: list[int],
-             dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """All-to-all of ``sends[r]`` (flattened, concatenated) to each rank r; returns what each
-    rank sent here, flat, on ``device``."""
+class InFlight:
+    """An all-to-all issued and not yet waited on; its send buffer lives until then."""
+
+    def __init__(self, work, send: torch.Tensor, received: torch.Tensor,
+                 receive_numel: list[int]):
+        self.work = work     # the collective's Work (None on a group of one rank)
+        self.send: torch.Tensor | None = send
+        self.received = received
+        self.receive_numel = receive_numel
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait (once) and free the send buffer; returns what each rank sent here, flat."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            note_collective()
+        self.send = None
+        return list(torch.split(self.received, self.receive_numel))
+
+
+def start_all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]],
+                     receive_numel: list[int], dtype: torch.dtype,
+                     device: torch.device) -> InFlight:
+    """Issue an all-to-all of ``sends[r]`` (flattened, concatenated) to each rank r; what
+    each rank sent here comes from its ``wait``."""
     send_numel = [sum(t.numel() for t in pieces) for pieces in sends]
     send = torch.empty(sum(send_numel), dtype=dtype, device=device)
     offset = 0
@@ -65,13 +86,21 @@ def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_n
         send[offset:offset + t.numel()].view_as(t).copy_(t)
         offset += t.numel()
     received = torch.empty(sum(receive_numel), dtype=dtype, device=device)
+    work = None
     if pg.size() == 1:
         received.copy_(send)
     else:
-        dist.all_to_all_single(received, send, receive_numel, send_numel, group=pg)
+        work = dist.all_to_all_single(received, send, receive_numel, send_numel, group=pg,
+                                      async_op=True)
         note_collective()  # Note [collectives settle before exit]
-    del send  # freed before the caller assembles whole tensors from what arrived
-    return list(torch.split(received, receive_numel))
+    return InFlight(work, send, received, receive_numel)
+
+
+def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_numel: list[int],
+               dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """All-to-all of ``sends[r]`` (flattened, concatenated) to each rank r; returns what each
+    rank sent here, flat, on ``device``."""
+    return start_all_to_all(pg, sends, receive_numel, dtype, device).wait()
 
 
 def agree(pg: dist.ProcessGroup, local: list[list[int]], device: torch.device) -> list[tuple]:
