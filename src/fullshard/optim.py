@@ -28,6 +28,7 @@ import sys
 import weakref
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -274,18 +275,25 @@ def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if whole is not None:
         whole_matrix.after(opt, whole)
     _restore(opt)
-    _page_out_parameters(opt)
+    _mark_stepped(opt)
 
 
-def _page_out_parameters(opt: torch.optim.Optimizer) -> None:
-    """Give back the pages the step touched of parameters kept on disk (Note [parameters
-    on disk]); the disk step gives back its chunks as it goes, the rest go here."""
+def _mark_stepped(opt: torch.optim.Optimizer) -> None:
+    """Count the step as a write to each shard it updated, also where the optimizer wrote
+    through ``.data`` (which autograd does not count), so that parameters kept gathered
+    across it are gathered again (Note [gathered parameters after an optimizer step]);
+    and give back the pages the step touched of parameters kept on disk (Note [parameters
+    on disk]: the disk step gives back its chunks as it goes, the rest go here)."""
     if not any_tracked():
         return
     for group in opt.param_groups:
         for p in group["params"]:
             owner = owner_of(p)
-            if owner is not None and getattr(owner.offload, "params", False):
+            if owner is None:
+                continue
+            if p.grad is not None:  # what torch's optimizers step
+                increment_version(p._local_tensor)
+            if getattr(owner.offload, "params", False):
                 page_out(p._local_tensor)
 
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import fully_shard
 from fullshard.gpt import GPT, lm_loss
 from fullshard.testing import run_distributed
+from fullshard.testing.counting import count_collectives
 from support.small_gpt import CFG, rank_batch, sharded_gpt
 
 
@@ -49,6 +50,63 @@ def _stale_worker():
 
 def test_forward_after_update_uses_new_weights():
     assert run_distributed(_stale_worker, 2) == [True, True]
+
+
+class _SGDThroughData(torch.optim.Optimizer):
+    """Plain SGD written as older optimizers are, through ``.data``: autograd does not
+    count those writes in the parameter's version."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in stepped:
+            p.data.add_(p.grad.data, alpha=-self.defaults["lr"])
+
+
+def _gathered_across_step_worker(how):
+    """Parameters left gathered when the optimizer steps (kept across backward, or gathered
+    ahead by unshard()): the next forward computes with the stepped values, as one process
+    does, and gathers again to get them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = sharded_gpt()
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    units = [model, *model.layers]
+    build = _SGDThroughData if how == "through .data" else torch.optim.SGD
+    opt, ref_opt = build(model.parameters(), lr=0.5), build(reference.parameters(), lr=0.5)
+    gathers = []
+    for step in range(3):
+        if how != "unshard()":
+            model.set_reshard_after_backward(False)
+        with count_collectives() as counts:
+            x, y = rank_batch(step)
+            lm_loss(model(x), y).backward()
+        gathers.append(counts.get("all_gather", 0) + counts.get("all_gather_async", 0))
+        for r in range(world):
+            xr, yr = rank_batch(step - rank + r)
+            (lm_loss(reference(xr), yr) / world).backward()
+        if how == "unshard()":
+            for unit in units:
+                unit.unshard()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for unit in units:
+        unit.reshard()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+    return gathers
+
+
+@pytest.mark.parametrize("how", ["kept across backward", "unshard()", "through .data"])
+def test_parameters_gathered_across_an_optimizer_step_are_gathered_again(how):
+    """Note [gathered parameters after an optimizer step]: torch's FSDP2 computes the next
+    forward with the values from before the step, silently."""
+    gathers = run_distributed(_gathered_across_step_worker, 2, how)[0]
+    assert gathers[1] == gathers[2] == gathers[0] > 0, gathers
 
 
 def _inference_then_train_worker(bucket_numel, raf):

@@ -81,6 +81,21 @@ made then would break the next training forward's gather. So the group's transit
 run with inference mode off (and autograd off, which turning it off would enable):
 their buffers stay ordinary tensors, the unsharded parameters views of them, and only
 what the module computes under inference mode is an inference tensor.
+
+Note [gathered parameters after an optimizer step]
+A unit's parameters can stay gathered into the next forward: kept across backward by
+``set_reshard_after_backward(False)``, gathered ahead by ``unshard()``. If an optimizer
+step, a load or any other in-place write changed the shard meanwhile, the gathered
+parameters hold the values from before it; torch's FSDP2 computes the next forward with
+them, silently. A gather notes the version counters of what it reads (the flat shard's
+and each DTensor's local tensor's: every in-place write raises one of them); the
+optimizer hook raises the local tensor's for each parameter a step updated, also where
+the optimizer wrote through ``.data``, which autograd does not count. The root's pre-forward gathers again every group whose shard changed
+after its gather. Kept across the micro-batches of an accumulation, with no step between
+them, the parameters are used as they are and nothing is gathered again. A one-rank group
+whose parameters are the shard itself is never stale. Until that forward the module still
+holds the gathered tensors (``model.parameters()`` shows them, as in torch's FSDP2);
+``state_dict()`` reads the shards.
 """
 
 from __future__ import annotations
@@ -164,6 +179,9 @@ class ParamGroup:
         self.unsharded = UnshardedBuffer(self.storage, self.world_size)
         self._gather: Pending | None = None
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
+        # the shard's version counter when the gather in flight or done read it (Note
+        # [gathered parameters after an optimizer step]); None while sharded
+        self._gathered_version: int | None = None
         self.signals = BackwardSignals()  # Note [when a unit's backward is done]
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
@@ -293,6 +311,7 @@ class ParamGroup:
             return
         if self.state is not GroupState.SHARDED:
             return
+        self._gathered_version = self._shard_version()
         if not self.unsharded.built:
             self.unsharded.build(self.aliases_shard, self.compute_dtype, self.compute_device)
         if self.subclass is not None:  # Note [tensor-subclass parameters]
@@ -381,8 +400,10 @@ class ParamGroup:
         [resharding after forward to a smaller group]) keep this rank's chunk first."""
         if self.post_forward is not None and self.state is GroupState.UNSHARDED:
             self.post_forward.keep(self.unsharded.writer)
+            read_version = self._gathered_version  # the kept chunk is as that gather read it
             self.reshard()
             self.state = GroupState.POST_FORWARD
+            self._gathered_version = read_version
         else:
             self.reshard()
 
@@ -409,6 +430,24 @@ class ParamGroup:
         if self.subclass is not None and not self.unsharded.keep_storage:
             self.subclass.free()
         self.state = GroupState.SHARDED
+        self._gathered_version = None
+
+    def shard_written_since_gathered(self) -> bool:
+        """Whether the shard was written in place (an optimizer step, a load) after the
+        gathered parameters were read from it: they are stale then (Note [gathered
+        parameters after an optimizer step])."""
+        return (self._gathered_version is not None and not self.aliases_shard
+                and self._gathered_version != self._shard_version())
+
+    def _shard_version(self) -> int:
+        """The sum of the version counters of what a gather reads, so that any in-place
+        write raises it: the flat shard's (fullshard's own writes), and each DTensor's
+        local tensor's (the optimizer's, a load's: a DTensor made over a view of the flat
+        shard keeps a counter of its own)."""
+        version = self.flat_shard._version if self.flat_params else 0
+        for p in self.params:
+            version += p.sharded_param._local_tensor._version
+        return version
 
     def _give_gathered(self, gathered: torch.Tensor) -> None:
         if self._gather_pooled:  # a custom all-gather's buffer belongs to its allocator

@@ -337,12 +337,14 @@ def _root_pre_forward(root: RootState) -> None:
     if event is not None:  # set_post_optim_event: gathers wait for the optimizer step
         event.wait()
     # Parameters still gathered from an earlier forward without backward may be stale
-    # after an optimizer step: gather them again, unless the user just did or asked to
-    # keep them gathered across backward (set_reshard_after_backward(False)).
+    # after an optimizer step: gather them again. Those the user just gathered or asked
+    # to keep across backward (set_reshard_after_backward(False)) are kept while their
+    # shard was not written since (Note [gathered parameters after an optimizer step]).
     fresh = {u.group for u in root.units if u.explicit_unshard} | root.backward.kept_gathered
     root.backward.kept_gathered = set()
     for group in root.members:
-        if group.state is not GroupState.SHARDED and group not in fresh:
+        if group.state is not GroupState.SHARDED and (
+                group not in fresh or group.shard_written_since_gathered()):
             group.reshard()
     root.start_iteration()
     if root.guard is not None:
