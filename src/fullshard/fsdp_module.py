@@ -365,7 +365,7 @@ class FSDPModule:
         """``nn.Module.load_state_dict``, except that a missing key (with ``strict``) or a
         shape mismatch raises before anything is copied, naming the key: torch's own
         load copies every entry that fits first and leaves a half-loaded model."""
-        check_fits(self, state_dict, "", strict, self._unit.name, FSDPModule)
+        check_fits(self, state_dict, "", strict, self._unit.name)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def to_empty(self, *, device, recurse: bool = True):

@@ -77,6 +77,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .divergence import DivergenceError, Guard, debug_enabled, guarded
 from .group import GroupState, ParamGroup
 from .init import lazy_init
+from .load_check import own_hook
 from .ledger import BACKWARD, Ledger, unit_code
 from .schedule import BackwardSignals
 from .state import RootState, UnitState, unit_of
@@ -112,6 +113,7 @@ def _install_state_dict_hooks(unit: UnitState) -> None:
     if unit.group is None:
         return
 
+    @own_hook
     def to_sharded(*_args, **_kwargs) -> None:
         unit.group.reshard()
 

@@ -9,38 +9,52 @@ untouched.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 
-def _entries(module: nn.Module, prefix: str, is_unit: type) -> Iterator[tuple[str, torch.Tensor]]:
+def own_hook(hook: Callable) -> Callable:
+    """Mark one of fullshard's own load pre-hooks: they rename no key."""
+    hook._fullshard_own = True
+    return hook
+
+
+def _loads_itself(module: nn.Module) -> bool:
+    """An overridden ``_load_from_state_dict``, or a load pre-hook not fullshard's."""
+    return (type(module)._load_from_state_dict is not nn.Module._load_from_state_dict
+            or any(not getattr(getattr(h, "hook", h), "_fullshard_own", False)
+                   for h in module._load_state_dict_pre_hooks.values()))
+
+
+def _entries(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for every parameter and persistent buffer ``load_state_dict`` will
     look for under ``prefix``. Modules that load themselves (an overridden
-    ``_load_from_state_dict``, or load pre-hooks of their own that may rename keys) are
-    left to that code."""
-    own_loader = (type(module)._load_from_state_dict is not nn.Module._load_from_state_dict
-                  or (module._load_state_dict_pre_hooks and not isinstance(module, is_unit)))
-    if not own_loader:
-        for name, p in module._parameters.items():
-            if p is not None:
-                yield prefix + name, p
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                yield prefix + name, b
+    ``_load_from_state_dict``, or load pre-hooks of their own) are left to that code, with
+    everything under them: a pre-hook may rename the keys of the whole subtree, as
+    torch's ``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.`` to those that
+    torch's ``set_model_state_dict`` hands over without it."""
+    if _loads_itself(module):
+        return
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield prefix + name, p
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, b
     for name, child in module._modules.items():
         if child is not None:
-            yield from _entries(child, f"{prefix}{name}.", is_unit)
+            yield from _entries(child, f"{prefix}{name}.")
 
 
 def check_fits(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool,
-               label: str, is_unit: type) -> None:
+               label: str) -> None:
     """Raise naming every key of ``module``'s subtree that is missing (under ``strict``)
     or has another shape in ``state_dict``; nothing has been loaded at that point."""
     problems, plain = [], []
-    for key, tensor in _entries(module, prefix, is_unit):
+    for key, tensor in _entries(module, prefix):
         value = state_dict.get(key)
         if value is None:
             if strict and key not in state_dict:
