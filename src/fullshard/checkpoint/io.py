@@ -189,23 +189,28 @@ def load(path: str | os.PathLike, model: nn.Module,
     def prepare():
         model_state = get_model_state_dict(model)
         state = torch_dcp.nest(prefix, model_state)
-        optim_state = None
+        optim_state, unstepped = None, {}
         if optimizer is not None:
             optim_prefix = torch_dcp.optimizer_prefix(prefix)
             optim_state = get_optimizer_state_dict(model, optimizer)
+            unstepped = _hold_back_unstepped(path, reader.read_metadata(), optim_prefix,
+                                             optimizer, optim_state)
             torch_dcp.nest(optim_prefix, optim_state, into=state)
             _check_optimizer_fits(path, state, optim_prefix, reader.read_metadata())
-        return state, model_state, optim_state
+        return state, model_state, optim_state, unstepped
 
     # What each rank decides alone is agreed on before the next collective: a rank that
     # failed alone would leave the others waiting in DCP's read or the first step.
-    state, model_state, optim_state = _load_step(prepare, path, "before reading")
+    state, model_state, optim_state, unstepped = _load_step(prepare, path, "before reading")
     _read_into(checkpoint, state, reader)
 
     def adopt():
         set_model_state_dict(model, model_state)
         if optimizer is not None:
+            optim_state["state"].update({name: held for name, (_, held) in unstepped.items()})
             set_optimizer_state_dict(model, optimizer, optim_state)
+            for param, _ in unstepped.values():
+                optimizer.state.pop(param, None)
     _load_step(adopt, path, "after reading (the model and optimizer may hold part of it)")
     note_collective()  # Note [collectives settle before exit]
     return read_extra(checkpoint)
@@ -311,6 +316,28 @@ def _check_optimizer_fits(path: str, state: dict[str, Any], prefix: str, metadat
             "saved with another optimizer or other settings. Build the optimizer it was "
             "saved with, or load the model alone (optimizer=None) and start the optimizer "
             "fresh. Nothing was loaded.")
+
+
+def _hold_back_unstepped(path: str, metadata: Any, prefix: str, optimizer: torch.optim.Optimizer,
+                         optim_state: dict[str, Any]) -> dict[str, tuple[torch.Tensor, dict]]:
+    """The parameters the saved optimizer held but had not stepped (no gradient had reached
+    them yet: an expert no token was routed to, a branch not taken) have no state in the
+    checkpoint; torch's ``get_optimizer_state_dict`` gives the fresh optimizer one for
+    every parameter. Those are taken out of ``optim_state`` (not read), by name -> (the
+    parameter, its fresh state), so that the load leaves them without state, as the saved
+    optimizer had them and as ``Optimizer.load_state_dict`` would in one process. Only
+    where the saved param groups name the same settings (the same kind of optimizer) and
+    list the parameter: otherwise its entry stays, and the fit check names it as missing."""
+    names = torch_dcp.stateless(metadata, prefix, optim_state["state"])
+    if not names or torch_dcp.saved_group_keys(metadata, prefix) != [
+            set(group) for group in optim_state["param_groups"]]:
+        return {}
+    listed = torch_dcp.saved_parameter_names(path, metadata, prefix)
+    params = {name: p for group, names_in_group in zip(optimizer.param_groups,
+                                                       optim_state["param_groups"])
+              for p, name in zip(group["params"], names_in_group["params"])}
+    return {name: (params[name], optim_state["state"].pop(name))
+            for name in names if name in listed and name in params}
 
 
 def _gather_checksums(directory: str, written: dict[str, dict],

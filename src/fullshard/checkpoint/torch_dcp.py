@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 MODEL = "model."
@@ -63,3 +64,36 @@ def nest(prefix: str, value: dict, into: dict | None = None) -> dict:
     else:
         node.update(value)
     return tree
+
+
+def stateless(metadata: Metadata, prefix: str, state: dict[str, dict]) -> list[str]:
+    """The parameters of an optimizer's ``state`` (by name, as torch's
+    ``get_optimizer_state_dict`` gives it) of which the checkpoint holds no state at all
+    under ``prefix``: the saved optimizer had not stepped them yet."""
+    saved = metadata.state_dict_metadata
+    return [name for name, values in state.items()
+            if values and not any(f"{prefix}state.{name}.{key}" in saved for key in values)]
+
+
+def saved_group_keys(metadata: Metadata, prefix: str) -> list[set[str]]:
+    """The names in each param group of the optimizer saved under ``prefix`` (its
+    hyperparameters and ``params``): another optimizer's differ (SGD's ``momentum``,
+    AdamW's ``betas``)."""
+    groups: dict[int, set[str]] = {}
+    start = prefix + "param_groups."
+    for key in metadata.state_dict_metadata:
+        if key.startswith(start):
+            index, _, name = key[len(start):].partition(".")
+            if index.isdigit():
+                groups.setdefault(int(index), set()).add(name.split(".")[0])
+    return [groups[i] for i in sorted(groups)]
+
+
+def saved_parameter_names(path: str, metadata: Metadata, prefix: str) -> set[str]:
+    """The parameter names listed in the param_groups of the optimizer saved under
+    ``prefix``: one small read of this rank's own."""
+    lists: dict[str, Any] = {key: [] for key in metadata.state_dict_metadata
+                             if key.startswith(prefix + "param_groups.") and key.endswith(".params")}
+    if lists:
+        dcp.load(lists, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return {name for names in lists.values() for name in names}
