@@ -281,7 +281,7 @@ def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
 def _mark_stepped(opt: torch.optim.Optimizer) -> None:
     """Count the step as a write to each shard it updated, also where the optimizer wrote
     through ``.data`` (which autograd does not count), so that parameters kept gathered
-    across it are gathered again (Note [gathered parameters after an optimizer step]);
+    across it are gathered again (Note [parameters kept gathered across backward]);
     and give back the pages the step touched of parameters kept on disk (Note [parameters
     on disk]: the disk step gives back its chunks as it goes, the rest go here)."""
     if not any_tracked():

@@ -109,6 +109,32 @@ def test_parameters_gathered_across_an_optimizer_step_are_gathered_again(how):
     assert gathers[1] == gathers[2] == gathers[0] > 0, gathers
 
 
+def _kept_backward_worker():
+    """Parameters kept gathered across backward: until the next forward the module shows
+    the sharded ones with their gradients, so a clip over model.parameters() clips as
+    without the flag (torch's FSDP2 shows the gathered ones, whose gradients are gone, and
+    clips nothing); the next forward gathers nothing."""
+    norms, shown, gathers = [], [], []
+    for keep in (False, True):
+        model = sharded_gpt()
+        model.set_reshard_after_backward(not keep)
+        x, y = rank_batch()
+        lm_loss(model(x), y).backward()
+        shown.append(all(isinstance(p, DTensor) and p.grad is not None
+                         for p in model.parameters()))
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).full_tensor())
+        with count_collectives() as counts:
+            model(x)
+        gathers.append(counts.get("all_gather", 0) + counts.get("all_gather_async", 0))
+    return norms[0].item(), norms[1].item(), shown, gathers
+
+
+def test_parameters_kept_across_backward_show_the_shards_and_their_gradients():
+    plain, kept, shown, gathers = run_distributed(_kept_backward_worker, 2)[0]
+    assert kept == plain > 0 and shown == [True, True], (plain, kept, shown)
+    assert gathers[1] == 0 < gathers[0], gathers
+
+
 def _inference_then_train_worker(bucket_numel, raf):
     """The first forward runs under torch.inference_mode (it lazily initialises, merges
     small units and allocates every buffer), then the model trains, with more

@@ -82,20 +82,26 @@ run with inference mode off (and autograd off, which turning it off would enable
 their buffers stay ordinary tensors, the unsharded parameters views of them, and only
 what the module computes under inference mode is an inference tensor.
 
-Note [gathered parameters after an optimizer step]
-A unit's parameters can stay gathered into the next forward: kept across backward by
-``set_reshard_after_backward(False)``, gathered ahead by ``unshard()``. If an optimizer
-step, a load or any other in-place write changed the shard meanwhile, the gathered
-parameters hold the values from before it; torch's FSDP2 computes the next forward with
-them, silently. A gather notes the version counters of what it reads (the flat shard's
-and each DTensor's local tensor's: every in-place write raises one of them); the
-optimizer hook raises the local tensor's for each parameter a step updated, also where
-the optimizer wrote through ``.data``, which autograd does not count. The root's pre-forward gathers again every group whose shard changed
-after its gather. Kept across the micro-batches of an accumulation, with no step between
-them, the parameters are used as they are and nothing is gathered again. A one-rank group
-whose parameters are the shard itself is never stale. Until that forward the module still
-holds the gathered tensors (``model.parameters()`` shows them, as in torch's FSDP2);
-``state_dict()`` reads the shards.
+Note [parameters kept gathered across backward]
+``set_reshard_after_backward(False)`` keeps a unit's parameters gathered for the next
+forward (no all-gather there). Between the backward and that forward the module shows the
+sharded parameters again (state KEPT), as after any other backward: they hold the reduced
+gradients, so ``clip_grad_norm_(model.parameters())``, an optimizer built from
+``model.parameters()`` and ``state_dict()`` see what they would see without the flag.
+torch's FSDP2 leaves the gathered parameters registered, whose gradients are gone after
+the reduction: a clip over ``model.parameters()`` there finds no gradient and clips
+nothing. The next forward registers the gathered parameters again, without a collective.
+
+Unless the shard changed since the gather: an optimizer step, a load or any other
+in-place write leaves the gathered values stale, and torch's FSDP2 computes the next
+forward with them, silently. A gather notes the version counters of what it reads (the
+flat shard's and each DTensor's local tensor's: every in-place write raises one of them);
+the optimizer hook raises the local tensor's for each parameter a step updated, also
+where the optimizer wrote through ``.data``, which autograd does not count. A kept group
+whose shard changed is gathered again, as is one the user gathered ahead with
+``unshard()`` before a step (the root's pre-forward checks both). Kept across the
+micro-batches of an accumulation, with no step between them, nothing is gathered again. A
+one-rank group whose parameters are the shard itself is never stale.
 """
 
 from __future__ import annotations
@@ -126,6 +132,7 @@ class GroupState(enum.Enum):
     SHARDED = "sharded"        # only the shards exist; sharded DTensors are registered
     GATHERING = "gathering"    # all-gather issued, not yet copied out
     UNSHARDED = "unsharded"    # unsharded params registered and valid
+    KEPT = "kept"              # sharded registered; the gathered ones kept for the next forward
     POST_FORWARD = "post-forward"  # sharded, plus a 1/N chunk kept for backward (hpZ)
     MERGED = "merged"          # retired: its parameters now belong to a bucket's group
 
@@ -180,7 +187,7 @@ class ParamGroup:
         self._gather: Pending | None = None
         self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
         # the shard's version counter when the gather in flight or done read it (Note
-        # [gathered parameters after an optimizer step]); None while sharded
+        # [parameters kept gathered across backward]); None while sharded
         self._gathered_version: int | None = None
         self.signals = BackwardSignals()  # Note [when a unit's backward is done]
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
@@ -309,6 +316,11 @@ class ParamGroup:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.state is GroupState.KEPT:
+            if not self.shard_written_since_gathered():
+                self._register_unsharded()  # as gathered: no collective
+                return
+            self.reshard()  # stale (Note [parameters kept gathered across backward])
         if self.state is not GroupState.SHARDED:
             return
         self._gathered_version = self._shard_version()
@@ -387,12 +399,25 @@ class ParamGroup:
             self.copies.reads_done()  # the copy stream's blocks: Note [streams and events]
         if self.subclass is not None:
             self.subclass.finish(self.param_dtype)
+        self._register_unsharded()
+
+    def _register_unsharded(self) -> None:
         for p in self.params:
             up = p.unsharded_param
             if up.requires_grad != p.sharded_param.requires_grad:  # the user (un)froze it
                 up.requires_grad_(p.sharded_param.requires_grad)
             p.register(up)
         self.state = GroupState.UNSHARDED
+
+    def keep_for_next_forward(self) -> None:
+        """After a backward that keeps the parameters gathered: register the sharded ones,
+        which hold the gradients, and keep the gathered buffer for the next forward
+        (Note [parameters kept gathered across backward])."""
+        if self.state is not GroupState.UNSHARDED:
+            return
+        for p in self.params:
+            p.register(p.sharded_param)
+        self.state = GroupState.KEPT
 
     @outside_inference_mode
     def reshard_after_forward(self) -> None:
@@ -434,8 +459,8 @@ class ParamGroup:
 
     def shard_written_since_gathered(self) -> bool:
         """Whether the shard was written in place (an optimizer step, a load) after the
-        gathered parameters were read from it: they are stale then (Note [gathered
-        parameters after an optimizer step])."""
+        gathered parameters were read from it: they are stale then (Note [parameters
+        kept gathered across backward])."""
         return (self._gathered_version is not None and not self.aliases_shard
                 and self._gathered_version != self._shard_version())
 

@@ -341,7 +341,7 @@ def _root_pre_forward(root: RootState) -> None:
     # Parameters still gathered from an earlier forward without backward may be stale
     # after an optimizer step: gather them again. Those the user just gathered or asked
     # to keep across backward (set_reshard_after_backward(False)) are kept while their
-    # shard was not written since (Note [gathered parameters after an optimizer step]).
+    # shard was not written since (Note [parameters kept gathered across backward]).
     fresh = {u.group for u in root.units if u.explicit_unshard} | root.backward.kept_gathered
     root.backward.kept_gathered = set()
     for group in root.members:
@@ -460,6 +460,7 @@ def _final_callback(root: RootState) -> None:
     for group in root.members:
         group.signals.end_backward()
         if root.stays_gathered_after_backward(group):
+            group.keep_for_next_forward()
             backward.kept_gathered.add(group)
         elif not backward.creates_graph:  # else gathered until the next forward reshards
             group.reshard()
