@@ -1,7 +1,7 @@
 """Features combined: each row of COMBINATIONS trains a small model whose shapes shard
 unevenly, sharded per block, against one process given every rank's batches, and must end
-equal to it. The rows were chosen so that every pair of features below meets in at least
-one of them, at 2, 3 and 4 ranks:
+equal to it. Every pair of the features below meets in at least one row, at 2, 3 or 4
+ranks:
 
 - reshard after forward (True, False, or to 2 ranks), set_reshard_after_backward(False);
 - bf16 mixed precision (fp32 reduce), CPU offload, Shard(1) placement, HSDP;
@@ -30,19 +30,46 @@ from fullshard.testing import run_distributed
 from fullshard.testing.parity import full_value
 
 STEPS = 4
+FEATURES = ("raf", "keep", "mp", "offload", "shard1", "hsdp", "micro", "divide", "clip", "ac",
+            "prefetch", "branch", "freeze", "resume")
+
+
+def _row(*on: str, opt: str, divide: float, raf: bool | int = False) -> dict:
+    """A combination: the features named on, the optimizer, the divide factor (if on)."""
+    row = {f: f in on for f in FEATURES}
+    row.update(opt=opt, raf=raf if "raf" in on else True, micro=2 if "micro" in on else 1,
+               divide=divide if "divide" in on else None)
+    return row
+
+
+# Each row turns on the features it names; together the rows meet every pair of them
+# (checked by test_every_pair_of_features_meets_in_a_combination). ``raf`` is
+# reshard_after_forward=False; the last row reshards after forward to 2 ranks instead.
 COMBINATIONS = {
-    2: [dict(raf=False, mp=True, micro=2, branch=True, clip=True, opt="adamw", keep=True,
-             resume=True),
-        dict(offload=True, ac=True, freeze=True, opt="sgd", divide=3.0, prefetch=True),
-        dict(mp=True, offload=True, ac=True, branch=True, shard1=True, opt="adamw",
-             resume=True)],
-    3: [dict(micro=2, branch=True, keep=True, prefetch=True, opt="sgd", clip=True),
-        dict(raf=False, mp=True, ac=True, freeze=True, divide=1.0, opt="adamw", resume=True),
-        dict(offload=True, shard1=True, branch=True, micro=2, opt="adamw")],
-    4: [dict(hsdp=True, mp=True, branch=True, ac=True, keep=True, clip=True, opt="adamw",
-             resume=True),
-        dict(raf=2, offload=True, micro=2, freeze=True, prefetch=True, opt="sgd", divide=3.0),
-        dict(hsdp=True, shard1=True, offload=True, branch=True, keep=True, opt="sgd")],
+    2: [
+        _row("branch", "clip", "keep", "micro", "offload", "prefetch", "raf", "resume", "shard1",
+             opt="adamw", divide=3.0),
+        _row("clip", "divide", "freeze", "keep", "micro", "raf", "resume", opt="sgd", divide=3.0),
+        _row("divide", "freeze", "keep", "micro", "mp", "raf", "resume", opt="adamw", divide=1.0),
+        _row("branch", "micro", "prefetch", "raf", "shard1", opt="sgd", divide=3.0),
+    ],
+    3: [
+        _row("branch", "divide", "freeze", "keep", "micro", "prefetch", opt="adamw", divide=3.0),
+        _row("ac", "branch", "clip", "divide", "keep", "prefetch", "shard1", opt="sgd", divide=1.0),
+        _row("ac", "freeze", "micro", "raf", "resume", "shard1", opt="adamw", divide=3.0),
+        _row("micro", "offload", "shard1", opt="sgd", divide=3.0),
+    ],
+    4: [
+        _row("ac", "branch", "clip", "freeze", "hsdp", "keep", "micro", "mp", "offload",
+             "prefetch", "raf", "resume", "shard1", opt="adamw", divide=1.0),
+        _row("ac", "branch", "clip", "divide", "freeze", "hsdp", "keep", "micro", "mp", "offload",
+             "prefetch", "raf", "resume", "shard1", opt="sgd", divide=3.0),
+        _row("ac", "clip", "divide", "hsdp", "micro", "prefetch", "resume", opt="adamw",
+             divide=3.0),
+        _row("ac", "hsdp", "mp", "prefetch", "raf", "resume", "shard1", opt="sgd", divide=1.0),
+        _row("offload", "micro", "freeze", "prefetch", "divide", "raf", raf=2, opt="sgd",
+             divide=3.0),
+    ],
 }
 
 
@@ -209,3 +236,16 @@ def test_features_combined_train_as_one_process(world, tmp_path):
                                                              str(tmp_path))[0]):
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] <= 1e-5, (c, worst, diffs[worst])
+
+
+def test_every_pair_of_features_meets_in_a_combination():
+    rows = [row for rows in COMBINATIONS.values() for row in rows]
+
+    def on(row, feature):
+        if feature == "raf":
+            return row["raf"] is not True
+        return row["micro"] > 1 if feature == "micro" else bool(row[feature])
+
+    apart = [(a, b) for i, a in enumerate(FEATURES) for b in FEATURES[i + 1:]
+             if not any(on(row, a) and on(row, b) for row in rows)]
+    assert not apart, apart
