@@ -67,8 +67,8 @@ COMBINATIONS = {
         _row("ac", "clip", "divide", "hsdp", "micro", "prefetch", "resume", opt="adamw",
              divide=3.0),
         _row("ac", "hsdp", "mp", "prefetch", "raf", "resume", "shard1", opt="sgd", divide=1.0),
-        _row("offload", "micro", "freeze", "prefetch", "divide", "raf", raf=2, opt="sgd",
-             divide=3.0),
+        _row("offload", "micro", "freeze", "prefetch", "divide", "keep", "raf", raf=2,
+             opt="sgd", divide=3.0),
     ],
 }
 
