@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, fully_shard
+from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fullshard.testing import run_distributed
 from fullshard.testing.parity import full_value
 from support.catalogue import matches_documented
@@ -55,7 +55,9 @@ def _relative(model, reference) -> float:
 
 def _cases() -> dict:
     out = {"plain": _parity(), "accumulation": _parity(micro_batches=2),
-           "cpu offload": _parity(offload_policy=CPUOffloadPolicy())}
+           "cpu offload": _parity(offload_policy=CPUOffloadPolicy()),
+           "bf16": _parity(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          reduce_dtype=torch.float32))}
     if dist.get_world_size() == 4:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -68,6 +70,8 @@ def _cases() -> dict:
 def test_muon_steps_sharded_matrices_as_one_process(world):
     for name, diff in run_distributed(_cases, world)[0].items():
         assert diff["step"] == 0.0, (name, diff)
+        if name == "bf16":
+            continue  # one process computes in fp32: the step alone is compared
         # gradients summed in another order, through Muon's bf16 Newton-Schulz: up to
         # ~3e-3 here; shard-local steps (torch's FSDP2) end 1e-2 to 2.3e-2 away
         assert diff["end to end"] < 5e-3, (name, diff)
