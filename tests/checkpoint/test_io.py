@@ -103,6 +103,40 @@ def test_killed_save_leaves_previous_checkpoint_in_use(tmp_path):
         run_distributed(_load_step, 2, str(tmp_path / ".step_2.tmp"))
 
 
+def test_a_save_over_a_checkpoint_of_the_same_name_keeps_latest_loadable(tmp_path):
+    from fullshard.checkpoint.layout import set_aside
+    from fullshard.train.checkpoints import _prune
+
+    def model_of(value):
+        model = nn.Linear(4, 4)
+        nn.init.constant_(model.weight, value)
+        return model
+
+    def loaded():
+        model = model_of(0.0)
+        return ckpt.load(str(tmp_path), model)["value"], model.weight.unique().item()
+
+    path = str(tmp_path / "step_000001")
+    ckpt.save(path, model_of(1.0), extra={"value": 1.0})
+    # A save over step_000001 killed between its two renames: the older one is set aside
+    # (hidden, so no step_N listing shows it) and `latest` still loads it.
+    os.replace(path, set_aside(path))
+    assert ckpt.resolve(str(tmp_path)) == set_aside(path)
+    assert loaded() == (1.0, 1.0)
+    assert sorted(os.listdir(tmp_path)) == [".step_000001.replaced", "latest"]
+    ckpt.save(path, model_of(2.0), extra={"value": 2.0})
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001"]
+    assert loaded() == (2.0, 2.0)
+    ckpt.save(path, model_of(3.0), extra={"value": 3.0})  # over an existing one
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001"]
+    assert loaded() == (3.0, 3.0)
+    # killed after the second rename, before removing the older one: the next prune does
+    ckpt.save(str(tmp_path / "step_000002"), model_of(4.0), extra={"value": 4.0})
+    os.makedirs(set_aside(path))
+    _prune(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001", "step_000002"]
+
+
 @pytest.mark.slow
 def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
     run_distributed(train_and_save, 2, str(tmp_path), 1, 1)

@@ -43,7 +43,7 @@ from ..core.native_state_dict import native_state_dict
 from . import background, checksums, manifest as manifests, torch_dcp
 from .agreement import dcp_failures, failed_ranks, on_every_rank
 from .hashing_writer import HashingWriter, file_sizes, unrecorded
-from .layout import EXTRA, LATEST, MANIFEST, CheckpointError
+from .layout import EXTRA, LATEST, MANIFEST, CheckpointError, set_aside
 from .mapped_reader import MappedReader
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
@@ -376,14 +376,16 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _commit(tmp: str, path: str) -> None:
+    old = set_aside(path)
     if os.path.exists(path):  # saving over an older checkpoint of the same name
-        old = f"{path}.replaced"
+        # Between these two renames ``path`` is missing; resolve() then finds the older
+        # checkpoint set aside, so a process killed here leaves ``latest`` loadable.
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
         os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)  # also one a process killed in between left
 
 
 __all__ = ["save", "load", "resolve", "read_manifest", "CheckpointError", "EXTRA", "LATEST",

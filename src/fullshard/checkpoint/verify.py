@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checksums, manifest as manifests
 from .layout import (EXTRA, LATEST, MANIFEST, METADATA, SHARD_SUFFIX, WRITER_MARK,
-                     CheckpointError)
+                     CheckpointError, set_aside)
 
 # io.py's names for a save in progress, and the trainer's for a checkpoint being deleted
 _TEMPORARY = re.compile(r"^\..+\.(tmp|replaced|deleting)$")
@@ -74,6 +74,9 @@ def resolve(path: str | os.PathLike) -> str:
     except (OSError, UnicodeDecodeError):
         name = ""
     target = os.path.join(path, name)
+    if name and os.path.basename(name) == name and not os.path.isdir(target) \
+            and os.path.isfile(os.path.join(set_aside(target), MANIFEST)):
+        return set_aside(target)  # a save over ``name`` was killed between its renames
     if not name or os.path.basename(name) != name or not os.path.isdir(target):
         raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint in {path} "
                               "(deleted, damaged, or copied without it); name a step_N "

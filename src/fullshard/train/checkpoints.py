@@ -56,6 +56,7 @@ import torch.nn as nn
 
 from .. import checkpoint
 from ..checkpoint.agreement import on_every_rank
+from ..checkpoint.layout import set_aside
 from ..checkpoint.verify import verified_extra
 from .launch.agreement import counted
 from .config.schema import ConfigError, TrainConfig
@@ -196,6 +197,9 @@ def _prune(directory: str, keep: int) -> None:
     names = os.listdir(directory)
     steps = sorted(name for name in names if STEP_DIR.match(name))
     doomed = [name for name in names if name.endswith(DELETING)]
+    # an older step_N a save over step_N set aside and was killed before removing
+    set_aside_steps = (set_aside(os.path.join(directory, name)) for name in steps)
+    doomed += [os.path.basename(old) for old in set_aside_steps if os.path.isdir(old)]
     for name in steps[:-keep]:
         os.replace(os.path.join(directory, name), os.path.join(directory, f".{name}{DELETING}"))
         doomed.append(f".{name}{DELETING}")
