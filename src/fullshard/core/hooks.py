@@ -342,11 +342,11 @@ def _root_pre_forward(root: RootState) -> None:
     # after an optimizer step: gather them again. Those the user just gathered or asked
     # to keep across backward (set_reshard_after_backward(False)) are kept while their
     # shard was not written since (Note [parameters kept gathered across backward]).
-    fresh = {u.group for u in root.units if u.explicit_unshard} | root.backward.kept_gathered
-    root.backward.kept_gathered = set()
+    fresh = {u.group for u in root.units if u.explicit_unshard}
     for group in root.members:
         if group.state is not GroupState.SHARDED and (
-                group not in fresh or group.shard_written_since_gathered()):
+                (group not in fresh and group.state is not GroupState.KEPT)
+                or group.shard_written_since_gathered()):
             group.reshard()
     root.start_iteration()
     if root.guard is not None:
@@ -461,7 +461,6 @@ def _final_callback(root: RootState) -> None:
         group.signals.end_backward()
         if root.stays_gathered_after_backward(group):
             group.keep_for_next_forward()
-            backward.kept_gathered.add(group)
         elif not backward.creates_graph:  # else gathered until the next forward reshards
             group.reshard()
     backward.end()

@@ -146,7 +146,6 @@ class BackwardState:
         # recomputation in backward is what autograd goes through (watched there)
         self.recomputed: set[UnitState] = set()
         self.reduced: set[ParamGroup] = set()  # groups reduced in this backward
-        self.kept_gathered: set[ParamGroup] = set()  # by set_reshard_after_backward(False)
         self.pending_reduce: PendingReduce | None = None  # at most one reduction in flight
         self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
         self.handle = None  # finalize_backward(async_op=True)'s, until waited
@@ -262,7 +261,6 @@ class RootState:
         for u in self.units:
             u.explicit_unshard = False
         backward.forget()
-        backward.kept_gathered = set()
         self.order.forget_recording()
         self.start_iteration()
 
