@@ -40,8 +40,8 @@ from ..train.config.schema import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigE
 from ..train.data import BUILTIN
 from ..train.config.flags import help_text, load_toml, parse_flags
 from ..train.launch.launcher import (CONFIG_ERROR_EXIT, DIVERGED_EXIT, LaunchOptions,
-                                     agree_on_attempt, is_worker, launch, start_worker,
-                                     stop_worker)
+                                     agree_on_attempt, is_worker, launch, record_worker_exit,
+                                     start_worker, stop_worker)
 from ..train.config.packages import check_packages
 from ..train.config.paths import check_hf_model, check_output_dir, check_text_file
 from . import launch_flags
@@ -139,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fullshard train: {err}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
-    return _work(cfg, out, args.resume)
+    try:
+        code = _work(cfg, out, args.resume)
+    except Exception:
+        record_worker_exit(1)  # its traceback follows
+        raise
+    record_worker_exit(code)
+    return code
 
 
 def _check_launch(args: argparse.Namespace, out: str) -> None:

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 
@@ -58,6 +60,30 @@ DEFAULT_JOIN_TIMEOUT_S = 600  # torchrun's own default
 # nodes]), and its launch flags, which every node must agree on (agreement.py).
 JOB_VARIABLE = "FULLSHARD_JOB"
 LAUNCH_VARIABLE = "FULLSHARD_LAUNCH"
+# A directory of this node's launcher where each worker that fails writes its exit code:
+# when node 0 stops after its own workers failed, another node's launcher can lose the
+# rendezvous before it sees its workers' exits, and must still report those.
+EXITS_VARIABLE = "FULLSHARD_LAUNCH_EXITS"
+
+
+def record_worker_exit(code: int) -> None:
+    """Called by a worker that fails: leave ``code`` where its launcher looks."""
+    directory = os.environ.get(EXITS_VARIABLE)
+    if code and directory and os.path.isdir(directory):
+        with open(os.path.join(directory, f"rank_{os.environ.get('RANK', '0')}"), "w") as f:
+            f.write(str(code))
+
+
+def _first_worker_exit(directory: str) -> tuple[int, int] | None:
+    """(rank, exit code) of the lowest rank of this node that recorded a failure."""
+    exits = []
+    for name in os.listdir(directory):
+        try:
+            with open(os.path.join(directory, name)) as f:
+                exits.append((int(name.removeprefix("rank_")), int(f.read())))
+        except (OSError, ValueError):
+            continue  # written as the worker died: not a complete record
+    return min(exits, default=None)
 
 
 @dataclass(frozen=True)
@@ -191,11 +217,6 @@ def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
     ConfigError when the nodes do not meet.
     ``worker_argv`` holds no launch flag: workers never see them, nor does torchrun's
     parser (which would take ``--nproc`` for an abbreviation of its own flags)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
-                                                          RendezvousConnectionError,
-                                                          RendezvousTimeoutError)
     from torch.distributed.run import parse_args, run
 
     nproc = options.ranks_here()
@@ -216,39 +237,66 @@ def launch(options: LaunchOptions, worker_argv: list[str]) -> int:
                        "-m", "fullshard.cli"])
     args.training_script_args = ["train", *worker_argv]
     where = f"{options.master_addr}:{options.master_port}"
+    exits = tempfile.mkdtemp(prefix="fullshard-exits-")
+    os.environ[EXITS_VARIABLE] = exits
+    try:
+        return _run_agent(run, args, options, where, exits)
+    finally:
+        shutil.rmtree(exits, ignore_errors=True)
+
+
+def _worker_failed(rank: int, code: int) -> int:
+    print(f"fullshard train: rank {rank} failed with exit code {code} (the error is printed "
+          "above)", file=sys.stderr)
+    return code if code in (CONFIG_ERROR_EXIT, DIVERGED_EXIT) else 1
+
+
+def _run_agent(run, args, options: LaunchOptions, where: str, exits: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
+                                                          RendezvousConnectionError,
+                                                          RendezvousTimeoutError)
     try:
         run(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        print(f"fullshard train: rank {rank} failed with exit code {failure.exitcode} "
-              "(the error is printed above)", file=sys.stderr)
-        return failure.exitcode if failure.exitcode in (CONFIG_ERROR_EXIT, DIVERGED_EXIT) \
-            else 1
+        return _worker_failed(rank, failure.exitcode)
     except SignalException as err:
         print(f"fullshard train: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
         return 130
-    except RendezvousTimeoutError:
-        raise ConfigError(
+    except (RendezvousTimeoutError, RendezvousClosedError, RendezvousConnectionError) as err:
+        failed = _first_worker_exit(exits)
+        if failed is not None:  # the workers met, and failed: the rendezvous went after
+            return _worker_failed(*failed)
+        raise _nodes_not_met(err, options, where) from None
+    return 0
+
+
+def _nodes_not_met(err: Exception, options: LaunchOptions, where: str) -> ConfigError:
+    """What a rendezvous error before the workers met says about the launch flags."""
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
+                                                          RendezvousTimeoutError)
+    if isinstance(err, RendezvousTimeoutError):
+        return ConfigError(
             f"--nnodes {options.nnodes}: fewer nodes than that joined the rendezvous at "
             f"{where} within --join-timeout {options.join_timeout} s; start fullshard train "
-            "on every node, with the same --nnodes, --master-addr and --master-port") from None
-    except RendezvousClosedError:
-        raise ConfigError(
+            "on every node, with the same --nnodes, --master-addr and --master-port")
+    if isinstance(err, RendezvousClosedError):
+        return ConfigError(
             f"--nnodes {options.nnodes}: the rendezvous at {where} was closed by another "
             "node (it gave up waiting, or was started with another --nnodes); start "
-            "fullshard train on every node with the same --nnodes") from None
-    except RendezvousConnectionError:
-        if options.node_rank == 0:
-            raise ConfigError(
-                f"--master-port {options.master_port}: node 0 could not host the rendezvous "
-                f"at {where} (the port is taken, or --master-addr is not this machine); "
-                "choose a free --master-port, the same on every node") from None
-        raise ConfigError(
-            f"--master-addr {options.master_addr}: no rendezvous at {where} within "
-            f"--join-timeout {options.join_timeout} s (node 0 not started, or it gave up "
-            "waiting); start node 0 (--node-rank 0) there with the same --nnodes, or "
-            "correct --master-addr/--master-port") from None
-    return 0
+            "fullshard train on every node with the same --nnodes")
+    if options.node_rank == 0:  # a RendezvousConnectionError
+        return ConfigError(
+            f"--master-port {options.master_port}: node 0 could not host the rendezvous "
+            f"at {where} (the port is taken, or --master-addr is not this machine); "
+            "choose a free --master-port, the same on every node")
+    return ConfigError(
+        f"--master-addr {options.master_addr}: no rendezvous at {where} within "
+        f"--join-timeout {options.join_timeout} s (node 0 not started, or it gave up "
+        "waiting); start node 0 (--node-rank 0) there with the same --nnodes, or "
+        "correct --master-addr/--master-port")
 
 
 def process_group_backend(device_type: str, offload: bool) -> str:
