@@ -54,7 +54,21 @@ def _unshard_different_modules(debug):
     lm_loss(model(x), y).backward()
 
 
+def _write_kept_shard_on_rank0(debug):
+    model = _model(debug)
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    model.set_reshard_after_backward(False)  # kept gathered into the next forward
+    lm_loss(model(x), y).backward()
+    if dist.get_rank() == 0:  # a write to rank 0's shard only: its copy is stale there
+        with torch.no_grad():
+            model.layers[0].attn.qkv.weight.to_local().mul_(2.0)
+    lm_loss(model(x), y).backward()
+
+
 _SCENARIOS = {
+    "write_kept": (_write_kept_shard_on_rank0, [
+        "rank 0 ran the all-gather again of 'layers.0' (forward of step 1)",
+        "rank 1 ran the forward of 'layers.0' (forward of step 1)"]),
     "skip_layer": (_skip_layer, ["rank 0 ran the forward of 'layers.1' (forward of step 1)",
                                  "rank 1 ran the forward of 'layers.2' (forward of step 1)"]),
     "extra_forward": (_extra_forward_on_rank0, [

@@ -332,7 +332,9 @@ class Guard:
                 f"#{problem.count} of the record): {said}. Every rank must run the same "
                 "sharded modules in the same order with the same grad mode: a module skipped, "
                 "or a forward, backward or unshard() on some ranks only, pairs their "
-                "collectives with the wrong tensors.")
+                "collectives with the wrong tensors; a shard written in place on some ranks "
+                "only while its parameters were kept gathered across backward makes those "
+                "ranks gather again.")
 
 
 class Difference(NamedTuple):

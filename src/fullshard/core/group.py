@@ -114,6 +114,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import BufferPool, HostCopies, Pending, all_gather, skips_collectives, traced
+from .ledger import GATHER_AGAIN
 from .mapped import page_out
 from .quantized_collectives import quantized_all_gather
 from .storage import ShardStorage, UnshardedBuffer
@@ -189,6 +190,7 @@ class ParamGroup:
         # the shard's version counter when the gather in flight or done read it (Note
         # [parameters kept gathered across backward]); None while sharded
         self._gathered_version: int | None = None
+        self._gathering_again = False  # the next gather replaces kept, stale parameters
         self.signals = BackwardSignals()  # Note [when a unit's backward is done]
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
@@ -320,7 +322,7 @@ class ParamGroup:
             if not self.shard_written_since_gathered():
                 self._register_unsharded()  # as gathered: no collective
                 return
-            self.reshard()  # stale (Note [parameters kept gathered across backward])
+            self.reshard_stale()
         if self.state is not GroupState.SHARDED:
             return
         self._gathered_version = self._shard_version()
@@ -351,7 +353,9 @@ class ParamGroup:
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
         comm = self.all_gather_comm
-        self._record("all-gather", self.world_size * self.storage.numel)
+        self._record("all-gather" if not self._gathering_again else GATHER_AGAIN,
+                     self.world_size * self.storage.numel)
+        self._gathering_again = False
         # On CUDA the copy-in and the collective run on the copy stream while compute goes
         # on (Note [streams and events]); ``ordered`` makes the caller's stream wait for it.
         plan = self._gather_plan()
@@ -456,6 +460,13 @@ class ParamGroup:
             self.subclass.free()
         self.state = GroupState.SHARDED
         self._gathered_version = None
+
+    def reshard_stale(self) -> None:
+        """Drop parameters kept gathered whose shard this rank wrote since (Note
+        [parameters kept gathered across backward]); the gather that follows is entered in
+        the ledger as a gather again, which names a write made on some ranks only."""
+        self.reshard()
+        self._gathering_again = True
 
     def shard_written_since_gathered(self) -> bool:
         """Whether the shard was written in place (an optimizer step, a load) after the

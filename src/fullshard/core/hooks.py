@@ -344,10 +344,12 @@ def _root_pre_forward(root: RootState) -> None:
     # shard was not written since (Note [parameters kept gathered across backward]).
     fresh = {u.group for u in root.units if u.explicit_unshard}
     for group in root.members:
-        if group.state is not GroupState.SHARDED and (
-                (group not in fresh and group.state is not GroupState.KEPT)
-                or group.shard_written_since_gathered()):
-            group.reshard()
+        if group.state is GroupState.SHARDED:
+            continue
+        if group not in fresh and group.state is not GroupState.KEPT:
+            group.reshard()  # the same on every rank
+        elif group.shard_written_since_gathered():
+            group.reshard_stale()  # this rank's own finding
     root.start_iteration()
     if root.guard is not None:
         root.guard.ledger.step += 1

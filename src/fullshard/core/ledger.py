@@ -19,10 +19,15 @@ from typing import NamedTuple
 
 # Operations. FORWARD is a unit's forward starting (no collective): recorded so that a
 # unit skipped on one rank is named even when prefetching kept the gathers in step.
-FORWARD, ALL_GATHER, POST_FORWARD_GATHER, SUBCLASS_GATHER, REDUCE_SCATTER, ALL_REDUCE = \
-    range(6)
+# STALE_GATHER is a gather that parameters kept gathered across backward needed because
+# this rank's shard was written in place since: named, because a write on some ranks only
+# makes those ranks gather alone.
+FORWARD, ALL_GATHER, POST_FORWARD_GATHER, SUBCLASS_GATHER, REDUCE_SCATTER, ALL_REDUCE, \
+    STALE_GATHER = range(7)
+GATHER_AGAIN = "all-gather again"
 OPERATIONS = {
     "all-gather": ALL_GATHER,
+    GATHER_AGAIN: STALE_GATHER,
     "all-gather (post-forward subgroup)": POST_FORWARD_GATHER,
     "all-gather (tensor-subclass parameters)": SUBCLASS_GATHER,
     "reduce-scatter": REDUCE_SCATTER,
