@@ -102,6 +102,12 @@ whose shard changed is gathered again, as is one the user gathered ahead with
 ``unshard()`` before a step (the root's pre-forward checks both). Kept across the
 micro-batches of an accumulation, with no step between them, nothing is gathered again. A
 one-rank group whose parameters are the shard itself is never stale.
+
+The finding is each rank's own, with no collective to agree on it: an optimizer step runs
+on every rank and raises the counters of every parameter it stepped (empty shards too), so
+the ranks agree. A write the user makes on some ranks only makes those ranks gather alone;
+the ledger enters that gather as "the all-gather again", so the divergence guard names it
+(E29) rather than leaving a hang.
 """
 
 from __future__ import annotations
