@@ -320,6 +320,10 @@ def _against_torch() -> dict:
 
 @pytest.mark.slow
 def test_unused_as_zeros_trains_as_torch_fsdp2_does():
+    from torch.distributed.fsdp import FSDPModule
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):  # torch 2.11
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 has no set_reduce_scatter_unused_params "
+                    "to compare with")
     run_distributed(_against_torch, 2)
 
 
