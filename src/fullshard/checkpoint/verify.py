@@ -74,10 +74,11 @@ def resolve(path: str | os.PathLike) -> str:
     except (OSError, UnicodeDecodeError):
         name = ""
     target = os.path.join(path, name)
-    if name and os.path.basename(name) == name and not os.path.isdir(target) \
-            and os.path.isfile(os.path.join(set_aside(target), MANIFEST)):
+    named = bool(name) and os.path.basename(name) == name  # a directory beside ``latest``
+    if named and not os.path.isdir(target) and os.path.isfile(
+            os.path.join(set_aside(target), MANIFEST)):
         return set_aside(target)  # a save over ``name`` was killed between its renames
-    if not name or os.path.basename(name) != name or not os.path.isdir(target):
+    if not named or not os.path.isdir(target):
         raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint in {path} "
                               "(deleted, damaged, or copied without it); name a step_N "
                               f"directory there, or write its name into {LATEST}")
