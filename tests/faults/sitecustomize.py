@@ -14,9 +14,13 @@ a run, or counts the collectives it issues.
                                     each worker writes DIR/rank<R>.json at exit: its node
                                     (GROUP_RANK) and how many times it called each
                                     torch.distributed collective on each group of ranks
+    FULLSHARD_TEST_STACKS_ON_SIGNAL=1
+                                    every process (launchers too) prints the Python stack
+                                    of each of its threads to stderr on SIGUSR1: what a
+                                    test that waited too long shows of where a run hung
 
 A test runs ``fullshard train`` with :func:`environment`: this directory on PYTHONPATH
-and one variable set. Python imports ``sitecustomize`` when any process starts; in
+and a variable set. Python imports ``sitecustomize`` when any process starts; in
 torchrun's workers (``LOCAL_RANK`` set) with a variable set, this one wraps the
 trainer's functions at that point. Both faults fire on a job's first attempt only
 (TORCHELASTIC_RESTART_COUNT 0), so the workers torchrun restarts run through. Tests
@@ -33,6 +37,7 @@ KILL_IN_SAVE = "FULLSHARD_TEST_KILL_IN_SAVE"
 KILL_RANK = "FULLSHARD_TEST_KILL_RANK"
 POISON_AT_STEP = "FULLSHARD_TEST_POISON_AT_STEP"
 COUNT_COLLECTIVES = "FULLSHARD_TEST_COUNT_COLLECTIVES"
+STACKS_ON_SIGNAL = "FULLSHARD_TEST_STACKS_ON_SIGNAL"
 # The collectives fullshard and the trainer call as torch.distributed.NAME.
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
@@ -166,6 +171,9 @@ def _count_collectives(folder: str) -> None:
 
 
 def install() -> None:
+    if STACKS_ON_SIGNAL in os.environ:
+        import faulthandler
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if "LOCAL_RANK" not in os.environ:  # not a worker: the launcher, the test itself
         return
     if KILL_AT_STEP in os.environ:

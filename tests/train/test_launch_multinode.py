@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -29,7 +30,8 @@ from fullshard.train.config.flags import apply_overrides
 from fullshard.train.data import EpochSampler
 from fullshard.train.loop import build_optimizers, learning_rate, set_learning_rate
 from fullshard.train.model import build_model, build_workload
-from faults.sitecustomize import COUNT_COLLECTIVES, KILL_AT_STEP, KILL_RANK, environment
+from faults.sitecustomize import (COUNT_COLLECTIVES, KILL_AT_STEP, KILL_RANK, STACKS_ON_SIGNAL,
+                                  environment)
 from support.catalogue import matches_documented
 from support.train_runs import ENV, TIMEOUT_S
 
@@ -58,11 +60,17 @@ def _run_nodes(commands: list[list[str]], envs: list[dict] | None = None,
         log = tempfile.TemporaryFile("w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", "fullshard", "train", *command],
-                                      env={**ENV, **env}, cwd=cwd, stdout=subprocess.DEVNULL,
+                                      env={**ENV, **environment(STACKS_ON_SIGNAL, 1), **env},
+                                      cwd=cwd, stdout=subprocess.DEVNULL,
                                       stderr=log))
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        timed_out = None
+    except subprocess.TimeoutExpired:
+        _print_stacks(procs)
+        timed_out = [os.fstat(log.fileno()).st_size for log in logs]  # the stacks end here
     finally:
         for proc in procs:
             if proc.poll() is None:  # torchrun passes SIGTERM on to its workers
@@ -71,12 +79,47 @@ def _run_nodes(commands: list[list[str]], envs: list[dict] | None = None,
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                    proc.wait()
     nodes = []
     for proc, log in zip(procs, logs):
         log.seek(0)
         nodes.append(Node(proc.returncode, log.read()))
         log.close()
+    if timed_out is not None:  # where each node stood tells a hang from a slow machine
+        pytest.fail(f"the nodes did not finish within {timeout} s:\n" + "\n".join(
+            f"node {k}, its stacks when the wait ran out:\n{node.stderr[:end][-10000:]}\n"
+            f"node {k} after SIGTERM (exit {node.code}):\n{node.stderr[end:][-1500:]}"
+            for k, (node, end) in enumerate(zip(nodes, timed_out))))
     return nodes
+
+
+def _print_stacks(procs: list[subprocess.Popen]) -> None:
+    """Have each running launcher and its workers print their threads' stacks to the
+    node's log (faults/sitecustomize.py), before they are stopped."""
+    for pid in [p.pid for p in procs if p.poll() is None]:
+        for process in [pid, *_descendants(pid)]:
+            try:
+                os.kill(process, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(3)
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (name) state ppid ...": the name may hold spaces, never ") "
+                parents[int(entry)] = int(f.read().rsplit(") ", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def _two_nodes(out: str, *flags: str, env: dict | None = None, **options) -> list[Node]:
