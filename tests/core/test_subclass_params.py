@@ -145,11 +145,15 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def _plain_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
+        # Frozen (quantized) weights are not gathered: torchao's NF4 full_tensor() issues
+        # three functional all-gathers before it waits, and several of those in flight on
+        # gloo corrupt the heap in torch 2.11-2.15 (docs/torch-versions.md).
+        if not p.requires_grad:
+            continue
         value = _full(p.detach())
         if hasattr(value, "_tensor"):  # float8's weight wrapper
             value = value._tensor
-        if p.requires_grad:
-            out[name] = value.clone()
+        out[name] = value.clone()
     return out
 
 
