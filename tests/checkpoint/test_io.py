@@ -104,7 +104,7 @@ def test_killed_save_leaves_previous_checkpoint_in_use(tmp_path):
 
 
 def test_a_save_over_a_checkpoint_of_the_same_name_keeps_latest_loadable(tmp_path):
-    from fullshard.checkpoint.layout import set_aside
+    from fullshard.checkpoint.layout import being_deleted, being_rewritten, set_aside
     from fullshard.train.checkpoints import _prune
 
     def model_of(value):
@@ -135,6 +135,16 @@ def test_a_save_over_a_checkpoint_of_the_same_name_keeps_latest_loadable(tmp_pat
     os.makedirs(set_aside(path))
     _prune(str(tmp_path), keep=2)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000001", "step_000002"]
+    # a prune killed while deleting, and a rewrite of `latest` killed: the next prune
+    # deletes the one, the next save replaces the other, and neither is ever in sight
+    os.makedirs(being_deleted(str(tmp_path / "step_000000")))
+    with open(being_rewritten(str(tmp_path / "latest")), "w") as f:
+        f.write("step_0")
+    _prune(str(tmp_path), keep=1)
+    assert sorted(os.listdir(tmp_path)) == [".latest.partial", "latest", "step_000002"]
+    ckpt.save(str(tmp_path / "step_000003"), model_of(5.0), extra={"value": 5.0})
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000002", "step_000003"]
+    assert loaded() == (5.0, 5.0)
 
 
 @pytest.mark.slow

@@ -238,9 +238,9 @@ def test_kill_9_during_saves_leaves_the_latest_checkpoint_loadable(tmp_path):
             expected = model_for(extra["step"])
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(),
                                                          expected.parameters()))
-            # only steps and `latest` in sight (and latest's unfinished rewrite): whatever
-            # else a save or prune left is hidden
-            assert all(n in ("latest", "latest.partial") or n.startswith((".", "step_"))
+            # only steps and `latest` in sight: whatever else a save, a rewrite of
+            # `latest` or a prune left is hidden
+            assert all(n == "latest" or n.startswith((".", "step_"))
                        for n in names), names
             for name in names:  # every committed step (the newest may be ahead of latest)
                 if name.startswith("step_"):

@@ -43,7 +43,8 @@ from ..core.native_state_dict import native_state_dict
 from . import background, checksums, manifest as manifests, torch_dcp
 from .agreement import dcp_failures, failed_ranks, on_every_rank
 from .hashing_writer import HashingWriter, file_sizes, unrecorded
-from .layout import EXTRA, LATEST, MANIFEST, CheckpointError, set_aside
+from .layout import (EXTRA, LATEST, MANIFEST, CheckpointError, being_rewritten, being_written,
+                     set_aside)
 from .mapped_reader import MappedReader
 from .state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                          set_optimizer_state_dict)
@@ -99,7 +100,7 @@ def save(path: str | os.PathLike, model: nn.Module,
 def _write_and_commit(path: str, state: dict[str, Any], extra: Any, meta: dict,
                       group: dist.ProcessGroup | None) -> str:
     parent, name = os.path.split(path)
-    tmp = os.path.join(parent, f".{name}.tmp")
+    tmp = being_written(path)
     rank, world = _rank_world()
 
     def fresh_directory():
@@ -367,7 +368,7 @@ def _gather_checksums(directory: str, written: dict[str, dict],
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.partial"
+    tmp = being_rewritten(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()

@@ -8,11 +8,17 @@
     latest                 beside the checkpoints: the name of the newest complete one
     .step_000100.tmp       a save being written (renamed to step_000100 once complete)
     .step_000100.replaced  the older step_000100 a save over the same name set aside
+    .step_000100.deleting  a checkpoint the trainer prunes, on its way out
+    .latest.partial        ``latest`` (or a manifest) being rewritten, renamed over it
+
+Everything in flight is a hidden sibling named here: no listing of ``step_*`` or of the
+visible names ever shows half a save, and ``is_leftover`` tells what a kill left behind.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 MANIFEST = "fullshard.json"
 EXTRA = "extra.pt"
@@ -25,11 +31,42 @@ SHARD_SUFFIX = ".distcp"
 WRITER_MARK = "fullshard"
 
 
+_IN_FLIGHT = ("tmp", "replaced", "deleting", "partial")
+_LEFTOVER = re.compile(rf"^\..+\.({'|'.join(_IN_FLIGHT)})$")
+
+
+def _hidden(path: str, state: str) -> str:
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.{state}")
+
+
+def being_written(path: str) -> str:
+    """Where a save of checkpoint ``path`` writes until it commits by renaming."""
+    return _hidden(path, "tmp")
+
+
 def set_aside(path: str) -> str:
     """Where a save over an existing checkpoint ``path`` moves the older one while it
-    commits: a hidden sibling, so that no listing of step_N names ever shows it."""
-    parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}.replaced")
+    commits."""
+    return _hidden(path, "replaced")
+
+
+def being_deleted(path: str) -> str:
+    """Where the trainer moves checkpoint ``path`` before deleting it."""
+    return _hidden(path, "deleting")
+
+
+def being_rewritten(path: str) -> str:
+    """Where a file (``latest``, a manifest) is written before it replaces ``path``."""
+    return _hidden(path, "partial")
+
+
+def is_leftover(name: str, state: str | None = None) -> bool:
+    """Whether ``name`` is one of the hidden names above (of ``state``: "tmp",
+    "replaced", "deleting" or "partial", if given): something in flight, or what a
+    process killed in flight left."""
+    found = _LEFTOVER.match(name)
+    return found is not None and state in (None, found[1])
 
 
 class CheckpointError(RuntimeError):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checksums, manifest as manifests
 from .layout import (EXTRA, LATEST, MANIFEST, METADATA, SHARD_SUFFIX, WRITER_MARK,
-                     CheckpointError, set_aside)
-
-# io.py's names for a save in progress, and the trainer's for a checkpoint being deleted
-_TEMPORARY = re.compile(r"^\..+\.(tmp|replaced|deleting)$")
+                     CheckpointError, being_rewritten, is_leftover, set_aside)
 
 
 class Kind(enum.Enum):
@@ -92,16 +88,14 @@ def classify(path: str) -> Kind:
     names = set(os.listdir(path))
     if MANIFEST in names:
         return Kind.FULLSHARD
-    if _temporary(path) or EXTRA in names or f"{MANIFEST}.partial" in names:
+    # (a manifest being written was "fullshard.json.partial" in saves of older versions)
+    manifest_in_flight = {os.path.basename(being_rewritten(MANIFEST)), f"{MANIFEST}.partial"}
+    if is_leftover(os.path.basename(path)) or EXTRA in names or names & manifest_in_flight:
         return Kind.UNFINISHED
     if METADATA not in names:
         shards = any(n.endswith(SHARD_SUFFIX) for n in names)
         return Kind.UNFINISHED if shards else Kind.NOT_A_CHECKPOINT
     return Kind.UNFINISHED if WRITER_MARK in _writers(path) else Kind.TORCH_DCP
-
-
-def _temporary(path: str) -> bool:
-    return _TEMPORARY.match(os.path.basename(path)) is not None
 
 
 def _writers(path: str) -> list[str]:
@@ -137,8 +131,8 @@ def open_checkpoint(path: str | os.PathLike, *, verify: bool = True,
     kind = classify(path)
     if kind is Kind.UNFINISHED:
         names = os.listdir(path)  # without .metadata, DCP itself did not finish
-        missing = MANIFEST if METADATA in names or EXTRA in names or _temporary(path) \
-            else METADATA
+        past_dcp = METADATA in names or EXTRA in names or is_leftover(os.path.basename(path))
+        missing = MANIFEST if past_dcp else METADATA
         raise CheckpointError(
             f"{path} is not a complete checkpoint: {os.path.join(path, missing)} is missing "
             "(the save that wrote it did not finish, or the file was deleted). Load the "

@@ -56,7 +56,7 @@ import torch.nn as nn
 
 from .. import checkpoint
 from ..checkpoint.agreement import on_every_rank
-from ..checkpoint.layout import set_aside
+from ..checkpoint.layout import being_deleted, is_leftover, set_aside
 from ..checkpoint.verify import verified_extra
 from .launch.agreement import counted
 from .config.schema import ConfigError, TrainConfig
@@ -64,7 +64,6 @@ from .config.flags import load_toml
 from .launch.launcher import job_id, restart_count
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-DELETING = ".deleting"  # a pruned checkpoint on its way out
 RUN_CONFIG = "config.toml"  # the resolved configuration, written by the loop at start
 # How long a rank looks for rank 0's probe file before it calls --out unshared: a network
 # filesystem may show another node's new file a moment late.
@@ -196,15 +195,17 @@ def _prune(directory: str, keep: int) -> None:
     by the next prune), never a step_N with some of its files gone."""
     names = os.listdir(directory)
     steps = sorted(name for name in names if STEP_DIR.match(name))
-    doomed = [name for name in names if name.endswith(DELETING)]
+    doomed = [os.path.join(directory, name) for name in names
+              if is_leftover(name, "deleting")]
     # an older step_N a save over step_N set aside and was killed before removing
     set_aside_steps = (set_aside(os.path.join(directory, name)) for name in steps)
-    doomed += [os.path.basename(old) for old in set_aside_steps if os.path.isdir(old)]
+    doomed += [old for old in set_aside_steps if os.path.isdir(old)]
     for name in steps[:-keep]:
-        os.replace(os.path.join(directory, name), os.path.join(directory, f".{name}{DELETING}"))
-        doomed.append(f".{name}{DELETING}")
-    for name in doomed:
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        path = os.path.join(directory, name)
+        os.replace(path, being_deleted(path))
+        doomed.append(being_deleted(path))
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def has_checkpoint(out: str) -> bool:
