@@ -53,8 +53,16 @@ def _relative(model, reference) -> float:
                for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def _on_dim_1(p: torch.Tensor):
+    """Shard(1) where the columns split evenly at every world size tried (24 of them):
+    the blocks' first weights (37 x 24); their second (24 x 37) stay on dim 0."""
+    from torch.distributed.tensor import Shard
+    return Shard(1) if p.ndim == 2 and p.shape[1] % 12 == 0 else None
+
+
 def _cases() -> dict:
     out = {"plain": _parity(), "accumulation": _parity(micro_batches=2),
+           "shard on dim 1": _parity(shard_placement_fn=_on_dim_1),
            "cpu offload": _parity(offload_policy=CPUOffloadPolicy()),
            "bf16": _parity(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                           reduce_dtype=torch.float32))}
@@ -77,34 +85,42 @@ def test_muon_steps_sharded_matrices_as_one_process(world):
         assert diff["end to end"] < 5e-3, (name, diff)
 
 
-def _resume(directory: str) -> float:
+def _resume(directory: str, **how) -> float:
     """Save at step 2 (Muon's momentum buffers sharded in the checkpoint), load into a
     fresh model and optimizers, train on: the same as training straight through."""
     from fullshard import checkpoint
     rank, world = dist.get_rank(), dist.get_world_size()
-    straight = shard_blocks(mlp_blocks())
+    straight = shard_blocks(mlp_blocks(), **how)
     straight_opts = _optimizers(straight)
     train_steps(straight, straight_opts, 4, rank, world)
-    model = shard_blocks(mlp_blocks())
+    model = shard_blocks(mlp_blocks(), **how)
     opts = _optimizers(model)
     train_steps(model, opts, 2, rank, world)
     checkpoint.save(directory, model, opts[0])
-    # the owners' momentum handed back in torch's layout, one DTensor shard per parameter
-    assert all(isinstance(s["momentum_buffer"], torch.distributed.tensor.DTensor)
-               for s in opts[0].state.values())
-    resumed = shard_blocks(mlp_blocks())
+    # the owners' momentum handed back in torch's layout: a DTensor sharded like its
+    # parameter (on dim 1 too)
+    for p, s in opts[0].state.items():
+        buffer = s["momentum_buffer"]
+        assert isinstance(buffer, torch.distributed.tensor.DTensor)
+        assert buffer.placements == p.placements
+        assert buffer.to_local().shape == p.to_local().shape
+    resumed = shard_blocks(mlp_blocks(), **how)
     resumed_opts = _optimizers(resumed)
     checkpoint.load(directory, resumed, resumed_opts[0])
     resumed_opts[1].load_state_dict(opts[1].state_dict())
     train_steps(resumed, resumed_opts, 2, rank, world, first=2)
-    return max((full_value(a.detach()) - full_value(b.detach())).abs().max().item()
+    diff = max((full_value(a.detach()) - full_value(b.detach())).abs().max().item()
                for a, b in zip(resumed.parameters(), straight.parameters()))
+    return diff, {p.placements[-1].dim for p in opts[0].state}
 
 
+@pytest.mark.parametrize("how", ["rows", "columns"])
 @pytest.mark.slow
-def test_a_muon_checkpoint_resumes_exactly(tmp_path):
-    for diff in run_distributed(_resume, 2, str(tmp_path / "ckpt")):
+def test_a_muon_checkpoint_resumes_exactly(tmp_path, how):
+    sharding = {"shard_placement_fn": _on_dim_1} if how == "columns" else {}
+    for diff, placements in run_distributed(_resume, 2, str(tmp_path / "ckpt"), **sharding):
         assert diff == 0.0, diff
+        assert placements == ({0, 1} if sharding else {0}), placements
 
 
 class _NormalizedSGD(torch.optim.Optimizer):
@@ -146,11 +162,8 @@ def test_a_registered_whole_matrix_optimizer_steps_as_one_process():
 
 
 def _misuse(directory: str) -> dict:
-    from torch.distributed.tensor import Shard
     out = {}
-    on_dim_1 = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None  # noqa: E731
-    for name, kwargs in {"shard on dim 1": {"shard_placement_fn": on_dim_1},
-                         "states on disk": {"offload_policy": DiskOffloadPolicy(path=directory)}
+    for name, kwargs in {"states on disk": {"offload_policy": DiskOffloadPolicy(path=directory)}
                          }.items():
         model = mlp_blocks()
         for block in model:
@@ -168,9 +181,8 @@ def _misuse(directory: str) -> dict:
 @pytest.mark.slow
 def test_what_cannot_be_stepped_whole_is_refused_at_the_first_step(tmp_path):
     for out in run_distributed(_misuse, 2, str(tmp_path)):
-        assert "Muon needs whole matrices" in out["shard on dim 1"], out
-        assert "sharded on dim 1" in out["shard on dim 1"], out
-        assert "'0.0.weight'" in out["shard on dim 1"], out
+        assert "Muon needs whole matrices" in out["states on disk"], out
+        assert "'0.0.weight'" in out["states on disk"], out
         assert "optimizer states on disk" in out["states on disk"], out
         for text in out.values():
             assert matches_documented("E151", f"RuntimeError: {text}"), text

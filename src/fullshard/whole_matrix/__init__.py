@@ -70,8 +70,10 @@ whole gradients and the pieces in flight.
 
 The result is one process's, bit for bit where the arithmetic is the same (each matrix is
 stepped by the same code on the same values); docs/benchmarks.md has the measured time
-and bytes. Hybrid sharding steps each replica group alike. A parameter sharded on
-another dim than 0, tensor-parallel, or offloaded to disk is refused at the first step.
+and bytes. Hybrid sharding steps each replica group alike. A parameter sharded on another
+dim (``shard_placement_fn``) travels as its pieces along that dim (columns for
+``Shard(1)``), which the owner joins along it. A tensor-parallel parameter, or one whose
+states are offloaded to disk, is refused at the first step.
 A step that raised leaves the states as the stock step left them (as in one process)
 and the shards as they were; the owners' whole copies are dropped.
 
@@ -274,15 +276,13 @@ def _kept(opt: torch.optim.Optimizer, owners: list[list]) -> Kept:
 
 
 def _check_supported(opt: torch.optim.Optimizer, sp) -> None:
-    why = ("it is sharded on dim {} (shard_placement_fn)".format(sp.layout.dim)
-           if sp.layout.dim != 0 else
-           "it is tensor-parallel" if sp.tp_spec is not None else
+    why = ("it is tensor-parallel" if sp.tp_spec is not None else
            "its unit keeps optimizer states on disk"
            if type(sp.offload).__name__ == "DiskOffloadPolicy" else None)
     if why is not None:
         raise RuntimeError(
             f"fullshard: {type(opt).__name__} needs whole matrices "
             "(Note [whole-matrix optimizers]) "
-            f"but parameter '{sp.fqn}' cannot be stepped whole: {why}. Shard it on dim 0 "
-            "without tensor parallelism and with optimizer states in memory, or give it to "
-            "an elementwise optimizer.")
+            f"but parameter '{sp.fqn}' cannot be stepped whole: {why}. Shard it without "
+            "tensor parallelism and with optimizer states in memory, or give it to an "
+            "elementwise optimizer.")

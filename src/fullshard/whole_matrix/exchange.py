@@ -27,15 +27,36 @@ def shard_group(p: DTensor) -> dist.ProcessGroup:
     return p.device_mesh.get_group(dim)
 
 
+def _layout(item: Item, rank: int) -> ShardLayout:
+    return ShardLayout.of(item.sp.layout.shape, rank, item.sp.world_size, item.sp.layout.dim)
+
+
 def rows(item: Item, rank: int) -> tuple[int, int]:
-    """(first row, rows) of the parameter on ``rank`` of its shard group."""
-    lay = ShardLayout.of(item.sp.layout.shape, rank, item.sp.world_size, 0)
-    return min(rank * lay.rows_per_rank, lay.shape[0]), lay.valid_rows
+    """(first index, count) along the sharded dim of the parameter's piece on ``rank`` of
+    its shard group: rows on dim 0, columns on dim 1 (``shard_placement_fn``)."""
+    lay = _layout(item, rank)
+    return min(rank * lay.rows_per_rank, lay.shape[lay.dim]), lay.valid_rows
 
 
 def numel(item: Item, rank: int) -> int:
-    """Elements of the parameter's rows on ``rank``."""
-    return rows(item, rank)[1] * item.sp.layout.row_numel
+    """Elements of the parameter's piece on ``rank``."""
+    return rows(item, rank)[1] * _layout(item, rank).row_numel
+
+
+def piece(item: Item, whole: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of a whole tensor shaped like the parameter (a view)."""
+    first, count = rows(item, rank)
+    return whole.narrow(item.sp.layout.dim, first, count)
+
+
+def join(item: Item, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor from every rank's piece, flat, in rank order."""
+    dim = item.sp.layout.dim
+    if dim == 0:  # rank-major rows are the whole tensor's own element order
+        return torch.cat(pieces).view(item.param.shape)
+    shaped = [t.view(_layout(item, r).padded_shape(rows(item, r)[1]))
+              for r, t in enumerate(pieces)]
+    return torch.cat(shaped, dim=dim)
 
 
 def by_group(items: list[Item]) -> list[list[Item]]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..core.arrival import every_rank_arrives
-from .exchange import Item, all_to_all, by_group, comm_device, numel, rows
+from .exchange import Item, all_to_all, by_group, comm_device, numel, piece
 
 
 class Kept:
@@ -101,8 +101,7 @@ def _release_group(opt, kept: Kept, group_items: list[Item]) -> None:
             continue
         state = kept.states.get(id(item.param), {})
         for r in range(world):
-            first, count = rows(item, r)
-            sends[r].extend(state[k].narrow(0, first, count) for k in names)
+            sends[r].extend(piece(item, state[k], r) for k in names)
     receive = [sum(len(names) * numel(item, me) for item, (names, _) in zip(group_items, described)
                    if item.owner == r) for r in range(world)]
     got = all_to_all(pg, sends, receive, ref.dtype, comm_device(pg, ref))
@@ -112,9 +111,9 @@ def _release_group(opt, kept: Kept, group_items: list[Item]) -> None:
         own = kept.states.get(id(p), {}) if item.owner == me else {}
         state = {k: own.get(k, v) for k, v in scalars.items()}  # the owner keeps its objects
         for k in names:
-            piece = got[item.owner][offsets[item.owner]:offsets[item.owner] + n]
+            mine = got[item.owner][offsets[item.owner]:offsets[item.owner] + n]
             offsets[item.owner] += n
-            state[k] = DTensor(piece.view_as(p._local_tensor).to(ref.device), p._spec,
+            state[k] = DTensor(mine.view_as(p._local_tensor).to(ref.device), p._spec,
                                requires_grad=False)
         opt.state[p] = state
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from .exchange import (InFlight, Item, agree, comm_device, numel, rows, same_bits,
+from .exchange import (InFlight, Item, agree, comm_device, join, numel, piece, same_bits,
                        start_all_to_all)
 from .kept import Kept, describe
 from .recipe import step_cost
@@ -69,8 +69,8 @@ class Round:
                 n = numel(entry.item, r)
                 parts.append(got[r][offsets[r]:offsets[r] + k * n].view(k, n))
                 offsets[r] += k * n
-            whole = [torch.cat([part[i] for part in parts]).view(entry.item.param.shape)
-                     .to(self.ref.device) for i in range(k)]
+            whole = [join(entry.item, [part[i] for part in parts]).to(self.ref.device)
+                     for i in range(k)]
             owned.append(_assemble(opt, step, entry, whole))
         return owned
 
@@ -81,8 +81,7 @@ class Round:
         for entry in self.mine():
             value = step.whole[id(entry.item.param)]
             for r in range(world):
-                first, count = rows(entry.item, r)
-                sends[r].append(value.detach().narrow(0, first, count))
+                sends[r].append(piece(entry.item, value.detach(), r))
         receive = [sum(numel(e.item, self.me) for e in self.entries if e.item.owner == r)
                    for r in range(world)]
         self.back = start_all_to_all(self.pg, sends, receive, self.ref.dtype,
