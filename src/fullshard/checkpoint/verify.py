@@ -32,6 +32,9 @@ from . import checksums, manifest as manifests
 from .layout import (EXTRA, LATEST, MANIFEST, METADATA, SHARD_SUFFIX, WRITER_MARK,
                      CheckpointError, being_rewritten, is_leftover, set_aside)
 
+# A manifest being written; saves of older versions named it "fullshard.json.partial".
+_MANIFEST_IN_FLIGHT = {os.path.basename(being_rewritten(MANIFEST)), f"{MANIFEST}.partial"}
+
 
 class Kind(enum.Enum):
     FULLSHARD = "a complete fullshard checkpoint"
@@ -88,9 +91,7 @@ def classify(path: str) -> Kind:
     names = set(os.listdir(path))
     if MANIFEST in names:
         return Kind.FULLSHARD
-    # (a manifest being written was "fullshard.json.partial" in saves of older versions)
-    manifest_in_flight = {os.path.basename(being_rewritten(MANIFEST)), f"{MANIFEST}.partial"}
-    if is_leftover(os.path.basename(path)) or EXTRA in names or names & manifest_in_flight:
+    if is_leftover(os.path.basename(path)) or EXTRA in names or names & _MANIFEST_IN_FLIGHT:
         return Kind.UNFINISHED
     if METADATA not in names:
         shards = any(n.endswith(SHARD_SUFFIX) for n in names)

@@ -201,9 +201,9 @@ def _prune(directory: str, keep: int) -> None:
     set_aside_steps = (set_aside(os.path.join(directory, name)) for name in steps)
     doomed += [old for old in set_aside_steps if os.path.isdir(old)]
     for name in steps[:-keep]:
-        path = os.path.join(directory, name)
-        os.replace(path, being_deleted(path))
-        doomed.append(being_deleted(path))
+        gone = being_deleted(os.path.join(directory, name))
+        os.replace(os.path.join(directory, name), gone)
+        doomed.append(gone)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
 

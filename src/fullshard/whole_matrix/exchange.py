@@ -51,12 +51,9 @@ def piece(item: Item, whole: torch.Tensor, rank: int) -> torch.Tensor:
 
 def join(item: Item, pieces: list[torch.Tensor]) -> torch.Tensor:
     """The whole tensor from every rank's piece, flat, in rank order."""
-    dim = item.sp.layout.dim
-    if dim == 0:  # rank-major rows are the whole tensor's own element order
-        return torch.cat(pieces).view(item.param.shape)
     shaped = [t.view(_layout(item, r).padded_shape(rows(item, r)[1]))
               for r, t in enumerate(pieces)]
-    return torch.cat(shaped, dim=dim)
+    return torch.cat(shaped, dim=item.sp.layout.dim)
 
 
 def by_group(items: list[Item]) -> list[list[Item]]:
