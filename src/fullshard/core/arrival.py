@@ -47,8 +47,17 @@ _arrivals = 0
 def prepare(mesh: DeviceMesh) -> None:
     """Make the check-in group, once, when ``mesh`` spans the job (every rank is here)."""
     global _group
-    if _group is None and dist.get_world_size() > 1 and mesh.size() == dist.get_world_size():
+    if (_group is None and dist.get_world_size() > 1 and mesh.size() == dist.get_world_size()
+            and communicates()):
         _group = dist.new_group(backend="gloo")
+
+
+def communicates() -> bool:
+    """Whether ranks are processes of their own that talk over a real backend: torch's
+    "fake" process group sends nothing (one process stands for every rank, the scale
+    lane) and its "threaded" one runs ranks as threads of one process (its test harness),
+    which would share this module's process-wide state."""
+    return str(dist.get_backend()) not in ("fake", "threaded")
 
 
 def timeout_s() -> float:

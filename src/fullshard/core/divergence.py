@@ -111,10 +111,8 @@ _LIVE: "weakref.WeakValueDictionary[tuple, Guard]" = weakref.WeakValueDictionary
 
 def guarded(ranks: list[int]) -> bool:
     """Whether a root over ``ranks`` gets a guard: more than one rank, each a process of
-    its own talking over a real backend. torch's "fake" process group does not
-    communicate, and its "threaded" one runs ranks as threads of one process (its test
-    harness), which would share this module's process-wide groups."""
-    return len(ranks) > 1 and str(dist.get_backend()) not in ("fake", "threaded")
+    its own talking over a real backend (``arrival.communicates``)."""
+    return len(ranks) > 1 and arrival.communicates()
 
 
 # the guard's groups' description: what tools that count collectives tell them apart by
