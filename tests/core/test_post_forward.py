@@ -79,3 +79,33 @@ def test_reshard_after_forward_int_gathers_within_the_smaller_group():
     backward = [s for s in seen if s[0] == "backward"]
     assert forward and all(size == 4 for _, size, _ in forward)
     assert len(backward) == CFG.n_layers and all(size == 2 for _, size, _ in backward)
+
+
+_SUBGROUP_SCRIPT = """
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from fullshard.core import post_forward
+
+dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+made = []
+real = dist.new_group
+dist.new_group = lambda *a, **k: made.append((k.get("ranks"), k.get("use_local_synchronization"))) or real(*a, **k)
+group = post_forward.subgroup_of(mesh.get_group("shard"), 2)
+assert post_forward.subgroup_of(mesh.get_group("shard"), 2) is group
+print(made)
+"""
+
+
+def test_hybrid_shard_groups_make_only_their_own_subgroups():
+    """Rank 5 of a 2 x 4 hybrid mesh (shard group 4-7) with reshard_after_forward=2 makes
+    one subgroup, {4, 5}, among its members only: every replica making its own subgroups
+    the ordinary way gave disjoint groups the same name (and store keys)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SUBGROUP_SCRIPT], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[([4, 5], True)]", out.stdout

@@ -7,8 +7,7 @@ its chunk within a group of N consecutive ranks, so backward gathers from N rank
 (within a node, say) instead of the whole shard group. Because the chunks are
 contiguous pieces of the unsharded buffer, that gather writes straight into it
 (no copy-out). Memory: 1/N of the unit instead of 0 (ZeRO-3) or 1 (ZeRO-2).
-The subgroups are created once per (group, N) on every rank, since creating a
-process group is collective.
+The subgroups are created once per (group, N), by their members.
 """
 
 from __future__ import annotations
@@ -18,22 +17,25 @@ import torch.distributed as dist
 
 from .comm import Pending, all_gather
 
-# (ranks of the shard group, size) -> this rank's subgroup. Process-wide because creating a
-# group is collective (every rank, same order): units with the same hpZ size share one.
+# (ranks of the shard group, size) -> this rank's subgroup. Process-wide: units with the
+# same hpZ size over the same ranks share one.
 _SUBGROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
 
 
 def subgroup_of(pg: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
-    """This rank's group of ``size`` consecutive ranks of ``pg`` (created collectively)."""
+    """This rank's group of ``size`` consecutive ranks of ``pg``, made by its members only
+    (local synchronization). Under hybrid sharding each replica's shard group makes its
+    own subgroups: made the ordinary way (every rank of the job, named by a counter), the
+    replicas' disjoint subgroups would get the same name, and so the same keys in the
+    store through which their members meet (NCCL's unique ids among them); hashed from
+    their ranks, each name is its own, and no rank waits on subgroups it is not in."""
     ranks = tuple(dist.get_process_group_ranks(pg))
     key = (ranks, size)
     if key not in _SUBGROUPS:
-        me = dist.get_rank()
-        for start in range(0, len(ranks), size):
-            chunk = list(ranks[start:start + size])
-            group = dist.new_group(ranks=chunk)
-            if me in chunk:
-                _SUBGROUPS[key] = group
+        me = ranks.index(dist.get_rank())
+        start = me - me % size
+        _SUBGROUPS[key] = dist.new_group(ranks=list(ranks[start:start + size]),
+                                         use_local_synchronization=True)
     return _SUBGROUPS[key]
 
 
