@@ -161,12 +161,19 @@ class UnknownPresence:
         self.flags = flags      # the reduced presence flags, one per reduced parameter
 
     def resolve(self) -> None:
-        if not self.missing:
-            return
-        flags = self.flags.tolist()
-        for p, index in self.missing:
-            if flags[index] <= 0:
-                p.sharded_param.grad = None
+        resolve_all([self])
+
+
+def resolve_all(unknown: list[UnknownPresence]) -> None:
+    """Resolve every reduction's unknown presence with one read of the flags it needs:
+    on a device, one host sync for the whole backward rather than one per unit."""
+    wanted = [(presence, p, index) for presence in unknown for p, index in presence.missing]
+    if not wanted:
+        return
+    flags = torch.stack([presence.flags[index] for presence, _, index in wanted]).tolist()
+    for (_, p, _), flag in zip(wanted, flags):
+        if flag <= 0:
+            p.sharded_param.grad = None
 
 
 class PartialSum:
@@ -355,7 +362,9 @@ class GradReduction:
         if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
             grads = [g.to(reduce_dtype) for g in grads]
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
-        flags = self._presence_flags(had_grad, grads[0]).expand(w, -1)
+        # one copy per rank's chunk, materialized: _chunk_cat's fast path wants every
+        # input contiguous, and a stride-0 view sends the whole pack down its slow path
+        flags = self._presence_flags(had_grad, grads[0]).repeat(w, 1)
         numel = reduce_numel([p.layout.shard_numel for p in trainable])
         comm = None if skips_collectives(w) else g.reduce_scatter_comm
         plan = reduce_plan(shard_size=w, replicated=g.replicate_pg is not None,
@@ -371,7 +380,7 @@ class GradReduction:
         inspected = (not plan.all_reduce and comm is None and not g.quantize_grads
                      and g.patience is not None and not skips_collectives(w)
                      and g.replicate_pg is None and w == len(g.guard.ranks))
-        digest = self._digest(inspected, grads[0]).expand(w, -1)
+        digest = self._digest(inspected, grads[0]).repeat(w, 1)
         full = (g.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
                 comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
