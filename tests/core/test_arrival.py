@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from fullshard import fully_shard
 from fullshard.core import arrival
@@ -108,5 +109,5 @@ def test_the_wait_must_be_a_positive_number_of_seconds(value, monkeypatch):
         arrival.timeout_s()
     monkeypatch.setenv(arrival.TIMEOUT_VARIABLE, "2.5")
     assert arrival.timeout_s() == 2.5
-    monkeypatch.delenv(arrival.TIMEOUT_VARIABLE)
-    assert arrival.timeout_s() == arrival.DEFAULT_TIMEOUT_S
+    monkeypatch.delenv(arrival.TIMEOUT_VARIABLE)  # unset: torch's own default
+    assert arrival.timeout_s() == default_pg_timeout.total_seconds()

@@ -1,6 +1,7 @@
 """Ranks that take different paths fail with an error naming the unit, not a hang."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from support.catalogue import matches_documented
+from support.small_gpt import CFG as SMALL
+from support.small_gpt import sharded_gpt
 from support.rank_failures import failure_report, first_error
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, d_model=16, n_layers=3, n_heads=2)
@@ -209,16 +212,39 @@ def test_a_rank_stalled_in_one_model_while_its_peer_stalls_in_another_is_not_a_d
     assert late == on_time
 
 
-def test_a_peer_at_another_models_check_behind_a_stalled_rank_is_named():
-    from fullshard.core.divergence import ELSEWHERE, STALLED, _Record, first_difference
-    from fullshard.core.ledger import FORWARD_WITH_GRAD, Entry
+# -- a rank that is only slow, anywhere in the step, is waited for ------------------------
+def _slow_inside(where: str):
+    """Rank 1 is busy for 4 s (four of the peer's 1 s stall slices) inside step 1: in a
+    layer's forward, or in a gradient hook during backward. Rank 0 stalls, compares, finds
+    rank 1 merely behind each time and waits on; both train on and agree."""
+    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "10"  # stalls are compared after 1 s
+    model = sharded_gpt()
+    slow = {"on": False}
 
-    entry = Entry(1, FORWARD_WITH_GRAD, 0, 0, 0)
-    entries = {7: (123, tuple(entry))}
-    stalled = _Record(STALLED, -1, 7, 6, entries, {}, 0)  # waits in the model's entry #7
-    at_other = _Record(ELSEWHERE, -1, 6, 6, {}, {}, 0)    # never issued it
-    problem = first_difference([stalled, at_other], lambda e: "the all-gather of 'GPT'")
-    assert problem is not None and problem.count == 7, problem
-    assert problem.what[1] == "went on to another sharded model's check after entry #6"
-    assert first_difference([stalled, at_other._replace(count=7, entries=entries)],
-                            lambda e: "") is None  # it did issue it: consistent
+    def sleep(*_args):
+        if slow["on"]:
+            slow["on"] = False
+            time.sleep(4)
+
+    if where == "forward":
+        model.layers[1].register_forward_pre_hook(sleep)
+    else:
+        model.layers[0].register_full_backward_hook(sleep)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = token_batch(0, 2, SMALL.vocab_size, SMALL.seq_len)  # the same on both ranks
+    losses = []
+    for step in range(3):
+        slow["on"] = dist.get_rank() == 1 and step == 1
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_slow_inside_forward_or_backward_is_waited_for(where):
+    first, second = run_distributed(_slow_inside, 2, where, timeout=120)
+    assert first == second

@@ -81,8 +81,9 @@ def save(path: str | os.PathLike, model: nn.Module,
     Every rank writes its own shards; the directory appears only once complete (see
     Note [atomic commit]) and ``latest`` in its parent then names it. Returns ``path``,
     or with ``async_save=True`` a future of it (Note [async save]). Collective: a save
-    some ranks never call fails within FULLSHARD_ARRIVAL_TIMEOUT seconds (Note [every
-    rank arrives]).
+    some ranks never call fails within the process group's timeout (or
+    FULLSHARD_ARRIVAL_TIMEOUT seconds; Note [every rank arrives]), and a divergence still
+    unnamed is named before anything is written.
     """
     if _distributed():
         every_rank_arrives("fullshard.checkpoint.save")

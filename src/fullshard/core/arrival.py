@@ -5,71 +5,52 @@ A function that is collective (a checkpoint save or load, a full state dict) and
 called on some ranks only would wait in its first collective until the process group's
 timeout (30 minutes by default) with nothing said: ``save`` under ``if rank == 0:`` is
 the classic case. Such functions first check in: every rank contributes (which call, how
-many check-ins before it) and waits at most ``FULLSHARD_ARRIVAL_TIMEOUT`` seconds (300).
-A rank that waited that long raises naming the call; ranks that arrive at different calls
+many check-ins before it) and waits at most as long as the process group would (its
+timeout), or ``FULLSHARD_ARRIVAL_TIMEOUT`` seconds. A rank that waited that long raises
+naming the call; ranks that arrive at different calls
 raise on every rank, naming each rank's call. The raising process then ends, so a peer
 waiting in another collective fails at once (its peer went away) instead of waiting out
-the group's timeout. The wait is gloo's ``monitored_barrier``, which names the ranks
+its own timeout with nothing said. The wait is gloo's ``monitored_barrier``, which names the ranks
 that did not arrive and leaves nothing pending behind it.
 
-The check-in runs on a gloo group of its own, made by the first ``fully_shard`` whose
-mesh spans the whole job (every rank calls it, so the group can be made there; made
-later, by the very call only some ranks reach, it would hang): on a group of its own it
-never pairs with a collective a late rank is waiting in, which on gloo aborts the process
-("collective mismatch") and on NCCL can hang or mix data. Before that group exists
-(checkpoints of plain modules) the default group serves if it is gloo's; an NCCL job
-without the group is not checked. A barrier and one gather of two integers per call:
-cheap beside a save.
+The check-in runs on the control channel of the whole job (core/control.py, Note [one
+control group]), made by the first ``fully_shard`` whose mesh spans the job: on a group of
+its own it never pairs with a collective a late rank is waiting in, which on gloo aborts
+the process ("collective mismatch") and on NCCL can hang or mix data. A comparison of the
+divergence guard still in flight is finished first, so a save never follows a divergence
+unnamed. Before that channel exists (checkpoints of plain modules) the default group serves
+if it is gloo's; an NCCL job without the channel is not checked. A barrier and one gather
+of two integers per call: cheap beside a save. How long it waits is the process group's
+timeout, or ``FULLSHARD_ARRIVAL_TIMEOUT`` seconds (core/control.py).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import zlib
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import control
 from .comm import CollectiveError, all_gather
 
-TIMEOUT_VARIABLE = "FULLSHARD_ARRIVAL_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_VARIABLE = control.TIMEOUT_VARIABLE
+timeout_s = control.timeout_s
 
-# Process-wide, because the calls it serves are collective over the whole job: the gloo
-# group check-ins run on (made once, by every rank together) and how many check-ins this
-# process made (the second field of each, so a rank one call ahead is caught too).
-_group: dist.ProcessGroup | None = None
+# How many check-ins this process made (the second field of each, so a rank one call
+# ahead is caught too). Process-wide, because the calls it serves are collective over the
+# whole job.
 _arrivals = 0
 
 
 def prepare(mesh: DeviceMesh) -> None:
-    """Make the check-in group, once, when ``mesh`` spans the job (every rank is here)."""
-    global _group
-    if (_group is None and dist.get_world_size() > 1 and mesh.size() == dist.get_world_size()
-            and communicates()):
-        _group = dist.new_group(backend="gloo")
-
-
-def communicates() -> bool:
-    """Whether ranks are processes of their own that talk over a real backend: torch's
-    "fake" process group sends nothing (one process stands for every rank, the scale
-    lane) and its "threaded" one runs ranks as threads of one process (its test harness),
-    which would share this module's process-wide state."""
-    return str(dist.get_backend()) not in ("fake", "threaded")
-
-
-def timeout_s() -> float:
-    """Seconds a collective function waits for every rank to call it."""
-    text = os.environ.get(TIMEOUT_VARIABLE, "")
-    try:
-        value = float(text) if text else DEFAULT_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{TIMEOUT_VARIABLE}={text!r}: expected a positive number of seconds")
-    return value
+    """Make the job's control channel, once, when ``mesh`` spans the job (every rank is
+    here)."""
+    world = dist.get_world_size()
+    if world > 1 and mesh.size() == world:
+        control.prepare(list(range(world)))
 
 
 def every_rank_arrives(call: str) -> None:
@@ -78,10 +59,12 @@ def every_rank_arrives(call: str) -> None:
     different functions."""
     global _arrivals
     world = dist.get_world_size()
-    group = _group if _group is not None else (
+    channel = control.channel_of(list(range(world)))
+    group = channel.group if channel is not None else (
         dist.group.WORLD if dist.get_backend() == "gloo" else None)
     if world == 1 or group is None:  # NCCL alone has no bounded barrier to check in with
         return
+    control.drain_all()  # the guard's comparison in flight first (Note [one control group])
     _arrivals += 1
     limit = timeout_s()
     try:

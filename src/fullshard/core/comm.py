@@ -446,6 +446,11 @@ class HostCopies:
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.pop(0)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether copies to the host are still to land (``settle`` would wait)."""
+        return bool(self._in_flight)
+
     def settle(self) -> None:
         """Wait until every copy to the host has landed, then let go of the sources."""
         if not self._in_flight:

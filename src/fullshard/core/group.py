@@ -224,9 +224,10 @@ class ParamGroup:
     @property
     def patience(self):
         """What a wait calls after each slice it has waited (Note [ranks agree on every
-        collective]); None where waiting does not block the host (NCCL) or unguarded."""
+        collective]); None where waiting does not block the host (NCCL), where the guard
+        compares a step behind (Note [a comparison one step behind]) or unguarded."""
         guard = self.guard
-        if guard is None or self.compute_device.type != "cpu":
+        if guard is None or guard.lagged or self.compute_device.type != "cpu":
             return None
         return guard
 

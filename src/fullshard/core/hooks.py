@@ -137,9 +137,10 @@ def ensure_root(unit: UnitState) -> RootState:
     root = lazy_init(unit, units, unit.bucket_numel)
     ranks = unit.mesh.mesh.flatten().tolist()
     if guarded(ranks):  # Note [ranks agree on every collective]
+        # where the host runs ahead of the device, a comparison one step behind
         root.guard = Guard(Ledger([u.name for u in root.units]), ranks,
-                           debug_enabled(unit.debug), lambda: root.backward.running)
-        root.patience = root.guard if unit.mesh.device_type == "cpu" else None
+                           debug_enabled(unit.debug), lambda: root.backward.running,
+                           lagged=unit.mesh.device_type != "cpu")
     for u in root.units:
         u.ledger_code = unit_code(u.name)
     for group, members in root.members.items():
@@ -380,7 +381,7 @@ def _check_forward(root: RootState) -> None:
     """Note [ranks agree on every collective]: a forward without grad has no backward to
     check it, so it is compared now; one with grad is by its backward."""
     if not torch.is_grad_enabled():
-        root.guard.check(root.guard.phase())
+        root.guard.compare(root.guard.phase())
 
 
 def _hook_outputs(unit: UnitState, output: Any) -> None:

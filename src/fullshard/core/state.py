@@ -10,6 +10,7 @@ final callback that ends it, in one ``BackwardState`` (``root.backward``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 
 import torch
@@ -18,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..policies import MixedPrecisionPolicy
 from .comm import BufferPool, SharedCopies
-from .gradients import DEFAULT_REDUCE, PendingReduce, ReduceOptions, UnknownPresence
+from .gradients import (DEFAULT_REDUCE, PendingReduce, ReduceOptions, UnknownPresence,
+                        resolve_all)
 from .ledger import BACKWARD
 from .group import ParamGroup
 from .schedule import PrefetchOrder, frees_after_forward
@@ -112,16 +114,25 @@ class UnitState:
         return f"UnitState({self.name})"
 
 
-# Every root alive in the process. Process-wide because optimizer.step() must finish
-# the reduce-scatters left in flight by set_is_last_backward(False) (optim.py), and an
-# optimizer knows only its tensors, not the model; weak, so a dropped model goes.
-_LIVE_ROOTS: "weakref.WeakSet[RootState]" = weakref.WeakSet()
+# Every root alive in the process, in the order they were made. Process-wide because
+# optimizer.step() must finish the reduce-scatters left in flight by
+# set_is_last_backward(False) (optim.py), and an optimizer knows only its tensors, not the
+# model; weak, so a dropped model goes. Ordered, because settling a root may issue
+# collectives (a replica all-reduce, the guard's comparison): every rank must settle its
+# roots in one order, and a WeakSet's order is its objects' addresses, which differ by rank.
+_LIVE_ROOTS: "weakref.WeakValueDictionary[int, RootState]" = weakref.WeakValueDictionary()
+_ROOTS_MADE = itertools.count()
+
+
+def live_roots() -> list["RootState"]:
+    """The roots alive now, oldest first (the same order on every rank)."""
+    return list(_LIVE_ROOTS.values())
 
 
 def finish_all_pending_reduces() -> None:
     """Complete every reduce-scatter left in flight and every gradient copy to the host
     (Optimizer.step calls this first)."""
-    for root in list(_LIVE_ROOTS):
+    for root in live_roots():
         root.settle_gradients()
 
 
@@ -203,12 +214,18 @@ class RootState:
         for group in self.members:
             group.pool = self.pool
         self.use_copies(unit.shared_copies)
-        _LIVE_ROOTS.add(self)
+        _LIVE_ROOTS[next(_ROOTS_MADE)] = self
         self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
         # Note [ranks agree on every collective]: set at lazy init when the mesh has more
-        # than one rank; ``patience`` is the guard where waiting blocks the host (CPU)
+        # than one rank
         self.guard = None
-        self.patience = None
+
+    @property
+    def patience(self):
+        """The guard where waits are sliced to compare with stalled peers (the host waits
+        in them: CPU), else None (Note [ranks agree on every collective])."""
+        guard = self.guard
+        return guard if guard is not None and not guard.lagged else None
 
     # -- orders -------------------------------------------------------------------------
     def record_pre_forward(self, unit: UnitState) -> None:
@@ -307,15 +324,16 @@ class RootState:
         """Finish the reduction in flight and wait for gradients still being copied to the
         host: afterwards every ``.grad`` holds its final value."""
         self.finish_pending_reduce()
-        self.copies.settle()
         # the ranks agreed on what they reduced (or it raises). Only after a backward:
         # optimizer.step() settles every live root, and a model no longer used may be
         # collected on one rank and not yet on another; a check on some ranks only would
-        # pair with another model's on the rest.
+        # pair with another model's on the rest. Before the copies to the host: their
+        # wait would hold a diverged rank behind an unmatched collective on the device
+        # (Note [a comparison one step behind]).
         backward = self.backward
         if self.guard is not None and backward.ended_since_settle:
-            self.guard.ensure_agreed(BACKWARD)
+            self.guard.compare(BACKWARD, at_once=self.copies.in_flight)
         backward.ended_since_settle = False
+        self.copies.settle()
         unknown, backward.unknown_presence = backward.unknown_presence, []
-        for presence in unknown:  # after the copies: offloaded flags are on the host now
-            presence.resolve()
+        resolve_all(unknown)  # after the copies: offloaded flags are on the host now
