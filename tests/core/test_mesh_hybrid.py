@@ -90,3 +90,49 @@ def test_hybrid_state_dicts_and_checkpoints(tmp_path):
     loaded = run_distributed(_load_1d, 2, str(tmp_path))[0]
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
+
+
+def _replica_reduce_order():
+    """Which collectives each unit's gradients go through, in the order they are issued
+    and waited for (spies on the two PendingReduce stages)."""
+    from fullshard.core import gradients
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    _hsdp(model, mesh)
+    model.set_bucket_numel(0)
+    events = []
+    real_start, real_finish = (gradients.PendingReduce.start_replica_reduce,
+                               gradients.PendingReduce.finish)
+
+    def start(self, patience=None):
+        started = real_start(self, patience)
+        if started:
+            events.append(f"all-reduce started {self.unit_name}")
+        return started
+
+    def finish(self, patience=None):
+        events.append(f"finished {self.unit_name}")
+        return real_finish(self, patience)
+
+    gradients.PendingReduce.start_replica_reduce = start
+    gradients.PendingReduce.finish = finish
+    try:
+        x, y = _gpt_batch(0, 2)
+        lm_loss(model(x), y).backward()
+    finally:
+        gradients.PendingReduce.start_replica_reduce = real_start
+        gradients.PendingReduce.finish = real_finish
+    return events
+
+
+def test_the_replica_all_reduce_stays_in_flight_while_the_next_unit_reduces():
+    """Note [the replica all-reduce in flight]: a unit's all-reduce across replicas is
+    started when the next unit's reduce-scatter is about to be issued, and finished one
+    unit later, not waited for as soon as it is issued."""
+    for events in run_distributed(_replica_reduce_order, 4):
+        assert events[:4] == ["all-reduce started layers.2", "all-reduce started layers.1",
+                              "finished layers.2", "all-reduce started layers.0"], events
+        assert sorted(e for e in events if e.startswith("finished")) == [
+            "finished GPT", "finished layers.0", "finished layers.1", "finished layers.2"]

@@ -58,7 +58,16 @@ DEFAULT_REDUCE = ReduceOptions()
 
 
 class PendingReduce:
-    """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s."""
+    """A reduce-scatter in flight; ``finish`` averages it into the sharded ``.grad``s.
+
+    Note [the replica all-reduce in flight]
+    Under hybrid sharding a unit's shard sum is then all-reduced across replicas. Waited
+    for as soon as it is issued, that all-reduce would hold the compute stream (NCCL) or
+    the host (gloo) behind it once per unit. Instead, when the next unit's reduction is
+    about to be issued, the previous unit's reduce-scatter is waited for and its
+    all-reduce only started (``start_replica_reduce``); it is finished one unit later, or
+    when the gradients settle. At most one reduce-scatter and one all-reduce are in
+    flight, issued in the same order on every rank."""
 
     def __init__(self, unit_name: str, params: list[ShardedParam], had_grad: list[bool],
                  pending: Pending,
@@ -84,6 +93,7 @@ class PendingReduce:
         # replicas): the default divisor. A unit on a sub-mesh (experts on their own mesh)
         # divides by its own mesh's size, not its root's, as torch's FSDP2 does.
         self._data_parallel_size = data_parallel_size
+        self._replicating = False  # the all-reduce across replicas is in flight
 
     def finish(self, patience=None) -> "UnknownPresence | None":
         """Average the reduction into the sharded ``.grad``s; what is returned (when some
@@ -91,10 +101,26 @@ class PendingReduce:
         with traced("finish_reduce", self.unit_name):
             return self._finish(patience)
 
-    def _finish(self, patience) -> "UnknownPresence | None":
+    def start_replica_reduce(self, patience=None) -> bool:
+        """Hybrid sharding: wait for the shard group's reduce-scatter and start the
+        all-reduce across replicas without waiting for it; True when one was started
+        (``finish`` then completes it). Note [the replica all-reduce in flight]."""
+        if self._replicate_pg is None or not self._options.all_reduce or self._replicating:
+            return False
         out = self.pending.wait(f"gradient reduction of {self.unit_name}", patience)
+        self._partial.add_into(out)
+        self.pending = all_reduce_sum(out, self._replicate_pg, async_op=True)
+        self._replicating = True
+        return True
+
+    def _finish(self, patience) -> "UnknownPresence | None":
         options = self._options
-        if self._replicate_pg is not None:  # hybrid sharding: sum the replicas' shards
+        if self._replicating:
+            out = self.pending.wait(
+                f"gradient all-reduce across replicas of {self.unit_name}", patience)
+        else:
+            out = self.pending.wait(f"gradient reduction of {self.unit_name}", patience)
+        if self._replicate_pg is not None and not self._replicating:
             if not options.all_reduce:  # keep the shard-group sum; gradients come later
                 self._partial.add(out)
                 self._release_buffers()

@@ -424,7 +424,7 @@ def _on_backward_done(root: RootState, group: ParamGroup) -> None:
 
 
 def _post_backward(root: RootState, group: ParamGroup) -> None:
-    root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
+    root.finish_pending_reduce(everything=False)  # keep at most one reduce-scatter in flight
     if not (root.stays_gathered_after_backward(group) or root.backward.creates_graph):
         group.reshard()  # free the parameters before the reduce allocates its buffers
     first = root.members[group][0]

@@ -158,6 +158,8 @@ class BackwardState:
         self.recomputed: set[UnitState] = set()
         self.reduced: set[ParamGroup] = set()  # groups reduced in this backward
         self.pending_reduce: PendingReduce | None = None  # at most one reduction in flight
+        # and one all-reduce across replicas (Note [the replica all-reduce in flight])
+        self.replica_reduce: PendingReduce | None = None
         self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
         self.handle = None  # finalize_backward(async_op=True)'s, until waited
         self.passes = 0  # backward passes ended (when late gradients are looked for)
@@ -264,9 +266,10 @@ class RootState:
         (also those accumulated without sync) and its bookkeeping. The forward order
         recorded by the last complete iteration is kept for prefetching."""
         backward = self.backward
-        pending, backward.pending_reduce = backward.pending_reduce, None
-        if pending is not None:
-            pending.discard()
+        for pending in (backward.replica_reduce, backward.pending_reduce):
+            if pending is not None:
+                pending.discard()
+        backward.pending_reduce = backward.replica_reduce = None
         if backward.handle is not None:  # finalize_backward(async_op=True)'s
             backward.handle.invalidate()
             backward.handle = None
@@ -301,11 +304,20 @@ class RootState:
         return any(u.unshard_in_backward for u in self.members[group])
 
     # -- reduce-scatter in flight -----------------------------------------------------------
-    def finish_pending_reduce(self) -> None:
+    def finish_pending_reduce(self, everything: bool = True) -> None:
+        """Finish the reduction in flight; with ``everything`` False a hybrid-sharded one
+        is only moved on to its all-reduce across replicas, which the next call finishes
+        (Note [the replica all-reduce in flight])."""
         backward = self.backward
-        if backward.pending_reduce is not None:
-            pending, backward.pending_reduce = backward.pending_reduce, None
-            unknown = pending.finish(self.patience)
+        replica, backward.replica_reduce = backward.replica_reduce, None
+        pending, backward.pending_reduce = backward.pending_reduce, None
+        if pending is not None and not everything and pending.start_replica_reduce(
+                self.patience):
+            backward.replica_reduce, pending = pending, None
+        for reduction in (replica, pending):
+            if reduction is None:
+                continue
+            unknown = reduction.finish(self.patience)
             if unknown is not None:
                 backward.unknown_presence.append(unknown)
 
