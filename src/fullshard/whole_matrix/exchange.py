@@ -72,6 +72,26 @@ def comm_device(pg: dist.ProcessGroup, ref: torch.Tensor) -> torch.device:
     return ref.device
 
 
+class OnDevice(NamedTuple):
+    """A tensor that lived on a device, carried on the host through an object collective."""
+    host: torch.Tensor
+
+
+def host_values(values: dict) -> dict:
+    """``values`` ready for an object collective: each tensor on a device copied to the
+    host (marked ``OnDevice``). Pickled as it is, a CUDA tensor names its device and
+    unpickles onto the sender's ``cuda:k`` on every receiver: another rank's GPU, or
+    "Attempting to deserialize object on CUDA device k" where each process sees one."""
+    return {k: OnDevice(v.to("cpu")) if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+            else v for k, v in values.items()}
+
+
+def device_values(values: dict, device: torch.device) -> dict:
+    """The inverse of :func:`host_values` on the receiving rank: what lived on a device
+    goes to ``device`` (this rank's, beside its parameter), host tensors stay."""
+    return {k: v.host.to(device) if isinstance(v, OnDevice) else v for k, v in values.items()}
+
+
 class InFlight:
     """An all-to-all issued and not yet waited on; its send buffer lives until then."""
 
