@@ -41,6 +41,7 @@ from .model import (Workload, build_mesh, build_workload, load_initial_weights, 
 from .config.packages import check_packages
 from .report.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
 from .report.progress import ProgressLine
+from .scaler import AgreedGradScaler
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -91,7 +92,8 @@ class Trainer:
         load_initial_weights(self.model, self.workload, worker.device)
         self.memory.watch(self.model)
         self.optimizers = build_optimizers(self.model, cfg.optim)
-        self.scaler = (torch.amp.GradScaler(worker.device.type)
+        # every rank skips an overflowing step and backs off alike (train/scaler.py)
+        self.scaler = (AgreedGradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
         batch = cfg.batch
         self.sampler = EpochSampler(self.workload.train_tokens, batch.seq_len, batch.batch_size,
