@@ -41,7 +41,7 @@ from .model import (Workload, build_mesh, build_workload, load_initial_weights, 
 from .config.packages import check_packages
 from .report.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
 from .report.progress import ProgressLine
-from .scaler import AgreedGradScaler
+from .scaler import AgreedGradScaler, steps_on_host
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -65,7 +65,13 @@ def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> N
     synchronization stays the statistics' at its end; any other reads the norm first."""
     if optimizer.defaults.get("fused") and getattr(optimizer, "_step_supports_amp_scaling",
                                                    False):
-        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        if steps_on_host(optimizer) and found_inf.device.type != "cpu":
+            # Offloaded: the fused step runs on the host and would copy a GPU flag there
+            # itself, without blocking, then read it before the copy lands. A blocking
+            # copy here waits for it (the host must know the flag to step at all).
+            found_inf = found_inf.cpu()
+        optimizer.found_inf = found_inf
         optimizer.step()
     elif math.isfinite(float(grad_norm)):
         optimizer.step()
