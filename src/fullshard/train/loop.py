@@ -263,8 +263,10 @@ class Trainer:
         device = self.worker.device
         host = torch.tensor([float(self.stop.requested), *map(float, self.memory.step_figures())],
                             dtype=torch.float64)
+        # through pinned memory (on_device): a non-blocking copy from pageable memory
+        # makes the host wait for everything queued on the stream, the whole step
         mine = torch.cat([loss.detach().to(torch.float64).view(1),
-                          host.to(device, non_blocking=True),
+                          on_device((host,), device)[0],
                           grad_norm.detach().to(device, torch.float64).view(1)])
         everyone = torch.empty(self.worker.world * mine.numel(), dtype=torch.float64,
                                device=device)
