@@ -59,6 +59,13 @@ def kept_for(opt: torch.optim.Optimizer, items: list[Item], signature: tuple) ->
     return kept
 
 
+def kept_if_unchanged(opt: torch.optim.Optimizer, signature: tuple) -> Kept | None:
+    """The optimizer's Kept if its assignment still holds (the same parameters, shard
+    groups and shapes: ``signature``), so that a step need not place them again."""
+    kept = _KEPT.get(opt)
+    return kept if kept is not None and kept.signature == signature else None
+
+
 def _release_for_state_dict(opt: torch.optim.Optimizer) -> None:
     """``state_dict()``'s pre-hook: handing the states back is a collective, so a call on
     some ranks only (``if rank == 0: opt.state_dict()``) is refused after the arrival
