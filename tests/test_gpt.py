@@ -1,5 +1,6 @@
 """fullshard.gpt: the mixture of experts' two layouts compute the same function."""
 
+import pytest
 import torch
 
 from fullshard.gpt import GPT, GPTConfig, gpt_loss
@@ -48,3 +49,42 @@ def test_the_meta_trace_shares_rows_evenly_over_grouped_experts():
         model = GPT(GPTConfig(**CFG, grouped_experts=True))
         out = model(torch.zeros(2, 8, dtype=torch.long))
     assert out.shape == (2, 8, CFG["vocab_size"]) and out.is_meta
+
+
+def _exchange_rows_on_two_ranks() -> tuple[bool, int]:
+    """Expert parallelism over 2 ranks, 2 experts each: every row reaches the rank of its
+    expert, which scales it by (expert + 1), and comes back in order; returns whether it
+    did and how many host reads (tolist) the exchange made."""
+    import torch.distributed as dist
+
+    from fullshard.gpt import exchange_rows
+
+    rank, local = dist.get_rank(), 2
+    expert = torch.tensor([[0, 0, 1, 3, 3, 3], [0, 1, 2, 2, 2, 2]][rank])  # sorted by expert
+    routed = torch.randn(len(expert), 5, generator=torch.Generator().manual_seed(rank))
+    counts = torch.bincount(expert, minlength=2 * local)
+
+    def experts(rows, per_expert):
+        first = rank * local  # this rank's experts: rows arrive sorted by them
+        return torch.cat([part * (first + e + 1)
+                          for e, part in enumerate(rows.split(per_expert))])
+
+    reads, real = [0], torch.Tensor.tolist
+
+    def counted(self):
+        reads[0] += 1
+        return real(self)
+
+    torch.Tensor.tolist = counted
+    try:
+        out = exchange_rows(experts, routed, counts, dist.group.WORLD)
+    finally:
+        torch.Tensor.tolist = real
+    return torch.equal(out, routed * (expert + 1)[:, None].to(routed.dtype)), reads[0]
+
+
+@pytest.mark.slow
+def test_rows_travel_to_their_experts_and_back_with_one_host_read():
+    from fullshard.testing import run_distributed
+
+    assert run_distributed(_exchange_rows_on_two_ranks, 2) == [(True, 1), (True, 1)]

@@ -40,3 +40,23 @@ def test_clipping_offloaded_gradients_matches_one_process():
     device whatever device the gradients live on)."""
     norms = run_distributed(_clip_offloaded, 2)
     assert norms[0] == norms[1] > 0.01
+
+
+def test_an_infinite_max_norm_measures_without_touching_the_gradients(monkeypatch):
+    """Clipping off (max_norm inf): the norm, and no kernel over the gradients."""
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad, params[1].grad = torch.full((3,), 3.0), torch.full((4,), 2.0)
+    real, multiplied = torch._foreach_mul_, []
+
+    def counted(tensors, scalar):
+        multiplied.append(len(tensors))
+        return real(tensors, scalar)
+
+    monkeypatch.setattr(torch, "_foreach_mul_", counted)
+    norm = clip_grad_norm_(params, float("inf"))
+    assert norm.item() == pytest.approx((9 * 3 + 4 * 4) ** 0.5)
+    assert multiplied == []
+    clip_grad_norm_(params, 1.0)
+    assert multiplied == [2]
+    clipped = torch.stack([p.grad.norm() for p in params]).norm().item()
+    assert clipped == pytest.approx(1.0, rel=1e-5)

@@ -234,15 +234,16 @@ def exchange_rows(experts, routed: torch.Tensor, counts: torch.Tensor,
     local = counts.numel() // ranks
     received = torch.empty_like(counts)  # rows this rank gets from each peer per expert
     dist.all_to_all_single(received, counts, group=group)
-    received = received.view(ranks, local)
-    send = counts.view(ranks, local).sum(dim=1).tolist()
-    recv = received.sum(dim=1).tolist()
+    # one read of both counts on the host (each read waits for the device); the sizes
+    # below are sums of them, in Python
+    sent, got = torch.stack([counts.view(ranks, local), received.view(ranks, local)]).tolist()
+    send, recv = [sum(row) for row in sent], [sum(row) for row in got]
     arrived = funcol.all_to_all_single_autograd(routed, recv, send, group)
     # arrived rows are (peer, expert)-major; the experts want (expert, peer)-major
-    pieces = arrived.split(received.flatten().tolist())
+    pieces = arrived.split([n for row in got for n in row])
     by_expert = [pieces[p * local + e] for e in range(local) for p in range(ranks)]
-    out = experts(torch.cat(by_expert), received.sum(dim=0).tolist())
-    back = out.split(received.t().flatten().tolist())
+    out = experts(torch.cat(by_expert), [sum(row[e] for row in got) for e in range(local)])
+    back = out.split([got[p][e] for e in range(local) for p in range(ranks)])
     by_peer = torch.cat([back[e * ranks + p] for p in range(ranks) for e in range(local)])
     return funcol.all_to_all_single_autograd(by_peer, send, recv, group)
 

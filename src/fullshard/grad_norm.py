@@ -30,7 +30,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     dimensions they are sharded over, and each group's sum is all-reduced over exactly
     those dimensions (a replicated dimension holds the same values on every rank, so it
     is counted once). Plain gradients (ignored parameters) are counted once, as every
-    rank has them.
+    rank has them. ``max_norm=inf`` only measures: the gradients are left as they are.
     """
     max_norm, p = float(max_norm), float(norm_type)
     if p <= 0:
@@ -65,6 +65,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         total = _combine([total, part], p, device)
     total = _combine([total] + _parts_on(local, p, device), p, device)
     norm = total if math.isinf(p) else total ** (1.0 / p)
+    if math.isinf(max_norm):
+        # clipping off (the trainer's grad_clip 0): a multiply by 1.0 of every gradient
+        # would change nothing a step uses (a non-finite norm skips the step)
+        return norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     with torch.no_grad():
         targets = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

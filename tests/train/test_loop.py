@@ -157,6 +157,30 @@ def test_micro_batches_reach_the_gpu_through_pinned_memory_without_blocking():
     assert on_device([x], torch.device("cpu"))[0] is x
 
 
+def test_the_step_statistics_reach_the_device_through_pinned_memory(monkeypatch):
+    """The host figures of _gather_stats go through on_device (pinned, non-blocking), not
+    a non-blocking copy from pageable memory, which waits for the whole step's kernels."""
+    from types import SimpleNamespace
+
+    from fullshard.train import loop
+
+    moved = []
+
+    def spy(tensors, device):
+        moved.append((tuple(t.tolist() for t in tensors), device))
+        return on_device(tensors, device)
+
+    monkeypatch.setattr(loop, "on_device", spy)
+    monkeypatch.setattr(loop, "_all_gather_single", lambda out, mine: out.copy_(mine))
+    cpu = torch.device("cpu")
+    trainer = SimpleNamespace(worker=SimpleNamespace(device=cpu, world=1),
+                              stop=SimpleNamespace(requested=True),
+                              memory=SimpleNamespace(step_figures=lambda: [7, 9]))
+    stats = Trainer._gather_stats(trainer, torch.tensor(2.5), torch.tensor(0.5))
+    assert moved == [(([1.0, 7.0, 9.0],), cpu)]
+    assert stats.tolist() == [[2.5, 1.0, 7.0, 9.0, 0.5]]
+
+
 def test_learning_rate_warms_up_then_follows_the_cosine_to_min_lr():
     optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
     assert learning_rate(5, optim) == pytest.approx(0.5)

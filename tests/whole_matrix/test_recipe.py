@@ -3,7 +3,7 @@
 import torch
 
 from fullshard.gpt import GPT, GPTConfig
-from fullshard.whole_matrix.recipe import muon_matrices
+from fullshard.whole_matrix.recipe import muon_matrices, owners_by_cost
 
 CFG = dict(vocab_size=48, seq_len=8, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2)
 
@@ -25,3 +25,21 @@ def test_muon_takes_the_hidden_matrices_and_no_stacked_biases():
     chosen = _names(grouped, muon_matrices(grouped))
     assert not {n for n in chosen if ".experts." in n}, chosen
     assert "layers.0.attn.qkv.weight" in chosen
+
+
+def _owners_scanning_every_rank(costs: list[int], ranks: int) -> list[int]:
+    load, owners = [0] * ranks, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        load[owner] += costs[i]
+        owners[i] = owner
+    return owners
+
+
+def test_owners_by_cost_places_as_the_greedy_scan_does():
+    """The heap gives each matrix the rank a scan of every rank's load would: the least
+    loaded, the lowest on ties (many equal costs, as a model's repeated layers have)."""
+    gen = torch.Generator().manual_seed(0)
+    for ranks in (1, 2, 3, 8, 64):
+        for costs in (torch.randint(1, 50, (200,), generator=gen).tolist(), [7] * 100, []):
+            assert owners_by_cost(costs, ranks) == _owners_scanning_every_rank(costs, ranks)

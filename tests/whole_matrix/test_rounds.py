@@ -104,3 +104,46 @@ def test_a_muon_step_runs_in_rounds_sending_rows_back_while_the_next_steps(kind)
         else:
             assert out["order"] == ["aSa"] * 3, out
             assert out["held"] == [[3]] * 3, out
+
+
+def _host_reads_per_step() -> list[dict]:
+    """What each of three Muon steps reads on the host (torch.equal, tolist, item, bool)
+    and how often it places the matrices on their owners."""
+    import fullshard.whole_matrix as whole_matrix
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_blocks(mlp_blocks())
+    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+    counts: dict[str, int] = {}
+    watched = [(torch, "equal"), (torch.Tensor, "tolist"), (torch.Tensor, "item"),
+               (torch.Tensor, "__bool__"), (whole_matrix, "owners_by_cost")]
+    real = [getattr(owner, name) for owner, name in watched]
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    per_step = []
+    try:
+        for (owner, name), fn in zip(watched, real):
+            setattr(owner, name, counted(name, fn))
+        for step in range(3):
+            train_steps(model, [], 1, rank, world, first=step)
+            counts.clear()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(dict(counts))
+    finally:
+        for (owner, name), fn in zip(watched, real):
+            setattr(owner, name, fn)
+    return per_step
+
+
+@pytest.mark.slow
+def test_a_step_reads_the_host_once_and_places_the_owners_once():
+    """Six matrices in one shard group: whether each one's rows changed is read with the
+    step's one agreement (no torch.equal per matrix), and the owners placed at the first
+    step stay placed, not recomputed each step."""
+    for per_step in run_distributed(_host_reads_per_step, 2):
+        assert per_step == [{"owners_by_cost": 1, "tolist": 1}, {"tolist": 1}, {"tolist": 1}]

@@ -41,6 +41,7 @@ from .model import (Workload, build_mesh, build_workload, load_initial_weights, 
 from .config.packages import check_packages
 from .report.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
 from .report.progress import ProgressLine
+from .scaler import AgreedGradScaler, steps_on_host
 
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -64,7 +65,13 @@ def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> N
     synchronization stays the statistics' at its end; any other reads the norm first."""
     if optimizer.defaults.get("fused") and getattr(optimizer, "_step_supports_amp_scaling",
                                                    False):
-        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        if steps_on_host(optimizer) and found_inf.device.type != "cpu":
+            # Offloaded: the fused step runs on the host and would copy a GPU flag there
+            # itself, without blocking, then read it before the copy lands. A blocking
+            # copy here waits for it (the host must know the flag to step at all).
+            found_inf = found_inf.cpu()
+        optimizer.found_inf = found_inf
         optimizer.step()
     elif math.isfinite(float(grad_norm)):
         optimizer.step()
@@ -91,7 +98,8 @@ class Trainer:
         load_initial_weights(self.model, self.workload, worker.device)
         self.memory.watch(self.model)
         self.optimizers = build_optimizers(self.model, cfg.optim)
-        self.scaler = (torch.amp.GradScaler(worker.device.type)
+        # every rank skips an overflowing step and backs off alike (train/scaler.py)
+        self.scaler = (AgreedGradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
         batch = cfg.batch
         self.sampler = EpochSampler(self.workload.train_tokens, batch.seq_len, batch.batch_size,
@@ -255,8 +263,10 @@ class Trainer:
         device = self.worker.device
         host = torch.tensor([float(self.stop.requested), *map(float, self.memory.step_figures())],
                             dtype=torch.float64)
+        # through pinned memory (on_device): a non-blocking copy from pageable memory
+        # makes the host wait for everything queued on the stream, the whole step
         mine = torch.cat([loss.detach().to(torch.float64).view(1),
-                          host.to(device, non_blocking=True),
+                          on_device((host,), device)[0],
                           grad_norm.detach().to(device, torch.float64).view(1)])
         everyone = torch.empty(self.worker.world * mine.numel(), dtype=torch.float64,
                                device=device)

@@ -89,7 +89,7 @@ import torch
 from collections.abc import Callable
 
 from .exchange import Item, by_group, shard_group
-from .kept import Kept, forget, kept_for
+from .kept import Kept, forget, kept_for, kept_if_unchanged
 from .recipe import owners_by_cost, step_cost
 from .rounds import Round, plan_rounds
 
@@ -264,7 +264,10 @@ def _keep(opt, step: WholeStep, rnd: Round) -> None:
 def _kept(opt: torch.optim.Optimizer, owners: list[list]) -> Kept:
     found = [(p, sp, shard_group(p)) for group, group_owners in zip(opt.param_groups, owners)
              for p, sp in zip(group["params"], group_owners) if sp is not None]
-    signature = tuple((id(p), id(pg)) for p, _, pg in found)
+    signature = tuple((id(p), id(pg), p.shape) for p, _, pg in found)
+    kept = kept_if_unchanged(opt, signature)
+    if kept is not None:  # the owners stay put until the parameters change
+        return kept
     placed = {}
     for pg_id in dict.fromkeys(id(pg) for _, _, pg in found):  # each shard group alone
         members = [(p, sp, pg) for p, sp, pg in found if id(pg) == pg_id]

@@ -72,6 +72,26 @@ def comm_device(pg: dist.ProcessGroup, ref: torch.Tensor) -> torch.device:
     return ref.device
 
 
+class OnDevice(NamedTuple):
+    """A tensor that lived on a device, carried on the host through an object collective."""
+    host: torch.Tensor
+
+
+def host_values(values: dict) -> dict:
+    """``values`` ready for an object collective: each tensor on a device copied to the
+    host (marked ``OnDevice``). Pickled as it is, a CUDA tensor names its device and
+    unpickles onto the sender's ``cuda:k`` on every receiver: another rank's GPU, or
+    "Attempting to deserialize object on CUDA device k" where each process sees one."""
+    return {k: OnDevice(v.to("cpu")) if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+            else v for k, v in values.items()}
+
+
+def device_values(values: dict, device: torch.device) -> dict:
+    """The inverse of :func:`host_values` on the receiving rank: what lived on a device
+    goes to ``device`` (this rank's, beside its parameter), host tensors stay."""
+    return {k: v.host.to(device) if isinstance(v, OnDevice) else v for k, v in values.items()}
+
+
 class InFlight:
     """An all-to-all issued and not yet waited on; its send buffer lives until then."""
 
@@ -121,13 +141,22 @@ def all_to_all(pg: dist.ProcessGroup, sends: list[list[torch.Tensor]], receive_n
     return start_all_to_all(pg, sends, receive_numel, dtype, device).wait()
 
 
-def agree(pg: dist.ProcessGroup, local: list[list[int]], device: torch.device) -> list[tuple]:
+def agree(pg: dist.ProcessGroup, local: list[list[int]], device: torch.device,
+          changed: list[torch.Tensor | None] | None = None) -> list[tuple]:
     """Each rank's small integers per item (a row of ``local`` each), reduced over the shard
     group to (the largest, the smallest) of each: one all-reduce of a few bytes per item,
-    so that every rank decides alike what the step's all-to-alls carry."""
+    so that every rank decides alike what the step's all-to-alls carry. ``changed``: per
+    item, None or a 0-dim bool tensor (``differs``), still on its device, that is or-ed
+    into the item's first integer. The step's one host synchronization per shard group
+    is the read of the result: the flags are not read one by one."""
     if not local:
         return []
-    mine = torch.tensor(local, dtype=torch.int64, device=device)
+    mine = _moved(torch.tensor(local, dtype=torch.int64), device)
+    if changed is not None and any(c is not None for c in changed):
+        where = next(c for c in changed if c is not None).device
+        none = torch.zeros((), dtype=torch.bool, device=where)
+        column = _moved(torch.stack([none if c is None else c for c in changed]), device)
+        mine[:, 0] = torch.maximum(mine[:, 0], column.to(torch.int64))
     both = torch.cat([mine, -mine], dim=1)
     if pg.size() > 1:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
@@ -136,12 +165,20 @@ def agree(pg: dist.ProcessGroup, local: list[list[int]], device: torch.device) -
     return [(tuple(row[:width]), tuple(-v for v in row[width:])) for row in both.tolist()]
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold the same bits (``torch.equal`` takes -0.0 for 0.0 and a NaN
-    for unequal to itself; a whole-matrix step must see exactly the values its shards hold)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from the host through pinned memory: a copy from pageable
+    memory would make the host wait for everything queued on the stream."""
+    if t.device == device:
+        return t
+    return t.pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t.to(device)
+
+
+def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether two tensors of one shape and dtype hold different bits, as a 0-dim bool
+    tensor where they live, so that many are read at once (``torch.equal`` reads each on
+    the host). Bits, not values: -0.0 and 0.0 differ and a NaN is itself, as a
+    whole-matrix step must see exactly the values its shards hold."""
     if a.dtype.is_floating_point:
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.view(bits), b.view(bits))
-    return torch.equal(a, b)
+        a, b = a.view(bits), b.view(bits)
+    return (a != b).any()

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..core.arrival import every_rank_arrives
-from .exchange import Item, all_to_all, by_group, comm_device, numel, piece
+from .exchange import (Item, all_to_all, by_group, comm_device, device_values, host_values,
+                       numel, piece)
 
 
 class Kept:
@@ -58,6 +59,13 @@ def kept_for(opt: torch.optim.Optimizer, items: list[Item], signature: tuple) ->
     return kept
 
 
+def kept_if_unchanged(opt: torch.optim.Optimizer, signature: tuple) -> Kept | None:
+    """The optimizer's Kept if its assignment still holds (the same parameters, shard
+    groups and shapes: ``signature``), so that a step need not place them again."""
+    kept = _KEPT.get(opt)
+    return kept if kept is not None and kept.signature == signature else None
+
+
 def _release_for_state_dict(opt: torch.optim.Optimizer) -> None:
     """``state_dict()``'s pre-hook: handing the states back is a collective, so a call on
     some ranks only (``if rank == 0: opt.state_dict()``) is refused after the arrival
@@ -88,13 +96,8 @@ def release(opt: torch.optim.Optimizer) -> None:
 def _release_group(opt, kept: Kept, group_items: list[Item]) -> None:
     pg = group_items[0].pg
     me, world = pg.rank(), pg.size()
-    mine = [describe(opt, item, kept.states.get(id(item.param), {}), sharded=False)
-            if item.owner == me else None for item in group_items]
-    everyone: list = [mine] if world == 1 else [None] * world
-    if world > 1:
-        dist.all_gather_object(everyone, mine, group=pg)
-    described = [everyone[item.owner][i] for i, item in enumerate(group_items)]
     ref = group_items[0].param._local_tensor
+    described = _described_by_owners(opt, kept, group_items, ref.device)
     sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for item, (names, _) in zip(group_items, described):
         if item.owner != me:
@@ -116,6 +119,27 @@ def _release_group(opt, kept: Kept, group_items: list[Item]) -> None:
             state[k] = DTensor(mine.view_as(p._local_tensor).to(ref.device), p._spec,
                                requires_grad=False)
         opt.state[p] = state
+
+
+def _described_by_owners(opt, kept: Kept, group_items: list[Item], device: torch.device
+                         ) -> list[tuple]:
+    """Each item's ``describe`` as its owner sees it, on every rank of the group. Values
+    that are tensors on a device (Adafactor's factored moments) travel through the host
+    and land on ``device``; the owner keeps its own."""
+    pg = group_items[0].pg
+    me, world = pg.rank(), pg.size()
+    local = [describe(opt, item, kept.states.get(id(item.param), {}), sharded=False)
+             if item.owner == me else None for item in group_items]
+    if world == 1:
+        return local
+    mine = [None if d is None else (d[0], host_values(d[1])) for d in local]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=pg)
+    described = []
+    for i, item in enumerate(group_items):
+        names, scalars = local[i] if item.owner == me else everyone[item.owner][i]
+        described.append((names, scalars if item.owner == me else device_values(scalars, device)))
+    return described
 
 
 def describe(opt, item: Item, state: dict, sharded: bool) -> tuple:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import torch.nn as nn
 
 
@@ -31,11 +33,12 @@ def step_cost(rows: int, numel: int) -> int:
 
 def owners_by_cost(costs: list[int], ranks: int) -> list[int]:
     """The rank that steps each matrix: greedily, largest cost first, to the least loaded
-    rank (the lowest on ties), the same on every rank."""
-    load = [0] * ranks
+    rank (the lowest on ties), the same on every rank. The ranks wait in a heap ordered by
+    (load, rank): O(P log N) for P matrices over N ranks, not a scan of every rank each."""
+    load = [(0, r) for r in range(ranks)]  # sorted, so already a heap
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        owner = min(range(ranks), key=lambda r: (load[r], r))
-        load[owner] += costs[i]
+        least, owner = heapq.heappop(load)
         owners[i] = owner
+        heapq.heappush(load, (least + costs[i], owner))
     return owners

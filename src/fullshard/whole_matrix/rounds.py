@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from .exchange import (InFlight, Item, agree, comm_device, join, numel, piece, same_bits,
+from .exchange import (InFlight, Item, agree, comm_device, differs, join, numel, piece,
                        start_all_to_all)
 from .kept import Kept, describe
 from .recipe import step_cost
@@ -119,9 +119,9 @@ def plan_rounds(opt, kept: Kept, group_items: list[Item], per_round: int | None)
     me = pg.rank()
     device = comm_device(pg, group_items[0].param._local_tensor)
     views = [_what_travels(opt, kept, item, me) for item in group_items]
+    agreed = agree(pg, [v[0] for v in views], device, [v[2] for v in views])
     entries = []
-    for item, (_, names), (high, low) in zip(group_items, views,
-                                             agree(pg, [v[0] for v in views], device)):
+    for item, (_, names, _), (high, low) in zip(group_items, views, agreed):
         if high[1:] != low[1:]:
             raise RuntimeError(
                 f"fullshard: {type(opt).__name__} holds optimizer state for parameter "
@@ -141,17 +141,20 @@ def plan_rounds(opt, kept: Kept, group_items: list[Item], per_round: int | None)
             for k in range(-(-count // per_round))]
 
 
-def _what_travels(opt, kept: Kept, item: Item, me: int) -> tuple[list[int], tuple]:
+def _what_travels(opt, kept: Kept, item: Item, me: int) -> tuple[list[int], tuple, object]:
     """This rank's view of one parameter: [its rows changed since the last step wrote
     them (or its owner has no whole copy), how ``opt.state`` holds it (0: no entry, 1: an
-    empty one, 2: states), how many of those are shaped like it], and their names."""
+    empty one, 2: states), how many of those are shaped like it], their names, and, where
+    only the bits can tell whether the rows changed, ``differs`` of them (unread: ``agree``
+    reads every parameter's at once)."""
     p = item.param
-    written = kept.rows.get(id(p))
-    changed = (written is None or not same_bits(p._local_tensor, written)
+    local, written = p._local_tensor, kept.rows.get(id(p))
+    changed = (written is None or local.shape != written.shape or local.dtype != written.dtype
                or (item.owner == me and id(p) not in kept.whole))
+    check = None if changed else differs(local, written)
     entry = opt.state[p] if p in opt.state else None
     names = describe(opt, item, entry, sharded=True)[0] if entry else ()
-    return [int(changed), 0 if entry is None else 2 if entry else 1, len(names)], names
+    return [int(changed), 0 if entry is None else 2 if entry else 1, len(names)], names, check
 
 
 def _assemble(opt, step, entry: Entry, whole: list[torch.Tensor]) -> torch.Tensor:
