@@ -6,7 +6,7 @@ torch's FSDP2 under the same fake world.
 
 Per world size N, as rank 0: the bytes of its shards (parameters, gradients, AdamW's
 states) of ``row_blocks`` (fullshard.testing.scale) and ``fullshard estimate``'s figures
-for the same model, the collectives one step issues, and the host milliseconds per step
+for the same model, the collectives one step issues, and the host CPU milliseconds per step
 (median over interleaved rounds) of three steps: fullshard on ``row_blocks``, torch's
 FSDP2 on ``row_blocks``, and the trainer's step on the ``debug`` preset. "own" is a step's
 time less the time inside the process group: the fake backend copies the input into
@@ -36,6 +36,7 @@ def blocks_step(shard):
 
 
 def trainer_step(world: int):
+    """``build(world)`` for scale.host_times: the trainer's step on the debug preset."""
     run = scale.trainer(world)
     return lambda: scale.trainer_step(run)
 
@@ -67,6 +68,7 @@ def estimated(world: int) -> int:
 
 
 def main() -> None:
+    """Measure at each ``--sizes`` and print the table (markdown)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, scale.WORLD_SIZES)))
     parser.add_argument("--rounds", type=int, default=3)
@@ -81,11 +83,13 @@ def main() -> None:
 
 
 def torch_fully_shard():
+    """torch's FSDP2 ``fully_shard``, imported only when measured."""
     from torch.distributed.fsdp import fully_shard
     return fully_shard
 
 
 def print_table(sizes, figures, times) -> None:
+    """One row per world size; ratios against the first size."""
     first = sizes[0]
     print(f"| N | shard bytes/rank (params+grads+states) | x N | estimate (params+states) | "
           f"all-gathers, reduce-scatters/step | fullshard ms/step own (total) | "
