@@ -2,6 +2,7 @@
 count, sizes and order as the design says."""
 
 import pytest
+import torch.distributed.distributed_c10d as c10d
 
 from fullshard.core.schedule import reduce_tail
 from fullshard.testing.dispatch_log import DispatchLog
@@ -26,9 +27,18 @@ def step_collectives(run) -> list:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_one_gather_per_unit_each_way_and_one_reduce_scatter_sized_numel_over_n(world):
+def test_one_gather_per_unit_each_way_and_one_reduce_scatter_sized_numel_over_n(
+        world, monkeypatch):
     with fake_world(world):
-        ops = step_collectives(BlocksRun())
+        run = BlocksRun()
+        run.step()  # lazy initialization may make groups; a step may not
+        made = []
+        # every way of making a group (new_group, split_group, a mesh's) ends here
+        real = c10d._new_group_with_tag
+        monkeypatch.setattr(c10d, "_new_group_with_tag",
+                            lambda *a, **k: made.append(a) or real(*a, **k))
+        ops = step_collectives(run)
+    assert made == []
     shards = [sum(p.numel() for p in block.parameters()) // world for block in row_blocks()]
     tail = reduce_tail(2)  # each chunk ends in a presence flag per parameter and a digest
     assert {op.kind for op in ops} == {"all_gather", "reduce_scatter"}
