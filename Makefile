@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-multinode test-extended soak test-torch test-torch-suite test-gpu gpu-wheels gpu-check test-torchtitan bench bench-projection setup clean
+.PHONY: run test test-fast test-multinode test-extended test-scale soak test-torch test-torch-suite test-gpu gpu-wheels gpu-check test-torchtitan bench bench-projection setup clean
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,12 +32,18 @@ run: $(RUN_STAMP)
 # and waiting in collectives, so two at a time finish the suite ~17% sooner on 2 cores.
 # A run that collects nothing fails (pytest's exit 5), as any other error does.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode and not soak and not extended" -n 2
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not multinode and not soak and not extended and not scale" -n 2
 
 # Several "nodes" on 127.0.0.1 (two launchers, c10d rendezvous; ~3 minutes): CI runs it
 # after `make test`.
 test-multinode: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m multinode
+
+# World sizes 8 to 1,024 in one process, torch's fake process group (tests/scale, ~30 s):
+# shard bytes, the collectives of a step, host work per step against the world size. One
+# worker, not in `make test`: its timings want the machine's cores to themselves. CI runs it.
+test-scale: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m scale
 
 # More combinations than `make test` has time for (the tests marked extended): CI runs
 # it after the multi-node lane.
@@ -47,7 +53,7 @@ test-extended: $(STAMP)
 # The tests a developer runs often (under 2 minutes on 2 cores, two workers as in `make
 # test`): everything but those that carry @pytest.mark.slow.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended" -n 2
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not soak and not extended and not scale" -n 2
 
 # 2,000 steps of the default preset losing a worker every ~300 steps, against the same run
 # without faults (48 minutes on 2 cores): tests/train/test_launch_soak_restarts.py.
@@ -98,7 +104,7 @@ test-torch:
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH)
 	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q -e '.[dev]'
-	OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest tests -m "not multinode and not soak and not extended" -n 2
+	OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest tests -m "not multinode and not soak and not extended and not scale" -n 2
 
 # PyTorch's own FSDP2 tests (test/distributed/_composable/fsdp/) against fullshard, on CPU
 # ranks over gloo: torch_suite/run.py; docs/conformance.md has the results. The files are

@@ -1,6 +1,8 @@
 """Shared test set-up and the lanes' markers.
 
-``make test`` runs everything but the ``multinode``, ``soak`` and ``extended`` lanes;
+``make test`` runs everything but the ``multinode``, ``soak``, ``extended`` and ``scale``
+lanes (``scale``: world sizes 8 to 1,024 in one process, timed, so run alone by ``make
+test-scale``);
 ``make test-fast`` also leaves out the tests marked ``@pytest.mark.slow`` (each over
 ~1.5 s: multi-rank training runs, the trainer end to end, checkpoints on disk, measured
 memory) and runs in under 2 minutes. A new test is fast unless it carries the marker;
@@ -52,6 +54,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: over ~1.5 s; left out of `make test-fast`")
     config.addinivalue_line("markers", "soak: long runs, left out of `make test`; `make soak`")
     config.addinivalue_line("markers", "multinode: the multi-node lane, `make test-multinode`")
+    config.addinivalue_line("markers", "scale: world sizes 8 to 1,024 in one process (torch's "
+                                       "fake process group); `make test-scale`, not in "
+                                       "`make test`")
     config.addinivalue_line("markers", "extended: what `make test` has no time for (more "
                                        "combinations, the benchmark scripts' CPU runs, "
                                        "estimates at scale, integrations); `make test-extended`")

@@ -85,3 +85,16 @@ def test_hf_import_benchmark_times_each_import_and_the_memory_per_rank():
     for rank in ("0", "1"):  # each rank holds its shards (~36 MB of 72) and one tensor more
         shards, largest, rise = (float(x) for x in rows[rank][:3])
         assert 30 <= shards <= 40 and 0 < rise <= shards + largest, rows[rank]
+
+
+@pytest.mark.scale
+def test_scale_benchmark_prints_a_row_per_world_size_with_shards_summing_to_the_model():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--sizes", "8,64",
+         "--rounds", "1", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().replace(",", "").isdigit()]
+    assert [r[0].strip() for r in rows] == ["8", "64"]
+    assert rows[0][2] == rows[1][2]  # N x rank 0's shard bytes: the model, at both sizes

@@ -116,9 +116,9 @@ def test_every_note_is_defined_once_and_indexed():
 
 
 # Folders of tests/ that mirror no package: code fullshard did not write, the CUDA lane,
-# what tests share, faults injected into workers, and the repository's own files (docs,
-# benchmarks, Makefile, the test lanes).
-TEST_FOLDERS_OF_THEIR_OWN = {"conformance", "gpu", "support", "faults", "repo"}
+# the scale lane (the whole step at 1,024 ranks), what tests share, faults injected into
+# workers, and the repository's own files (docs, benchmarks, Makefile, the test lanes).
+TEST_FOLDERS_OF_THEIR_OWN = {"conformance", "gpu", "scale", "support", "faults", "repo"}
 
 
 def _modules_of(package: pathlib.Path) -> set[str]:
