@@ -251,6 +251,16 @@ class ReducedGroup(Protocol):
     def trainable(self) -> list[ShardedParam]: ...
 
 
+def _kept(cached: torch.Tensor | None, shape: tuple, like: torch.Tensor,
+          value: float) -> torch.Tensor:
+    """``cached`` if it still fits ``shape`` and ``like``'s dtype and device, else a new
+    tensor of ``value``."""
+    if (cached is None or tuple(cached.shape) != shape or cached.dtype != like.dtype
+            or cached.device != like.device):
+        return torch.full(shape, value, dtype=like.dtype, device=like.device)
+    return cached
+
+
 class GradReduction:
     """One group's gradient side: lays this backward's unsharded gradients out, starts
     their reduce-scatter (or all-reduce), and keeps the sharded gradient buffers that
@@ -262,6 +272,7 @@ class GradReduction:
         self.partial_sum = PartialSum()  # set_requires_all_reduce(False) under HSDP
         self._all_present: torch.Tensor | None = None
         self._no_digest: torch.Tensor | None = None
+        self._digest_rows: torch.Tensor | None = None
         self._grad_key: tuple | None = None
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
@@ -278,32 +289,36 @@ class GradReduction:
         """The group was retired into a bucket: its gradient buffers go with it."""
         self._grad_buffer, self._grad_key, self._grad_views = None, None, []
 
-    def _presence_flags(self, had_grad: list[bool], like: torch.Tensor) -> torch.Tensor:
-        """One flag per trainable param; the all-present vector is cached (no host copy)."""
-        cached = self._all_present
+    # Note [the reduction's tail, one row per rank]
+    # Every rank's chunk of the send buffer ends in the presence flags and the digest, so
+    # they enter ``_chunk_cat`` as (world, n) tensors. Materialized rather than stride-0
+    # views of one row (``_chunk_cat``'s fast path wants contiguous inputs), and kept from
+    # step to step: made each step they would be an allocation that grows with the world
+    # size. The compute stream consumes them before the next step writes them again.
+    def _presence_flags(self, had_grad: list[bool], like: torch.Tensor,
+                        world: int) -> torch.Tensor:
+        """One flag per trainable param, one row per rank; the all-present rows are kept
+        (no host copy)."""
+        shape = (world, len(had_grad))
         if all(had_grad):
-            if cached is None or cached.numel() != len(had_grad) or cached.dtype != like.dtype \
-                    or cached.device != like.device:
-                cached = self._all_present = torch.ones(len(had_grad), dtype=like.dtype,
-                                                        device=like.device)
-            return cached
-        flags = torch.ones(len(had_grad), dtype=like.dtype, device=like.device)
+            self._all_present = _kept(self._all_present, shape, like, 1)
+            return self._all_present
+        flags = torch.ones(shape, dtype=like.dtype, device=like.device)
         for i, present in enumerate(had_grad):
             if not present:
-                flags[i].fill_(0)  # a fill kernel: no host-to-device copy
+                flags[:, i].fill_(0)  # a fill kernel: no host-to-device copy
         return flags
 
-    def _digest(self, inspected: bool, like: torch.Tensor) -> torch.Tensor:
+    def _digest(self, inspected: bool, like: torch.Tensor, world: int) -> torch.Tensor:
         """The ledger's digest as DIGEST_NUMEL elements of 8 bits each (exact in any float
-        dtype), or zeros (cached) where nobody inspects it."""
-        if inspected:
-            return torch.tensor(self.group.guard.digest_bytes(), dtype=like.dtype,
-                                device=like.device)
-        cached = self._no_digest
-        if cached is None or cached.dtype != like.dtype or cached.device != like.device:
-            cached = self._no_digest = torch.zeros(DIGEST_NUMEL, dtype=like.dtype,
-                                                   device=like.device)
-        return cached
+        dtype), or zeros where nobody inspects it, one row per rank, kept."""
+        shape = (world, DIGEST_NUMEL)
+        if not inspected:
+            self._no_digest = _kept(self._no_digest, shape, like, 0)
+            return self._no_digest
+        rows = self._digest_rows = _kept(self._digest_rows, shape, like, 0)
+        digest = torch.tensor(self.group.guard.digest_bytes(), dtype=like.dtype)
+        return rows.copy_(digest.to(like.device).expand(shape))
 
 
     def reduce(self, options: ReduceOptions = DEFAULT_REDUCE) -> "PendingReduce | None":
@@ -388,9 +403,8 @@ class GradReduction:
         if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
             grads = [g.to(reduce_dtype) for g in grads]
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
-        # one copy per rank's chunk, materialized: _chunk_cat's fast path wants every
-        # input contiguous, and a stride-0 view sends the whole pack down its slow path
-        flags = self._presence_flags(had_grad, grads[0]).repeat(w, 1)
+        # one row per rank, kept (Note [the reduction's tail, one row per rank])
+        flags = self._presence_flags(had_grad, grads[0], w)
         numel = reduce_numel([p.layout.shard_numel for p in trainable])
         comm = None if skips_collectives(w) else g.reduce_scatter_comm
         plan = reduce_plan(shard_size=w, replicated=g.replicate_pg is not None,
@@ -406,7 +420,7 @@ class GradReduction:
         inspected = (not plan.all_reduce and comm is None and not g.quantize_grads
                      and g.patience is not None and not skips_collectives(w)
                      and g.replicate_pg is None and w == len(g.guard.ranks))
-        digest = self._digest(inspected, grads[0]).repeat(w, 1)
+        digest = self._digest(inspected, grads[0], w)
         full = (g.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
                 comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype

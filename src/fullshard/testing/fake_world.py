@@ -14,6 +14,7 @@ import contextlib
 import time
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -71,3 +72,58 @@ class BackendClock:
                 clock.seconds += time.thread_time() - started
                 clock.calls += 1
         return method
+
+
+# The methods whose first argument is where the data lands (filled with zeros by
+# ``QuietBackend``); the others (all-reduce, broadcast, barrier) leave their tensors as
+# they are.
+_WRITES_FIRST = ("all_gather_single", "_allgather_base", "allgather", "allgather_coalesced",
+                 "allgather_into_tensor_coalesced", "reduce_scatter_single",
+                 "_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced",
+                 "all_to_all_single", "alltoall_base", "alltoall", "gather", "scatter")
+
+
+class QuietBackend:
+    """While installed (a context manager), the process group's collectives move no data
+    and finish at once: what they write is zeroed (a cost that does not grow with the
+    world size). What a step then spends is the caller's own host work alone, without the
+    fake backend's copies into every rank's chunk (which leave the caches colder for
+    what follows, in proportion to the world size: not the caller's cost)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> "QuietBackend":
+        cls = dist.ProcessGroup
+        for name in _METHODS:
+            if name in cls.__dict__:
+                self._saved[name] = cls.__dict__[name]
+                setattr(cls, name, self._quiet(name in _WRITES_FIRST))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, real in self._saved.items():
+            setattr(dist.ProcessGroup, name, real)
+        self._saved.clear()
+
+    def _quiet(self, writes_first: bool):
+        backend = self
+
+        def method(pg, *args, **kwargs):
+            backend.calls += 1
+            if writes_first and args:
+                for t in _tensors(args[0]):
+                    t.zero_()
+            done = torch.futures.Future()
+            done.set_result(None)
+            return torch._C._distributed_c10d._create_work_from_future(done)
+        return method
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..api import fully_shard
-from .fake_world import BackendClock, fake_world
+from .fake_world import BackendClock, QuietBackend, fake_world
 
 WORLD_SIZES = (8, 64, 256, 1024)
 ROWS = 1024
@@ -164,10 +164,13 @@ class HostTime:
 
 
 def host_times(build: Callable[[int], Callable[[], object]], sizes=WORLD_SIZES,
-               rounds: int = 3, steps: int = 8, warmup: int = 3) -> dict[int, HostTime]:
+               rounds: int = 3, steps: int = 8, warmup: int = 3,
+               quiet: bool = False) -> dict[int, HostTime]:
     """Per world size, the median over ``rounds x steps`` timed steps of the step that
     ``build(world)`` returns (built in a fake world of that size). The sizes take turns,
-    round after round, so that a slow spell of a shared machine falls on all of them."""
+    round after round, so that a slow spell of a shared machine falls on all of them.
+    ``quiet``: the timed steps' collectives move no data (``QuietBackend``), so that
+    ``own`` is the caller's host work alone."""
     samples: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     for _ in range(rounds):
         for n in sizes:
@@ -175,7 +178,11 @@ def host_times(build: Callable[[int], Callable[[], object]], sizes=WORLD_SIZES,
                 step = build(n)
                 for _ in range(warmup):
                     step()
-                samples[n] += _timed_steps(step, steps)
+                if quiet:
+                    with QuietBackend():
+                        samples[n] += _timed_steps(step, steps)
+                else:
+                    samples[n] += _timed_steps(step, steps)
     return {n: HostTime(statistics.median(t for t, _ in s), statistics.median(b for _, b in s),
                         statistics.median(t - b for t, b in s), min(t - b for t, b in s))
             for n, s in samples.items()}
