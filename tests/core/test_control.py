@@ -74,3 +74,37 @@ def test_one_operation_in_flight_finished_before_the_next():
     channel.drain()
     channel.drain()
     assert log == ["first", "second"]
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return count
+
+
+def _sockets_made_by_fully_shard():
+    before = _sockets()
+    model = GPT(CFG)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    for _ in range(2):
+        lm_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    unit_of(model).root.guard.check(0)  # one comparison on the channel: a ring's traffic
+    return _sockets() - before
+
+
+def test_the_control_group_connects_to_the_peers_it_talks_to_only():
+    """At 4 ranks a group connected to every peer holds 3 sockets and its listener in
+    each process; the control group holds its listener and, after an all-reduce, the
+    sockets to its two ring neighbours at most."""
+    for made in run_distributed(_sockets_made_by_fully_shard, 4):
+        assert made <= 3, made

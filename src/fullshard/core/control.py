@@ -7,7 +7,9 @@ a diverged rank is waiting in, and the check-in of collective functions (core/ar
 which must not pair with a collective a late rank is waiting in. Both run on one gloo
 group per set of ranks, made by ``fully_shard`` (every rank calls it, so the group can be
 made there; made later, by a call only some ranks reach, it would hang): one group rather
-than one per feature, because at 1,024 ranks each gloo group holds a socket per peer.
+than one per feature, because at 1,024 ranks each gloo group can hold a socket per peer;
+and it connects to a peer only when it first talks to it (``_connecting_on_first_use``),
+so a rank holds sockets to its ring neighbours, not to every rank.
 Operations on it pair by the order they were issued in, and at most one of them is in
 flight (``Channel.drain`` finishes it): every rank issues the same sequence on it as long
 as the ranks agree, which is what it checks.
@@ -24,6 +26,7 @@ process-wide channels) there is no channel: nothing to compare.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from typing import Callable
@@ -70,15 +73,37 @@ def timeout_s() -> float:
     return value
 
 
+_LAZY_VARIABLE = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def _connecting_on_first_use():
+    """Make the gloo group built inside connect to a peer when it first talks to it.
+    A gloo group connects to every peer when made: at 1,024 ranks, a socket to each of
+    1,023 peers in every process, for traffic that mostly runs in a ring (an all-reduce
+    talks to two neighbours). gloo reads this switch when a group is built, so setting it
+    for the one call changes no other group of the process (and none where it is set
+    already)."""
+    if _LAZY_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[_LAZY_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[_LAZY_VARIABLE]
+
+
 class Channel:
     """One set of ranks' control group and the one operation in flight on it."""
 
     def __init__(self, ranks: tuple[int, ...]):
         self.ranks = ranks
         self.limit_s = timeout_s()
-        self.group = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=True,
-            timeout=datetime.timedelta(seconds=self.limit_s), group_desc=GROUP_DESC)
+        with _connecting_on_first_use():
+            self.group = dist.new_group(
+                list(ranks), backend="gloo", use_local_synchronization=True,
+                timeout=datetime.timedelta(seconds=self.limit_s), group_desc=GROUP_DESC)
         self._in_flight: Callable[[], None] | None = None
 
     def hold(self, finish: Callable[[], None]) -> None:
