@@ -142,6 +142,7 @@ def test_signatures_leave_out_what_may_differ_by_rank():
         "gather([float32[2]], root=0)")
 
 
-def test_the_environment_turns_the_rules_off_unless_asked():
-    assert nccl_rules.wanted(None, {}) and not nccl_rules.wanted(None, {nccl_rules.ENV: "0"})
+def test_the_environment_turns_the_rules_on_and_an_explicit_choice_wins():
+    assert nccl_rules.wanted(None, {nccl_rules.ENV: "1"}) and not nccl_rules.wanted(None, {})
     assert nccl_rules.wanted(True, {nccl_rules.ENV: "0"})
+    assert not nccl_rules.wanted(False, {nccl_rules.ENV: "1"})

@@ -89,8 +89,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     With ``backend="nccl"`` rank ``r`` runs on ``cuda:r`` (its current device), and
     ``world_size`` must not exceed the GPUs visible; ``fn`` should return CPU values.
     ``nccl_rules`` checks every collective against NCCL's rules
-    (``fullshard.testing.nccl_rules``); left out, it is on for gloo unless
-    ``FULLSHARD_NCCL_RULES=0``, and off for NCCL.
+    (``fullshard.testing.nccl_rules``); left out, it is on for gloo when
+    ``FULLSHARD_NCCL_RULES=1``, and off for NCCL.
     Raises ``AssertionError`` with every failing rank's traceback, or
     ``TimeoutError`` naming the ranks that did not finish.
     """

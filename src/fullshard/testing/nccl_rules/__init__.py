@@ -23,9 +23,13 @@ every collective on every process group is checked before it is issued:
   ``stands_for_device(group, "cuda")``, and every NCCL group, refuses tensors on another
   device (NCCL takes no host tensors).
 
-``fullshard.testing.run_distributed`` enables the checker on every gloo rank unless
-called with ``nccl_rules=False`` or run with ``FULLSHARD_NCCL_RULES=0`` (a test of
-ranks that diverge on purpose, whose own error is what it checks, turns it off).
+``fullshard.testing.run_distributed(..., nccl_rules=True)`` enables the checker on
+every rank; left out, ``FULLSHARD_NCCL_RULES=1`` enables it on gloo, which
+tests/conftest.py sets for the multi-rank files it lists (NCCL_RULES_FILES). Tests
+whose ranks diverge on purpose stay out: the checker would refuse the divergence
+before the error they check (fullshard's divergence guard, a collective's timeout).
+The exchange costs one small gloo all-gather per collective: about +12% on
+tests/test_api.py at 2 ranks (docs/architecture.md's Testing).
 
 What no signature can tell apart: two collectives alike in every respect swapped on
 one rank (two same-sized all-reduces of different tensors), and the split sizes of an
@@ -84,8 +88,8 @@ def stands_for_device(group, device_type: str = "cuda") -> None:
 
 
 def wanted(requested: bool | None, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether to check: ``requested`` when given, else ``FULLSHARD_NCCL_RULES`` (on unless
-    it is "0")."""
+    """Whether to check: ``requested`` when given, else whether ``FULLSHARD_NCCL_RULES``
+    is "1"."""
     if requested is not None:
         return requested
-    return environ.get(ENV, "1") != "0"
+    return environ.get(ENV, "0") == "1"
