@@ -40,6 +40,23 @@ if not lanes.is_cuda_lane(os.environ):
 MULTINODE_FILES = ("tests/train/test_launch_multinode.py",)
 
 
+# Files whose gloo ranks check every collective against NCCL's rules
+# (fullshard.testing.nccl_rules: sizes, dtypes, ops and order alike on every rank; no
+# device tensors in objects): the core parity tests, about +12% in time. A file whose
+# ranks diverge on purpose (tests/core/test_divergence.py, test_arrival.py, the
+# rank-dependent paths) stays out: the checker would refuse the divergence before the
+# error the test checks. Proven only for these files; more join once they pass under it.
+NCCL_RULES_FILES = ("tests/test_api.py", "tests/test_wrap.py",
+                    "tests/core/test_mesh_hybrid.py", "tests/core/test_comm_collectives.py")
+
+
+@pytest.fixture(autouse=True)
+def _nccl_rules(request, monkeypatch):
+    """FULLSHARD_NCCL_RULES=1 for the tests of NCCL_RULES_FILES (run_distributed reads it)."""
+    if request.node.nodeid.startswith(NCCL_RULES_FILES):
+        monkeypatch.setenv("FULLSHARD_NCCL_RULES", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(MULTINODE_FILES):

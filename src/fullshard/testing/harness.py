@@ -23,6 +23,7 @@ import traceback
 from typing import Any, Callable
 
 from .devices import check_gpus_for_ranks, uses_cuda
+from .nccl_rules import wanted
 
 _CTX = None  # the forkserver context, started once per test process (it preloads torch)
 GRACE_AFTER_FAILURE_S = 5.0
@@ -40,7 +41,7 @@ def _context(backend: str):
 
 
 def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: str,
-            results: Any, args: tuple, kwargs: dict) -> None:
+            nccl_rules: bool, results: Any, args: tuple, kwargs: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -59,6 +60,10 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
             torch.cuda.set_device(options["device_id"])
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, **options)
+        if nccl_rules:
+            from . import nccl_rules as rules
+
+            rules.enable()
         torch.manual_seed(0)
         # Pickled here, by value: the queue's own pickler would share tensors through
         # file descriptors that die with this process before the parent reads them.
@@ -75,13 +80,17 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
-                    backend: str = "gloo", **kwargs: Any) -> list[Any]:
+                    backend: str = "gloo", nccl_rules: bool | None = None,
+                    **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (defined at module level). The process group is
     initialized before ``fn`` runs and ``torch.manual_seed(0)`` is set on every rank.
     With ``backend="nccl"`` rank ``r`` runs on ``cuda:r`` (its current device), and
     ``world_size`` must not exceed the GPUs visible; ``fn`` should return CPU values.
+    ``nccl_rules`` checks every collective against NCCL's rules
+    (``fullshard.testing.nccl_rules``); left out, it is on for gloo when
+    ``FULLSHARD_NCCL_RULES=1``, and off for NCCL.
     Raises ``AssertionError`` with every failing rank's traceback, or
     ``TimeoutError`` naming the ranks that did not finish.
     """
@@ -89,10 +98,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         check_gpus_for_ranks(world_size)
     ctx = _context(backend)
     results = ctx.Queue()
+    checks = bool(nccl_rules) if uses_cuda(backend) else wanted(nccl_rules)
     with tempfile.TemporaryDirectory(prefix="fullshard-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, backend,
-                                                   results, args, kwargs), daemon=True)
+                                                   checks, results, args, kwargs), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
