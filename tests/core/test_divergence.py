@@ -213,18 +213,20 @@ def test_a_rank_stalled_in_one_model_while_its_peer_stalls_in_another_is_not_a_d
 
 
 # -- a rank that is only slow, anywhere in the step, is waited for ------------------------
-def _slow_inside(where: str):
-    """Rank 1 is busy for 4 s (four of the peer's 1 s stall slices) inside step 1: in a
-    layer's forward, or in a gradient hook during backward. Rank 0 stalls, compares, finds
-    rank 1 merely behind each time and waits on; both train on and agree."""
-    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "10"  # stalls are compared after 1 s
+def _slow_inside(where: str, seconds: float = 4, limit: str = "10"):
+    """Rank 1 is busy for ``seconds`` inside step 1: in a layer's forward, or in a
+    gradient hook during backward. Rank 0 stalls, compares after each slice (a tenth of
+    ``limit``, at most 30 s; "" leaves the process group's timeout), finds rank 1 merely
+    behind each time and waits on; both train on and agree."""
+    if limit:
+        os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = limit
     model = sharded_gpt()
     slow = {"on": False}
 
     def sleep(*_args):
         if slow["on"]:
             slow["on"] = False
-            time.sleep(4)
+            time.sleep(seconds)
 
     if where == "forward":
         model.layers[1].register_forward_pre_hook(sleep)
@@ -247,4 +249,14 @@ def _slow_inside(where: str):
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_rank_slow_inside_forward_or_backward_is_waited_for(where):
     first, second = run_distributed(_slow_inside, 2, where, timeout=120)
+    assert first == second
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_45_s_late_inside_a_step_is_waited_for_at_the_default_timeout(where):
+    """As above at full size: 45 s late, the process group's own timeout (no override),
+    so the peer compares after one 30 s slice and waits on."""
+    first, second = run_distributed(_slow_inside, 2, where, 45, "", timeout=300)
     assert first == second
