@@ -69,21 +69,10 @@ def test_nothing_fullshard_allocates_per_step_grows_with_the_world():
     assert grown_allocations(blocks) == []
 
 
-def test_the_trainer_allocates_per_rank_only_its_statistics():
-    allocations = grown_allocations(trainer_steps)
-    assert all(y * 64 == x * LARGE for x, y in allocations), allocations  # each ∝ N
-    with fake_world(SMALL):
-        row = trainer_collectives(SMALL)[-1].inputs[1]  # the statistics one rank sends
-    # the gathered statistics (world x row) and the per-rank peaks read from them
-    assert sum(y for _, y in allocations) == (row + 1) * LARGE
-
-
-def trainer_collectives(world: int) -> list:
-    step = trainer_steps(world)
-    step()
-    with DispatchLog() as log:
-        step()
-    return log.collectives
+def test_nothing_the_trainer_allocates_per_step_grows_with_the_world():
+    # its statistics are reduced, not gathered (train/step_stats.py): every rank's peak
+    # is gathered only on the steps that evaluate or save, which this step is not
+    assert grown_allocations(trainer_steps) == []
 
 
 @pytest.mark.parametrize("build", [blocks, trainer_steps])
