@@ -1,5 +1,5 @@
 """Nothing per step on the host grows with the world size: the same Python calls, the same
-allocations (but for what the design sends per rank), flat host time (fake process group)."""
+allocations, flat host time (fake process group)."""
 
 import os
 
@@ -13,13 +13,19 @@ pytestmark = pytest.mark.scale
 
 SMALL, LARGE = 8, 1024
 # Host CPU time per step at 1,024 ranks over that at 8, outside the backend's calls (the
-# least of 24 steps at each). The design says flat (1.10). Measured 0.99-1.6 here with
-# the same calls and operations at both sizes (the tests above): the fake backend's 1,024
-# chunk copies per collective leave the caches colder for what follows (doing the same
-# copies at 8 ranks raises its figure as much; docs/benchmarks.md), and a shared 2-core
-# machine adds its noise. benchmarks/scale.py reports the measured ratio;
+# least of 24 steps at each), with the timed steps' collectives moving nothing
+# (QuietBackend): the fake backend's 1,024 chunk copies per collective left the caches
+# colder for what followed and made 0.99-1.6 of a flat step. The design says flat: 1.10
+# (row_blocks: 0.94-1.07 in three runs on a shared 2-core machine).
 # FULLSHARD_SCALE_MARGIN sets the bound.
-MARGIN = float(os.environ.get("FULLSHARD_SCALE_MARGIN", "1.5"))
+MARGIN = float(os.environ.get("FULLSHARD_SCALE_MARGIN", "1.10"))
+# The trainer's workload, the debug GPT, has parameters of fewer rows than 1,024 ranks: a
+# rank still holds one row of each, so its all-gathered buffer and its reduce-scatter's
+# input hold N rows a parameter (542,720 elements at 1,024 ranks, 28,800 at 8), copied
+# in and out on this CPU every step: +0.5 ms of copy_, fill_ and cat at 1,024 in a
+# profile, the model's sharding (dim 0, as FSDP2's), not the trainer's host work.
+# Measured 1.07-1.37 here; FULLSHARD_SCALE_PADDED_MARGIN sets its bound.
+PADDED_MARGIN = float(os.environ.get("FULLSHARD_SCALE_PADDED_MARGIN", "1.5"))
 
 
 def blocks(world):
@@ -69,25 +75,14 @@ def test_nothing_fullshard_allocates_per_step_grows_with_the_world():
     assert grown_allocations(blocks) == []
 
 
-def test_the_trainer_allocates_per_rank_only_its_statistics():
-    allocations = grown_allocations(trainer_steps)
-    assert all(y * 64 == x * LARGE for x, y in allocations), allocations  # each ∝ N
-    with fake_world(SMALL):
-        row = trainer_collectives(SMALL)[-1].inputs[1]  # the statistics one rank sends
-    # the gathered statistics (world x row) and the per-rank peaks read from them
-    assert sum(y for _, y in allocations) == (row + 1) * LARGE
+def test_nothing_the_trainer_allocates_per_step_grows_with_the_world():
+    # its statistics are reduced, not gathered (train/step_stats.py): every rank's peak
+    # is gathered only on the steps that evaluate or save, which this step is not
+    assert grown_allocations(trainer_steps) == []
 
 
-def trainer_collectives(world: int) -> list:
-    step = trainer_steps(world)
-    step()
-    with DispatchLog() as log:
-        step()
-    return log.collectives
-
-
-@pytest.mark.parametrize("build", [blocks, trainer_steps])
-def test_host_time_per_step_is_flat_from_8_to_1024_ranks(build):
-    times = host_times(build, (SMALL, LARGE), rounds=3, steps=8)
+@pytest.mark.parametrize("build, margin", [(blocks, MARGIN), (trainer_steps, PADDED_MARGIN)])
+def test_host_time_per_step_is_flat_from_8_to_1024_ranks(build, margin):
+    times = host_times(build, (SMALL, LARGE), rounds=3, steps=8, quiet=True)
     ratio = times[LARGE].own_best / times[SMALL].own_best
-    assert ratio <= MARGIN, (ratio, times)
+    assert ratio <= margin, (ratio, times)

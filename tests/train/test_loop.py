@@ -162,6 +162,7 @@ def test_the_step_statistics_reach_the_device_through_pinned_memory(monkeypatch)
     a non-blocking copy from pageable memory, which waits for the whole step's kernels."""
     from types import SimpleNamespace
 
+    from fullshard.testing.fake_world import fake_world
     from fullshard.train import loop
 
     moved = []
@@ -171,14 +172,15 @@ def test_the_step_statistics_reach_the_device_through_pinned_memory(monkeypatch)
         return on_device(tensors, device)
 
     monkeypatch.setattr(loop, "on_device", spy)
-    monkeypatch.setattr(loop, "_all_gather_single", lambda out, mine: out.copy_(mine))
     cpu = torch.device("cpu")
     trainer = SimpleNamespace(worker=SimpleNamespace(device=cpu, world=1),
                               stop=SimpleNamespace(requested=True),
                               memory=SimpleNamespace(step_figures=lambda: [7, 9]))
-    stats = Trainer._gather_stats(trainer, torch.tensor(2.5), torch.tensor(0.5))
+    with fake_world(1):
+        stats = Trainer._gather_stats(trainer, torch.tensor(2.5), torch.tensor(0.5), peaks=True)
     assert moved == [(([1.0, 7.0, 9.0],), cpu)]
-    assert stats.tolist() == [[2.5, 1.0, 7.0, 9.0, 0.5]]
+    assert (stats.loss, stats.grad_norm, stats.stopping) == (2.5, 0.5, True)
+    assert stats.figures.tolist() == [7.0, 9.0] and stats.peaks == [7]
 
 
 def test_learning_rate_warms_up_then_follows_the_cosine_to_min_lr():

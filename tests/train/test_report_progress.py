@@ -10,7 +10,7 @@ from fullshard.train.report.progress import ProgressLine
 def _progress(stream, steps=range(41, 45)):
     line = ProgressLine(steps[0], 60, stream)
     for step in steps:
-        line.update(step, 2.5, 12345.6, [2 * 2**20, 3 * 2**20])
+        line.update(step, 2.5, 12345.6, 3 * 2**20)
         if step == 42:
             line.message("step 42: val loss 2.1000")
     line.close()
@@ -20,7 +20,7 @@ def _progress(stream, steps=range(41, 45)):
 def test_progress_is_one_line_per_step_off_a_terminal():
     lines = _progress(io.StringIO()).splitlines()
     assert len(lines) == 5 and lines[2] == "step 42: val loss 2.1000"
-    assert re.fullmatch(r"step 41/60  loss 2\.5000  12,346 tok/s  peak/rank 2 MiB 3 MiB  "
+    assert re.fullmatch(r"step 41/60  loss 2\.5000  12,346 tok/s  peak/rank max 3 MiB  "
                         r"elapsed 00:00  eta \d\d:\d\d", lines[0]), lines[0]
     assert [int(line.split()[1].split("/")[0]) for line in lines if "tok/s" in line] == \
         [41, 42, 43, 44]

@@ -5,7 +5,7 @@ of ``ROWS``, itself a multiple of each world size measured (up to 1,024), so tha
 shard is exactly ``1/N`` of each parameter and the collectives' sizes follow from the
 design alone; block ``i`` is ``i + 1`` times as large as the first, so that each
 collective's size says which unit issued it. And
-the trainer's own step (``Trainer._train_step`` and the statistics gather that closes it,
+the trainer's own step (``Trainer._train_step`` and the statistics that close it,
 the span the trainer reports as ``step_time_s``) on the ``debug`` preset's GPT.
 """
 
@@ -125,12 +125,13 @@ def trainer(world: int):
 
 
 def trainer_step(run) -> dict:
-    """One step of ``run`` (a Trainer) as its training loop takes it: the optimizer step
-    over the micro-batches, the statistics gather, the metrics read from it."""
-    from ..train.report.metrics import FIGURES, metrics_fields
+    """One step of ``run`` (a Trainer) as its training loop takes most: the optimizer step
+    over the micro-batches, the statistics, the metrics read from them (not one of the
+    steps that also gather every rank's peak)."""
+    from ..train.report.metrics import metrics_fields
     loss, grad_norm = run._train_step()
     stats = run._gather_stats(loss, grad_norm)
-    return metrics_fields(stats[:, 2:2 + len(FIGURES)])
+    return metrics_fields(stats.figures, stats.peaks)
 
 
 def python_calls(fn: Callable[[], object]) -> int:

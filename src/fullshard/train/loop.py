@@ -1,10 +1,11 @@
 """The training loop of one worker: build, (resume,) train, evaluate, checkpoint, sample.
 
-Every rank runs the same sequence of collectives: the per-step statistics gather, the
-evaluations and the checkpoints happen at the same steps everywhere, decided from the
-step number and from the stop flag that the statistics gather makes common. A step
-whose loss (averaged over ranks) or gradient norm is not finite ends the run on every rank at once
-(:class:`Diverged`) without saving: the last checkpoint stays the latest.
+Every rank runs the same sequence of collectives: the per-step statistics (of the same
+size at any world size, train/step_stats.py), the evaluations and the checkpoints happen
+at the same steps everywhere, decided from the step number and from the stop flag that
+the statistics make common. A step whose loss (averaged over ranks) or gradient norm is
+not finite ends the run on every rank at once (:class:`Diverged`) without saving: the
+last checkpoint stays the latest.
 
 AdamW over the sharded parameters, and the warmup + cosine learning-rate schedule.
 
@@ -34,7 +35,7 @@ from .config.schema import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
 from .launch.launcher import StopRequest, Worker, restart_count
 from .report.dashboards import import_dashboards, open_dashboards
-from .report.metrics import (FIGURES, MetricsLog, StepMemory, estimate_line, estimated_peak_bytes,
+from .report.metrics import (MetricsLog, StepMemory, estimate_line, estimated_peak_bytes,
                              metrics_fields)
 from .model import (Workload, build_mesh, build_workload, load_initial_weights, save_for_export,
                     shard_model)
@@ -42,10 +43,7 @@ from .config.packages import check_packages
 from .report.plot import NOT_INSTALLED, matplotlib_figure, plot_losses
 from .report.progress import ProgressLine
 from .scaler import AgreedGradScaler, steps_on_host
-
-
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+from .step_stats import StepStats, reduce_stats
 
 # The estimate is printed beside the largest peak of a run's first steps: the first step
 # creates the optimizer states and pays fullshard's lazy initialization, the second is
@@ -195,17 +193,15 @@ class Trainer:
                 set_learning_rate(optimizer, lr)
             started = time.perf_counter()
             loss, grad_norm = self._train_step()
-            stats = self._gather_stats(loss, grad_norm)
+            stats = self._gather_stats(loss, grad_norm, peaks=self._gathers_peaks(first_step))
             seconds = time.perf_counter() - started
-            grad_norm = float(stats[0, -1])  # global: the same on every rank
-            if not math.isfinite(grad_norm) and self.scaler is None:
+            if not math.isfinite(stats.grad_norm) and self.scaler is None:
                 # the optimizers skipped this step (step_or_skip)
-                raise self._diverged("the gradient norm", grad_norm)
-            loss = float(stats[:, 0].mean())
-            if not math.isfinite(loss):
-                raise self._diverged("the loss", loss)
-            stopping = bool(stats[:, 1].max() > 0)
-            record = self._step_record(loss, lr, stats, grad_norm, seconds)
+                raise self._diverged("the gradient norm", stats.grad_norm)
+            if not math.isfinite(stats.loss):
+                raise self._diverged("the loss", stats.loss)
+            stopping = stats.stopping
+            record = self._step_record(stats, lr, seconds)
             self._compare_with_estimate(record, first_step, estimate_step)
             last = self.step == self.cfg.steps or stopping
             if last or _due(self.step, self.cfg.eval.every):
@@ -217,6 +213,14 @@ class Trainer:
                 self._say(f"stopped at step {self.step} on request; continue with --resume")
                 return
         self._print_sample()  # not after a stop: Ctrl-C asks to be done quickly
+
+    def _gathers_peaks(self, first_step: int) -> bool:
+        """Whether this step's record lists every rank's peak: the run's first step and the
+        scheduled ones that evaluate or save, whose host waits anyway. Decided from the
+        step number, before the step ends, so that the gather joins the statistics'; a
+        step stopped on request is not known in time and lists none."""
+        return (self.step in (first_step, self.cfg.steps) or _due(self.step, self.cfg.eval.every)
+                or _due(self.step, self.cfg.checkpoint.every))
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean
@@ -256,22 +260,20 @@ class Trainer:
         # gradients live on the host (torch's would send host tensors through NCCL)
         return clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
 
-    def _gather_stats(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """One collective and one host synchronization a step: every rank's loss, stop
-        request, memory ``FIGURES`` and the gradient norm (float64 holds byte counts
-        exactly up to 8 PiB)."""
+    def _gather_stats(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+                      peaks: bool = False) -> StepStats:
+        """One host synchronization a step, and collectives of the same size at any world
+        size (train/step_stats.py): the loss, the stop request, the memory ``FIGURES`` and
+        the gradient norm; where ``peaks``, every rank's peak too."""
         device = self.worker.device
         host = torch.tensor([float(self.stop.requested), *map(float, self.memory.step_figures())],
                             dtype=torch.float64)
         # through pinned memory (on_device): a non-blocking copy from pageable memory
         # makes the host wait for everything queued on the stream, the whole step
         mine = torch.cat([loss.detach().to(torch.float64).view(1),
-                          on_device((host,), device)[0],
-                          grad_norm.detach().to(device, torch.float64).view(1)])
-        everyone = torch.empty(self.worker.world * mine.numel(), dtype=torch.float64,
-                               device=device)
-        _all_gather_single(everyone, mine)
-        return everyone.view(self.worker.world, mine.numel()).cpu()
+                          grad_norm.detach().to(device, torch.float64).view(1),
+                          on_device((host,), device)[0]])
+        return reduce_stats(mine, self.worker.world, peaks)
 
     def _diverged(self, what: str, value: float) -> Diverged:
         latest = checkpoints.latest_name(self.out)
@@ -322,16 +324,14 @@ class Trainer:
 
     # -- rank 0's reporting -------------------------------------------------------------
 
-    def _step_record(self, loss: float, lr: float, stats: torch.Tensor, grad_norm: float,
-                     seconds: float) -> dict:
+    def _step_record(self, stats: StepStats, lr: float, seconds: float) -> dict:
         """The step's metrics (``loss``: the mean over ranks); updates the progress line."""
-        memory = metrics_fields(stats[:, 2:2 + len(FIGURES)])
+        memory = metrics_fields(stats.figures, stats.peaks)
         tokens_per_s = self.tokens_per_step / seconds
         if self.progress is not None:
-            self.progress.update(self.step, loss, tokens_per_s,
-                                 memory["peak_mem_bytes_per_rank"])
-        return {"step": self.step, "loss": loss, "lr": lr,
-                "tokens_per_s": round(tokens_per_s, 1), **memory, "grad_norm": grad_norm,
+            self.progress.update(self.step, stats.loss, tokens_per_s, memory["peak_mem_bytes"])
+        return {"step": self.step, "loss": stats.loss, "lr": lr,
+                "tokens_per_s": round(tokens_per_s, 1), **memory, "grad_norm": stats.grad_norm,
                 "step_time_s": round(seconds, 4)}
 
     def _compare_with_estimate(self, record: dict, first_step: int, estimate_step: int

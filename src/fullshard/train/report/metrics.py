@@ -4,8 +4,10 @@ The log runs on rank 0 only (as do the progress line, ``progress.py``, the plot,
 ``plot.py``, and the dashboards, ``dashboards.py``); the memory figures come from
 :class:`StepMemory`, on every rank.
 
-Each step's memory per rank, measured by ``fullshard.memory.MemoryTracker``, and the
-estimate of the run's configuration printed beside the first measurement.
+Each step's memory per rank, measured by ``fullshard.memory.MemoryTracker`` and reported
+at its largest over ranks (every rank's peak too on the run's first step and on the
+steps that evaluate or save), and the estimate of the run's configuration printed beside
+the first measurement.
 
 A step runs its micro-batches' forward and backward and then the optimizer inside the
 tracker's phases; the phase peaks are reset at every phase start (CPU: the RSS
@@ -65,7 +67,7 @@ def read_metrics(path: str) -> list[dict]:
 # -- memory per step -------------------------------------------------------------------
 
 PHASES = ("forward", "backward", "optimizer")
-# What every rank reports each step, in this order (bytes); the loop gathers them.
+# What every rank reports each step, in this order (bytes); the loop reduces them.
 FIGURES = ("peak", *PHASES, "fullshard_buffers")
 BUFFERS_EVERY = 10
 NOT_SAMPLED = -1
@@ -112,18 +114,17 @@ class StepMemory:
         return [report["peak_bytes"], *peaks, buffers]
 
 
-def metrics_fields(per_rank: torch.Tensor) -> dict:
-    """metrics.jsonl fields from the gathered ``world x len(FIGURES)`` figures: each the
-    largest over ranks, the peak also per rank; figures not sampled this step are left
-    out."""
-    largest = per_rank.max(dim=0).values
-    fields = {"peak_mem_bytes": int(largest[0]),
-              # one conversion in C: iterating the tensor made a view and a Python call
-              # per rank, every step (~0.6 ms a step at 1,024 ranks)
-              "peak_mem_bytes_per_rank": per_rank[:, 0].long().tolist()}
-    for i, name in enumerate(FIGURES[1:], start=1):
-        if largest[i] != NOT_SAMPLED:
-            fields[f"mem_{name}_bytes"] = int(largest[i])
+def metrics_fields(largest: torch.Tensor, peaks: list[int] | None = None) -> dict:
+    """metrics.jsonl fields from the ``FIGURES``, each the largest over ranks; figures not
+    sampled this step are left out. ``peaks``, every rank's peak on the steps that gather
+    them (train/step_stats.py), as ``peak_mem_bytes_per_rank``."""
+    values = [int(v) for v in largest.tolist()]  # one conversion, not one per element
+    fields = {"peak_mem_bytes": values[0]}
+    if peaks is not None:
+        fields["peak_mem_bytes_per_rank"] = peaks
+    for name, value in zip(FIGURES[1:], values[1:]):
+        if value != NOT_SAMPLED:
+            fields[f"mem_{name}_bytes"] = value
     return fields
 
 

@@ -1,5 +1,5 @@
-"""The progress line on rank 0's stderr: step, loss, tokens/s, the step's peak memory per
-rank, elapsed time and ETA, drawn by tqdm.
+"""The progress line on rank 0's stderr: step, loss, tokens/s, the step's peak memory of
+the largest rank, elapsed time and ETA, drawn by tqdm.
 
 On a terminal tqdm rewrites one line in place and keeps the messages written through
 :meth:`ProgressLine.message` (evaluations, checkpoints) above it. Elsewhere (a log file,
@@ -34,12 +34,11 @@ class ProgressLine:
         self.bar: tqdm | None = None  # on a terminal, from the first step on
 
 
-    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: list[int]) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, peak_mem: int) -> None:
+        """Step ``step``'s line; ``peak_mem``: the largest rank's peak (bytes)."""
         width = len(str(self.last_step))
-        mem = " ".join(_mib(m) for m in peak_mem) if len(peak_mem) <= 4 else \
-            f"max {_mib(max(peak_mem))}"
         figures = (f"{step:>{width}}/{self.last_step}  loss {loss:.4f}  "
-                   f"{tokens_per_s:,.0f} tok/s  peak/rank {mem}")
+                   f"{tokens_per_s:,.0f} tok/s  peak/rank max {_mib(peak_mem)}")
         if self.interactive:
             if self.bar is None:
                 self.bar = tqdm(total=self.last_step, initial=self.first_step - 1,
