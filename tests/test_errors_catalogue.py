@@ -527,6 +527,9 @@ def _verification_cases(tmp: str) -> dict[str, str]:
     with open(os.path.join(root, "dangling", "latest"), "w") as f:
         f.write("step_9")
     out["E91"] = load(os.path.join(root, "dangling"))
+    with open(os.path.join(root, "dangling", "latest"), "wb") as f:
+        f.write(b"\x8f\xfe\x00\x13\xc3(\x07\xff")
+    out["E240"] = load(os.path.join(root, "dangling"))
     return out
 
 
