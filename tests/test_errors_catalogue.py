@@ -675,6 +675,7 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
     parser = estimate_parser()
     return {
         "E76": stderr_of("estimate", "--world-size", "0"),
+        "E241": stderr_of("estimate", "--preset", "moe", "--world-size", "4", "--ep", "3"),
         "E77": message_of(lambda: check_text_file("data", binary)),
         "E78": message_of(lambda: check_output_dir("--out", a_file)),
         "E79": message_of(lambda: check_hf_model("--hf-config", os.path.join(tmp, "gone"))),
