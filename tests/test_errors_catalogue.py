@@ -449,6 +449,8 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
     indexed = folder("indexed", **pair)
     with open(os.path.join(indexed, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}, f)
+    directory = folder("directory")
+    os.makedirs(os.path.join(directory, "model.safetensors"))
     text = os.path.join(tmp, "hf", "weights.txt")
     open(text, "w").close()
 
@@ -481,6 +483,7 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
         "E203": message_of(lambda: load_hf(_Pair(), two_files)),
         "E204": message_of(lambda: load_hf(_Pair(), os.path.join(tmp, "hf", "gone"))),
         "E205": message_of(lambda: load_hf(_Pair(), text)),
+        "E243": message_of(lambda: load_hf(_Pair(), directory)),
     }
 
 
