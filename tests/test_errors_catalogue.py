@@ -742,6 +742,8 @@ _TESTED_ELSEWHERE = {
     "E150": "tests/core/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
+    "E245": "tests/cli/test_train_flags.py::"
+            "test_resume_without_a_latest_file_names_the_steps_when_none_verifies",
     "E244": "tests/cli/test_cli_errors.py::"
             "test_an_export_to_an_existing_directory_is_one_line_and_leaves_nothing",
     "E134": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
