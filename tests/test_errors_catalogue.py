@@ -449,6 +449,8 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
     indexed = folder("indexed", **pair)
     with open(os.path.join(indexed, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}, f)
+    directory = folder("directory")
+    os.makedirs(os.path.join(directory, "model.safetensors"))
     text = os.path.join(tmp, "hf", "weights.txt")
     open(text, "w").close()
 
@@ -481,6 +483,7 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
         "E203": message_of(lambda: load_hf(_Pair(), two_files)),
         "E204": message_of(lambda: load_hf(_Pair(), os.path.join(tmp, "hf", "gone"))),
         "E205": message_of(lambda: load_hf(_Pair(), text)),
+        "E243": message_of(lambda: load_hf(_Pair(), directory)),
     }
 
 
@@ -527,6 +530,9 @@ def _verification_cases(tmp: str) -> dict[str, str]:
     with open(os.path.join(root, "dangling", "latest"), "w") as f:
         f.write("step_9")
     out["E91"] = load(os.path.join(root, "dangling"))
+    with open(os.path.join(root, "dangling", "latest"), "wb") as f:
+        f.write(b"\x8f\xfe\x00\x13\xc3(\x07\xff")
+    out["E240"] = load(os.path.join(root, "dangling"))
     return out
 
 
@@ -672,6 +678,7 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
     parser = estimate_parser()
     return {
         "E76": stderr_of("estimate", "--world-size", "0"),
+        "E241": stderr_of("estimate", "--preset", "moe", "--world-size", "4", "--ep", "3"),
         "E77": message_of(lambda: check_text_file("data", binary)),
         "E78": message_of(lambda: check_output_dir("--out", a_file)),
         "E79": message_of(lambda: check_hf_model("--hf-config", os.path.join(tmp, "gone"))),
@@ -735,6 +742,10 @@ _TESTED_ELSEWHERE = {
     "E150": "tests/core/test_divergence.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
+    "E245": "tests/cli/test_train_flags.py::"
+            "test_resume_without_a_latest_file_names_the_steps_when_none_verifies",
+    "E244": "tests/cli/test_cli_errors.py::"
+            "test_an_export_to_an_existing_directory_is_one_line_and_leaves_nothing",
     "E134": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E132": "tests/cli/test_train.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
     "E131": "tests/core/test_divergence.py::test_ranks_at_different_collective_functions_both_name_them",
@@ -771,6 +782,6 @@ _TESTED_ELSEWHERE = {
     "E69": "tests/cli/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
     **{code: "tests/cli/test_project.py::test_bad_input_is_one_line_naming_it"
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
-                    "E213", "E226", "E227")},
+                    "E213", "E226", "E227", "E242")},
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
 }

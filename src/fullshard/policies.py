@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import torch
@@ -139,7 +139,8 @@ def as_offload_policy(value, label: str) -> OffloadPolicy:
 
 
 def _checked_disk_policy(policy: DiskOffloadPolicy, label: str) -> DiskOffloadPolicy:
-    """The policy, after checking its directory can take the state files (E136)."""
+    """The policy, after checking its directory can take the state files (E136), with
+    its path made absolute."""
     where = f"fully_shard({label}): DiskOffloadPolicy(path={policy.path!r})"
     if not isinstance(policy.chunk_numel, int) or policy.chunk_numel <= 0:
         raise ValueError(f"{where}: chunk_numel must be a positive int, got "
@@ -159,7 +160,9 @@ def _checked_disk_policy(policy: DiskOffloadPolicy, label: str) -> DiskOffloadPo
     except OSError as e:
         raise ValueError(f"{where}: the directory is not writable ({e.strerror}). Name a "
                          "directory this process can write to.") from None
-    return policy
+    # The state files are created at the first step: a relative path means the directory
+    # it named here, not one under wherever the program has changed to by then.
+    return replace(policy, path=os.path.abspath(path))
 
 
 try:  # torch >= 2.13

@@ -308,3 +308,16 @@ def test_fullshard_exports_load_back_sharded(tmp_path):
         assert main(["ckpt", "export", *runs[name], "--hf", "--max-shard-size", "30KB"]) == 0
     for out in run_distributed(_round_trips, 3, runs):
         assert out == {"gpt": [], "gpt2": [], "llama": [], "mixtral": []}
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["listed", "named by the index"])
+def test_a_safetensors_name_that_is_a_directory_is_named(tmp_path, indexed):
+    name = "model-00001-of-00001.safetensors" if indexed else "model.safetensors"
+    (tmp_path / name).mkdir()
+    if indexed:
+        (tmp_path / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"weight": "%s"}}' % name)
+    with pytest.raises(CheckpointError, match=rf"load_hf: {tmp_path / name} is a directory, "
+                                              "not a .safetensors file") as err:
+        SafetensorsFiles(tmp_path)
+    assert "\n" not in str(err.value)

@@ -147,6 +147,19 @@ def test_a_save_over_a_checkpoint_of_the_same_name_keeps_latest_loadable(tmp_pat
     assert loaded() == (5.0, 5.0)
 
 
+
+def test_a_set_aside_checkpoint_resumed_from_is_pruned_once_a_newer_one_is_committed(tmp_path):
+    from fullshard.checkpoint.layout import set_aside
+    from fullshard.train.checkpoints import _prune
+
+    path = str(tmp_path / "step_000001")
+    ckpt.save(path, nn.Linear(4, 4), extra={"step": 1})
+    os.replace(path, set_aside(path))  # a save over it killed between its renames
+    assert ckpt.load(str(tmp_path), nn.Linear(4, 4)) == {"step": 1}  # what a resume reads
+    ckpt.save(str(tmp_path / "step_000002"), nn.Linear(4, 4), extra={"step": 2})
+    _prune(str(tmp_path), keep=3)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_000002"]
+
 @pytest.mark.slow
 def test_corrupt_missing_and_incompatible_checkpoints_are_named(tmp_path):
     run_distributed(train_and_save, 2, str(tmp_path), 1, 1)

@@ -107,6 +107,19 @@ def test_latest_naming_a_missing_checkpoint_is_named(tmp_path):
     _one_line(err)
 
 
+
+@pytest.mark.parametrize("content", [b"\x8f\xfe\x00\x13\xc3(\x07\xff" * 8, b"", b"\n"],
+                         ids=["random bytes", "empty", "a newline"])
+def test_latest_holding_no_name_is_called_unreadable(tmp_path, content):
+    fullshard_checkpoint(str(tmp_path))
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(CheckpointError, match=rf"latest does not hold a checkpoint's name \(its "
+                                              rf"{len(content)} bytes are not a step_N name"
+                                              ) as err:
+        checkpoint.load(str(tmp_path), small_model())
+    assert "''" not in str(err.value)
+    _one_line(err)
+
 def test_a_torch_checkpoint_loads_unverified_with_a_warning(tmp_path):
     source = small_model()
     with torch.no_grad():

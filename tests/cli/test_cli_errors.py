@@ -219,3 +219,17 @@ def test_fullshard_run_names_a_program_it_cannot_open_in_one_line(argv, code, tm
     finally:
         fullshard.uninstall()
     assert exit_.value.code == 2
+
+
+def test_an_export_to_an_existing_directory_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    import torch
+
+    from fullshard import checkpoint
+
+    step = checkpoint.save(str(tmp_path / "run" / "step_1"), torch.nn.Linear(2, 2))
+    target = tmp_path / "exported"
+    target.mkdir()
+    assert main(["ckpt", "export", step, str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert matches_documented("E244", "ConfigError: " + err.split(": ", 1)[1]), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]  # no .partial

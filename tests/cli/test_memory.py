@@ -1,6 +1,9 @@
 """``fullshard estimate`` on the command line (cli/memory.py): one estimate, a sweep over
 strategies, the ZeRO table, and the expert-parallel degree."""
 
+import pytest
+
+from fullshard.cli import main
 from fullshard.cli.memory import estimate_main
 
 
@@ -24,3 +27,16 @@ def test_estimate_cli_takes_the_expert_parallel_degree(capsys):
         assert ("experts split over 4 ranks" in text) == (ep == "4")
     # ep 4 over 4 ranks: a rank's experts are whole on it, nothing of them gathered
     assert peaks["4"] < peaks["1"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--preset", "moe", "--world-size", "4", "--ep", "3"], "ep=3 must divide world_size 4"),
+    (["--preset", "moe", "--world-size", "4", "--ep", "2", "--strategy", "no_shard"],
+     "not no_shard"),
+    (["--preset", "debug", "--world-size", "4", "--ep", "2"], "has none: leave ep at 1"),
+], ids=["not dividing", "strategy", "no experts"])
+def test_an_expert_parallel_degree_the_run_cannot_take_is_a_usage_error(capsys, flags, says):
+    assert main(["estimate", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fullshard estimate: --ep: ") and says in err, err
+    assert len(err.splitlines()) == 1 and "ValueError" not in err

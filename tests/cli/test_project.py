@@ -118,6 +118,8 @@ def test_plan_never_recommends_what_the_trainer_cannot_run(tmp_path, capsys):
     (["project", "--model", "moe", "--ep", "3"], "E227"),
     (["project", "--model", "moe", "--gpus", "8", "--ep", "2", "--strategy", "no_shard"],
      "E227"),
+    (["project", "--ac-every", "2"], "E242"),
+    (["project", "--ac", "selective", "--ac-every", "3"], "E242"),
 ])
 def test_bad_input_is_one_line_naming_it(argv, code, capsys, tmp_path):
     paths = {"gpt2_no_layers": _config(tmp_path, "gpt2", {k: v for k, v in GPT2.items()

@@ -9,6 +9,7 @@ from fullshard.cli import train as train_cli
 from fullshard.train.config.schema import PRESETS, get_preset
 from fullshard.train.config.flags import apply_overrides
 from fullshard.train.report.metrics import expected_memory_line
+from support.catalogue import matches_documented
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -77,3 +78,45 @@ def test_gpu_presets_print_their_estimated_memory_before_launching(monkeypatch, 
     assert launched and "expected peak memory" in capsys.readouterr().err
     assert train_cli.main(["--preset", "debug"]) == 0  # not a GPU preset: no estimate
     assert "expected peak memory" not in capsys.readouterr().err
+
+
+def _steps(tmp_path, *steps):
+    from fullshard import checkpoint
+    for step in steps:
+        checkpoint.save(str(tmp_path / "checkpoints" / f"step_{step:06d}"),
+                        torch.nn.Linear(2, 2), extra={"step": step})
+    return tmp_path / "checkpoints"
+
+
+def _check_resume(out):
+    args = train_cli.build_parser().parse_args(["--preset", "debug", "--out", str(out),
+                                                "--resume"])
+    train_cli._check_launch(args, str(out))
+
+
+@pytest.mark.parametrize("latest", ["missing", "a directory"])
+def test_resume_without_a_latest_file_takes_the_newest_step_that_verifies(tmp_path, capsys,
+                                                                          latest):
+    checkpoints = _steps(tmp_path, 2, 4, 6)
+    (checkpoints / "step_000006" / "fullshard.json").unlink()  # a save that did not finish
+    (checkpoints / "latest").unlink()
+    if latest == "a directory":
+        (checkpoints / "latest").mkdir()
+    _check_resume(tmp_path)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{checkpoints / 'latest'} is {latest}" in err, err
+    assert "resuming from step_000004, the newest checkpoint there that verifies" in err, err
+    assert (checkpoints / "latest").read_text() == "step_000004"
+    _check_resume(tmp_path)  # latest names it now: nothing more to say
+    assert capsys.readouterr().err == ""
+
+
+def test_resume_without_a_latest_file_names_the_steps_when_none_verifies(tmp_path):
+    from fullshard.train.config.schema import ConfigError
+    checkpoints = _steps(tmp_path, 2, 4)
+    for step in ("step_000002", "step_000004"):
+        (checkpoints / step / "fullshard.json").unlink()
+    (checkpoints / "latest").unlink()
+    with pytest.raises(ConfigError) as err:
+        _check_resume(tmp_path)
+    assert matches_documented("E245", f"ConfigError: {err.value}"), err.value

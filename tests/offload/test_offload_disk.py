@@ -263,6 +263,26 @@ def test_disk_offload_policy_errors(tmp_path):
     assert run_distributed(_policy_errors, 1, str(tmp_path)) == [True]
 
 
+def _relative_path_then_chdir(tmp):
+    # The policy names its directory relative to where fully_shard ran; the program
+    # then changes directory before its first step.
+    os.makedirs(os.path.join(tmp, "nvme", "states"))
+    os.makedirs(os.path.join(tmp, "elsewhere"))
+    before = os.getcwd()
+    try:
+        os.chdir(os.path.join(tmp, "nvme"))
+        model, opt = _build(DiskOffloadPolicy(path="states", chunk_numel=CHUNK), "adamw")
+        os.chdir(os.path.join(tmp, "elsewhere"))
+        _train(model, opt, 2)
+        return os.listdir(os.path.join(tmp, "elsewhere")) == []  # nothing strayed there
+    finally:
+        os.chdir(before)
+
+
+def test_a_relative_path_is_the_directory_it_named_when_fully_shard_ran(tmp_path):
+    assert run_distributed(_relative_path_then_chdir, 1, str(tmp_path)) == [True]
+
+
 class _NotElementwise(torch.optim.AdamW):
     """A subclass: fullshard cannot know its update is elementwise."""
 

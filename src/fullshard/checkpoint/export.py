@@ -229,15 +229,21 @@ def _write_file(checkpoint: Checkpoint, out: str, entries: list[ExportedTensor],
     blob += b" " * (-len(blob) % 8)  # the format aligns the data on 8 bytes
     prefix = _model_prefix(FileSystemReader(checkpoint.path).read_metadata().state_dict_metadata)
     tmp = f"{out}.partial"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for entry in entries:
-            tensor = _read_tensor(checkpoint, prefix, entry.source, tensors[entry.source])
-            if entry.transpose:
-                tensor = tensor.t()
-            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for entry in entries:
+                tensor = _read_tensor(checkpoint, prefix, entry.source, tensors[entry.source])
+                if entry.transpose:
+                    tensor = tensor.t()
+                f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        os.replace(tmp, out)
+    except BaseException:
+        # a failed export leaves no half-written file beside the one it meant to write
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
     return out
 
 

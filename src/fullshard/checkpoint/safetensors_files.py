@@ -179,6 +179,7 @@ def _files(path: str) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"load_hf: {index} cannot be read as an index of "
                                   f"safetensors files ({type(err).__name__}: {err})") from None
+        _no_directories(path, names)
         missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
         if missing:
             raise CheckpointError(f"load_hf: {index} names {missing[0]}, which is not in "
@@ -190,4 +191,14 @@ def _files(path: str) -> list[str]:
         hint = (f" (it has {others[0]}: load it with from_pretrained and save it again "
                 "with save_pretrained, which writes safetensors)") if others else ""
         raise CheckpointError(f"load_hf: {path} holds no .safetensors file{hint}")
+    _no_directories(path, files)
     return [os.path.join(path, n) for n in files]
+
+
+def _no_directories(path: str, names: list[str]) -> None:
+    """A directory under a safetensors file's name is named as one (safetensors itself
+    reports it as 'No such device')."""
+    for name in names:
+        if os.path.isdir(os.path.join(path, name)):
+            raise CheckpointError(f"load_hf: {os.path.join(path, name)} is a directory, not a "
+                                  f"{SUFFIX} file; put the file there, or remove the directory")

@@ -67,11 +67,7 @@ def resolve(path: str | os.PathLike) -> str:
     pointer = os.path.join(path, LATEST)
     if os.path.exists(os.path.join(path, MANIFEST)) or not os.path.isfile(pointer):
         return path
-    try:
-        with open(pointer, "rb") as f:
-            name = f.read().decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
+    name = _name_in(pointer)
     target = os.path.join(path, name)
     named = bool(name) and os.path.basename(name) == name  # a directory beside ``latest``
     if named and not os.path.isdir(target) and os.path.isfile(
@@ -83,6 +79,27 @@ def resolve(path: str | os.PathLike) -> str:
                               f"directory there, or write its name into {LATEST}")
     return target
 
+
+
+def _name_in(pointer: str) -> str:
+    """The checkpoint name a ``latest`` file holds; a CheckpointError when it holds none
+    (bytes that are not text, or nothing), which would otherwise be reported as ''."""
+    try:
+        with open(pointer, "rb") as f:
+            content = f.read()
+    except OSError as err:
+        raise CheckpointError(f"{pointer} cannot be read ({failure(err)}); make it readable, "
+                              "or name a step_N directory beside it") from None
+    try:
+        name = content.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if name and name.isprintable():
+        return name
+    raise CheckpointError(f"{pointer} does not hold a checkpoint's name (its {len(content)} "
+                          "bytes are not a step_N name: overwritten or damaged); write the "
+                          f"name of a step_N directory in {os.path.dirname(pointer)} into it, "
+                          "or name that directory itself")
 
 def classify(path: str) -> Kind:
     """What the directory ``path`` is (CheckpointError if there is none)."""

@@ -12,6 +12,7 @@ DIR is a checkpoint, a directory whose ``latest`` names one, that ``latest`` fil
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -92,6 +93,11 @@ def _export(args: argparse.Namespace) -> int:
         if args.max_shard_size is not None:
             raise ConfigError("--max-shard-size: applies to --hf exports only; add --hf, "
                               "or leave it out for one .safetensors file")
+        if os.path.isdir(args.out):  # the one file would be renamed over the directory
+            out = os.path.abspath(args.out)
+            raise ConfigError(f"{out} is a directory, and an export without --hf writes one "
+                              f".safetensors file; name a file (such as {out}/model.safetensors)"
+                              ", or add --hf to write a Hugging Face folder into it")
         print(export_safetensors(resolve_checkpoint(args.dir), args.out))
         return 0
     from ..train.export.hf import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_size

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
@@ -141,10 +142,23 @@ def estimate_main(argv: list[str]) -> int:
                               "tries; estimate one --world-size with it")
         print(_sweep(source, args.world_size, kwargs))
         return 0
-    est = estimate(source, world_size=args.world_size, strategy=pick["strategy"],
-                   reshard_after_forward=args.reshard_after_forward, ep=args.ep, **kwargs)
+    with _ep_as_flag(args.ep):
+        est = estimate(source, world_size=args.world_size, strategy=pick["strategy"],
+                       reshard_after_forward=args.reshard_after_forward, ep=args.ep, **kwargs)
     print(est.table())
     return 0
+
+
+@contextlib.contextmanager
+def _ep_as_flag(ep: int):
+    """The library's refusals of an expert-parallel degree as the --ep flag's usage error
+    (exit 2, like every other flag), not an unexpected ValueError."""
+    try:
+        yield
+    except ValueError as err:
+        if ep == 1 or not str(err).startswith("estimate: ep"):
+            raise
+        raise ConfigError(f"--ep: {str(err)[len('estimate: '):]}") from None
 
 
 def _sweep(source: Any, max_world: int, kwargs: dict[str, Any]) -> str:

@@ -232,6 +232,10 @@ def project_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = _world_sizes(args.gpus)
+        if args.ac_every != 1 and args.ac != "full":  # it would change nothing: say so
+            raise ProjectionError(f"--ac-every {args.ac_every}: chooses every N-th block for "
+                                  f"--ac full, and --ac is {args.ac}; add --ac full, or leave "
+                                  "--ac-every out")
         if args.batch % args.grad_accum:
             raise ProjectionError(f"--batch {args.batch} does not split into --grad-accum "
                                   f"{args.grad_accum} micro-batches: give a multiple of "

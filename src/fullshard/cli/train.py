@@ -32,8 +32,9 @@ import sys
 
 from ..core.comm import CollectiveError
 from ..train.launch.agreement import check_same_run
-from ..train.checkpoints import (checkpoint_dir, divergence_of_this_job, has_checkpoint, hold_run,
+from ..train.checkpoints import (STEP_DIR, checkpoint_dir, divergence_of_this_job, hold_run,
                                  resumes_after_restart)
+from ..train.newest_step import point_latest_at_newest
 from ..train.launch.cluster import check_worker_environment, local_place
 from ..train.config.schema import (DEFAULT_PRESET, GPU_PRESETS, PRESETS, ConfigError, TrainConfig,
                                    get_preset, validate)
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_launch(args: argparse.Namespace, out: str) -> None:
-    if args.resume and not has_checkpoint(out):
-        raise ConfigError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run without "
-                          "--resume to start there")
+    if args.resume:
+        said = point_latest_at_newest(checkpoint_dir(out), STEP_DIR)
+        if said is not None:
+            print(f"fullshard train: {said}", file=sys.stderr, flush=True)
 
 
 def _print_expected_memory(cfg: TrainConfig, preset: str, options: LaunchOptions) -> None:

@@ -56,7 +56,7 @@ import torch.nn as nn
 
 from .. import checkpoint
 from ..checkpoint.agreement import on_every_rank
-from ..checkpoint.layout import being_deleted, is_leftover, set_aside
+from ..checkpoint.layout import being_deleted, is_leftover
 from ..checkpoint.verify import verified_extra
 from .launch.agreement import counted
 from .config.schema import ConfigError, TrainConfig
@@ -195,11 +195,11 @@ def _prune(directory: str, keep: int) -> None:
     by the next prune), never a step_N with some of its files gone."""
     names = os.listdir(directory)
     steps = sorted(name for name in names if STEP_DIR.match(name))
+    # Also an older step_N a save over step_N set aside and was killed before removing,
+    # even with no step_N beside it (a run resumed from it): this prune follows a commit,
+    # so ``latest`` names a newer checkpoint and nothing reads the set-aside one again.
     doomed = [os.path.join(directory, name) for name in names
-              if is_leftover(name, "deleting")]
-    # an older step_N a save over step_N set aside and was killed before removing
-    set_aside_steps = (set_aside(os.path.join(directory, name)) for name in steps)
-    doomed += [old for old in set_aside_steps if os.path.isdir(old)]
+              if is_leftover(name, "deleting") or is_leftover(name, "replaced")]
     for name in steps[:-keep]:
         gone = being_deleted(os.path.join(directory, name))
         os.replace(os.path.join(directory, name), gone)
