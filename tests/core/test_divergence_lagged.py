@@ -108,3 +108,52 @@ def test_no_checkpoint_is_written_after_an_unnamed_divergence(tmp_path):
     assert _raised_at(text) == 2, text[-3000:]
     assert "checkpoint.save" in text  # named at the save's check-in, before writing
     assert not (tmp_path / "ckpt" / "step_000001").exists()
+
+
+_LAST_STEP_SCRIPT = """
+import sys, torch, torch.distributed as dist, torch.nn as nn
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+from fullshard import fully_shard
+from fullshard.core.state import unit_of
+class Ordered(nn.Sequential):
+    order = (0, 1, 2)
+    def forward(self, x):
+        for i in self.order:
+            x = self[i](x)
+        return x
+torch.manual_seed(0)
+model = Ordered(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+model.set_bucket_numel(0)
+for unit in [model, *model]:
+    unit.set_modules_to_forward_prefetch([])
+x = torch.ones(2, 8)
+model(x).sum().backward()
+unit_of(model).root.guard.lagged = True
+if rank == 1:
+    model.order = (0, 2, 1)  # the last forward: same sizes, another order
+with torch.no_grad():
+    model(x)
+print("end of the program", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_divergence_in_the_last_step_is_named_at_exit(tmp_path):
+    """Its comparison is still in flight when the program ends: finished at exit, the
+    divergence is said on every rank rather than never."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "last_step.py"
+    script.write_text(_LAST_STEP_SCRIPT)
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    for out, err in outs:
+        assert "end of the program" in out, err[-2000:]
+        assert "DivergenceError: fullshard: ranks diverged" in err, err[-2000:]

@@ -26,9 +26,11 @@ process-wide channels) there is no channel: nothing to compare.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -110,6 +112,7 @@ class Channel:
         """Keep ``finish`` (of an operation just issued) until ``drain`` calls it."""
         self.drain()
         self._in_flight = finish
+        _drain_at_exit()
 
     def drain(self) -> None:
         """Finish the operation in flight, if any (it may raise)."""
@@ -137,6 +140,28 @@ def prepare(ranks: list[int]) -> Channel | None:
 def channel_of(ranks: list[int]) -> Channel | None:
     """The channel made for ``ranks``, if any."""
     return _CHANNELS.get(tuple(ranks))
+
+
+_EXIT_REGISTERED = False
+
+
+def _drain_at_exit() -> None:
+    """Finish what is still in flight when the interpreter exits: the comparison of a
+    program's last step would otherwise never be finished, and a divergence there never
+    named. Registered once, by the first operation held."""
+    global _EXIT_REGISTERED
+    if not _EXIT_REGISTERED:
+        _EXIT_REGISTERED = True
+        atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    if not dist.is_initialized():  # destroy_process_group() ran: nothing left to finish
+        return
+    try:
+        drain_all()
+    except Exception as err:  # noqa: BLE001 - said, not raised: the interpreter is ending
+        print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
 def drain_all() -> None:

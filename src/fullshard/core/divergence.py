@@ -59,8 +59,8 @@ On an accelerator the host runs ahead of the device, and a comparison it waited 
 the end of each backward would be a host barrier: every rank's host waits for the
 slowest, and the slack the asynchronous device hides is lost. There the comparison of a
 backward is issued when its gradients settle and finished when the next one settles (or
-before a check-in: a checkpoint is never written after an unnamed divergence), by when it
-has long arrived. A divergence is then named one step late, before the second step's
+before a check-in: a checkpoint is never written after an unnamed divergence; or when the
+interpreter exits, so that the last step's is said too), by when it has long arrived. A divergence is then named one step late, before the second step's
 gradients are handed out; the step in between may have summed the wrong tensors, which
 is why nothing is saved before the comparison finishes. With CPU offload the host waits
 for the device at the settle anyway (the gradients' copies to the host), so the
