@@ -559,6 +559,8 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
                                            "--parallel.strategy", "hybrid_shard")),
         "E231": message_of(_expert_degree_not_dividing_the_world),
         "E233": message_of(lambda: resolve("--preset", "moe", "--optim.name", "muon")),
+        "E236": message_of(lambda: resolve("--optim.name", "muon", "--parallel.offload",
+                                           f"disk:{tmp}")),
     }
 
 
@@ -679,6 +681,10 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
             ["--world-size", "6", "--reshard-after-forward", "4"]))),
         "E81": message_of(lambda: _resolve(parser.parse_args(
             ["--preset", "gpt2-124m", "--world-size", "8", "--seq", "4096"]))),
+        "E237": stderr_of("estimate", "--preset", "moe", "--optimizer", "muon", "--world-size",
+                          "2"),
+        "E238": stderr_of("plan", "--optimizer", "muon", "--world-size", "2", "--budget-gib", "1",
+                          "--allow-offload", "--offload-dir", tmp),
         "E165": run_stderr_of("missing.py"),
         "E166": run_stderr_of("-m", "no_such_module"),
     }
