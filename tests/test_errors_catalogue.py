@@ -565,6 +565,8 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
                                            "--parallel.strategy", "hybrid_shard")),
         "E231": message_of(_expert_degree_not_dividing_the_world),
         "E233": message_of(lambda: resolve("--preset", "moe", "--optim.name", "muon")),
+        "E236": message_of(lambda: resolve("--optim.name", "muon", "--parallel.offload",
+                                           f"disk:{tmp}")),
     }
 
 
@@ -686,6 +688,10 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
             ["--world-size", "6", "--reshard-after-forward", "4"]))),
         "E81": message_of(lambda: _resolve(parser.parse_args(
             ["--preset", "gpt2-124m", "--world-size", "8", "--seq", "4096"]))),
+        "E237": stderr_of("estimate", "--preset", "moe", "--optimizer", "muon", "--world-size",
+                          "2"),
+        "E238": stderr_of("plan", "--optimizer", "muon", "--world-size", "2", "--budget-gib", "1",
+                          "--allow-offload", "--offload-dir", tmp),
         "E165": run_stderr_of("missing.py"),
         "E166": run_stderr_of("-m", "no_such_module"),
     }
@@ -784,4 +790,8 @@ _TESTED_ELSEWHERE = {
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
                     "E213", "E226", "E227", "E242")},
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
+    "E234": "tests/checkpoint/test_hf_tied_apart.py::"
+            "test_load_hf_into_a_tied_model_names_the_stored_head",
+    "E235": "tests/checkpoint/test_hf_tied_apart.py::"
+            "test_a_stored_head_is_used_untied_as_from_pretrained_does",
 }

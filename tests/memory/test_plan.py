@@ -116,3 +116,30 @@ def test_plan_splits_grouped_experts_when_that_is_what_fits():
         assert expert_degrees(GPT(cfg), 6) == (1, 2)
         assert expert_degrees(GPT(GPTConfig(**moe)), 4) == (1,)
         assert expert_degrees(GPT(GPTConfig(vocab_size=65, d_model=64, n_heads=4)), 4) == (1,)
+
+
+def test_plan_prints_a_muon_command_the_trainer_accepts(capsys):
+    from fullshard.cli.train import build_parser, resolve_config
+
+    assert plan_main(["--preset", "debug", "--optimizer", "muon", "--world-size", "2",
+                      "--budget-gib", "1"]) == 0
+    command = capsys.readouterr().out.strip().splitlines()[-1]
+    assert command.startswith("fullshard train ") and "--optim.name muon" in command
+    cfg, _ = resolve_config(build_parser().parse_args(command.split()[2:]))
+    assert cfg.optim.name == "muon"
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "--preset", "moe", "--optimizer", "muon", "--world-size", "2"],
+    ["plan", "--preset", "moe", "--optimizer", "muon", "--world-size", "2", "--budget-gib", "1"],
+    ["estimate", "--preset", "debug", "--optimizer", "muon", "--offload", "disk", "--world-size",
+     "2"],
+    ["plan", "--preset", "debug", "--optimizer", "muon", "--world-size", "2", "--budget-gib", "1",
+     "--allow-offload", "--offload-dir", "."],
+])
+def test_estimate_and_plan_refuse_muon_where_the_trainer_does(argv, capsys):
+    from fullshard.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fullshard {argv[0]}: --optimizer: muon steps ") and "\n" not in err

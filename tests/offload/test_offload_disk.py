@@ -365,3 +365,25 @@ def test_disk_offload_resumes_a_model_with_empty_shards(world, tmp_path):
     every rank's optimizer state dict holds it and the checkpoint loads on every rank."""
     for out in run_distributed(_resume_with_empty_shards, world, str(tmp_path)):
         assert out == {False: 0.0, True: 0.0}, out
+
+
+def _full_states(directory):
+    """Every per-element state gathered whole with ``.full_tensor()``, looked up by name."""
+    out = {}
+    for name, policy in (("cpu", CPUOffloadPolicy(pin_memory=False)),
+                         ("disk", DiskOffloadPolicy(path=directory, chunk_numel=CHUNK))):
+        model, opt = _build(policy, "adamw")
+        _train(model, opt, 1)
+        out[name] = [{k: opt.state[p][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")}
+                     for p in model.parameters()]
+        out[name + " placeholders"] = all(v.device.type == "meta" for s in opt.state.values()
+                                          for k, v in s.items() if k != "step")
+    return out
+
+
+def test_disk_offload_states_gather_whole_as_with_cpu_offload(tmp_path):
+    for out in run_distributed(_full_states, 2, str(tmp_path)):
+        assert out["disk placeholders"], "the lookup must not bring the states back to memory"
+        for cpu, disk in zip(out["cpu"], out["disk"], strict=True):
+            for k in cpu:
+                assert disk[k].device.type == "cpu" and torch.equal(cpu[k], disk[k]), k

@@ -106,6 +106,13 @@ def _load(model: nn.Module, path: str) -> None:
         entries, canonical = _entries(model)
         plan = plan_keys(model, set(canonical), list(files.tensors))
         direct = _chosen(plan.direct.values(), canonical)
+        apart = _stored_apart(files, plan.direct.values(), canonical, direct)
+        if apart:
+            raise CheckpointError(
+                f"load_hf: {path} holds {apart[0][0]} with values other than {apart[0][1]}, "
+                "which this model ties it to; transformers' from_pretrained unties them and "
+                "uses both: build the model with tie_word_embeddings=False in its config "
+                "(fullshard train does) and load again")
         produced = _dry_run(model, plan.converted, files)
         _check(model, files, entries, direct, produced, plan.unexpected)
         files.prefetch([(key, entries[target].index) for target, key in direct.items()
@@ -179,6 +186,34 @@ def _chosen(direct: Iterable[Direct], canonical: dict[str, str]) -> dict[str, st
         if target not in chosen or d.target == target:
             chosen[target] = (d.target, d.key)
     return {target: key for target, (_, key) in chosen.items()}
+
+
+def tied_stored_apart(model: nn.Module, path: str | os.PathLike) -> list[tuple[str, str]]:
+    """The names ``model`` ties to another (``lm_head.weight`` to the embedding) whose
+    tensors the checkpoint at ``path`` stores with values of their own, as (name, the
+    name it is tied to) pairs. transformers' ``from_pretrained`` unties those and keeps
+    the stored values; a model built from the config must be built untied to match."""
+    files = SafetensorsFiles(os.fspath(path))
+    try:
+        _, canonical = _entries(model)
+        plan = plan_keys(model, set(canonical), list(files.tensors))
+        return _stored_apart(files, plan.direct.values(), canonical,
+                             _chosen(plan.direct.values(), canonical))
+    finally:
+        files.close()
+
+
+def _stored_apart(files: SafetensorsFiles, direct: Iterable[Direct], canonical: dict[str, str],
+                  chosen: dict[str, str]) -> list[tuple[str, str]]:
+    """Tied names whose stored tensor differs from the one read into their parameter
+    (compared whole, so every rank finds the same; only when both are stored)."""
+    apart = []
+    for d in direct:
+        target = canonical[d.target]
+        key = chosen[target]
+        if d.key != key and not torch.equal(files.read(d.key), files.read(key)):
+            apart.append((d.target, target))
+    return apart
 
 
 def _dry_run(model: nn.Module, groups: list[Converted], files: SafetensorsFiles

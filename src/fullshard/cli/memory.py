@@ -22,7 +22,8 @@ from ..memory.plan import plan
 from ..memory.weights import QUANTIZE
 from ..memory.zero_table import format_zero_table
 from ..bounds import Bounds, flag_type
-from ..train.config.schema import DEFAULT_PRESET, PRESETS, ConfigError, get_preset
+from ..train.config.schema import (DEFAULT_PRESET, PRESETS, ConfigError, check_optimizer,
+                                   get_preset)
 from ..train.config.paths import check_hf_model
 from .parsing import OneLineParser, check_seq
 
@@ -100,6 +101,14 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return source, kwargs, pick
 
 
+def _check_trainable(args: argparse.Namespace, states_on_disk: bool) -> None:
+    """Refuse the optimizer where `fullshard train` would (the same check)."""
+    gpt = None if args.hf_config else get_preset(args.preset or DEFAULT_PRESET).gpt
+    check_optimizer(args.optimizer, flag="--optimizer", states_on_disk=states_on_disk,
+                    grouped_experts=gpt is not None and bool(gpt.n_experts)
+                    and gpt.grouped_experts)
+
+
 def estimate_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="fullshard estimate",
                            description="Per-rank peak memory of fullshard training.")
@@ -134,6 +143,7 @@ def estimate_main(argv: list[str]) -> int:
             parser.error("--zero-table needs --params")
         print(format_zero_table(args.params, args.world_size))
         return 0
+    _check_trainable(args, states_on_disk=args.offload.startswith("disk"))
     source, kwargs, pick = _resolve(args)
     kwargs["offload"] = args.offload
     if args.sweep:
@@ -212,6 +222,7 @@ def plan_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.offload_dir is not None and not args.allow_offload:
         parser.error("--offload-dir: offload is considered only with --allow-offload; add it")
+    _check_trainable(args, states_on_disk=args.offload_dir is not None)
     source, kwargs, pick = _resolve(args)
     del kwargs["activation_checkpointing"]
     batch, seq = kwargs.pop("batch_size"), kwargs.pop("seq_len")

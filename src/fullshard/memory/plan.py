@@ -123,6 +123,8 @@ class Plan:
         if precision:
             flags.append(f"--parallel.precision {precision}")
         s = self.estimate.settings
+        if s.get("optimizer") == "muon":  # the trainer's default is adamw
+            flags.append("--optim.name muon")
         if s.get("quantize_comm", "none") != "none":
             flags.append(f"--parallel.quantize {s['quantize_comm']}")
         if s.get("lora_rank"):

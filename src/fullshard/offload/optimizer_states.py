@@ -22,7 +22,10 @@ the next step is queued right after the last write, so it overlaps forward and b
 Between steps ``optimizer.state[p]`` keeps its small entries (``step``) and, for each
 per-element state, a placeholder: a DTensor on the meta device with the state's shape
 and dtype. Arithmetic on it gives no numbers and ``.item()`` raises, so nothing reads a
-stale value by mistake. ``optimizer.state_dict()`` (and through it torch DCP's
+stale value by mistake. Looking a state up by name (``optimizer.state[p]["exp_avg"]``)
+reads its values from disk instead (``_EntryOnDisk``): code written for CPU offload, a
+``.full_tensor()`` of it included, gets the same numbers, where a placeholder would join
+the all-gather with no data. ``optimizer.state_dict()`` (and through it torch DCP's
 ``get_optimizer_state_dict`` and fullshard.checkpoint) returns the values read from
 disk: a state-dict post-hook replaces the placeholders in the returned dict.
 
@@ -35,6 +38,7 @@ as they were before the step (they advance together; the last piece's are kept).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -87,6 +91,28 @@ def _wrap_like(p: DTensor, local: torch.Tensor) -> DTensor:
         return DTensor(local, p._spec, requires_grad=False)
     return DTensor.from_local(local, p._spec.mesh, p._spec.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
+
+
+class _EntryOnDisk(dict):
+    """An ``optimizer.state[p]`` entry whose per-element states are in the files. Its
+    stored values stay the placeholders (what ``items()``, the step and the state-dict
+    hook see); a lookup by name returns the value read from disk, a copy: writing to it
+    changes nothing on disk. Weak: the entry must not keep the files open."""
+
+    def __init__(self, values=(), states: "DiskStates | None" = None, index: int = -1):
+        super().__init__(values)
+        self._states = weakref.ref(states) if states is not None else None
+        self._index = index
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        states = self._states() if self._states is not None else None
+        if states is None or not (isinstance(value, torch.Tensor) and _local(value).is_meta):
+            return value
+        return states.values_of(self._index, (name,))[name]
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
 
 
 class DiskStates:
@@ -191,8 +217,9 @@ class DiskStates:
         beside its small states ``kept`` (the step count)."""
         p = self.params[i]
         self.on_disk[i] = names
-        opt.state[p] = {**kept, **{n: _wrap_like(p, torch.empty(
-            p._local_tensor.shape, dtype=self.files.dtypes[n], device="meta")) for n in names}}
+        opt.state[p] = _EntryOnDisk({**kept, **{n: _wrap_like(p, torch.empty(
+            p._local_tensor.shape, dtype=self.files.dtypes[n], device="meta")) for n in names}},
+            self, i)
 
     def _read(self, chunk: int, real: list[dict] | None):
         """Queue the read of ``chunk`` if any of its parameters has states only on disk."""
@@ -204,13 +231,14 @@ class DiskStates:
 
     # -- state dicts -------------------------------------------------------------------
 
-    def values_of(self, i: int) -> dict[str, torch.Tensor]:
-        """Parameter ``i``'s per-element states read from disk, as DTensors."""
+    def values_of(self, i: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Parameter ``i``'s per-element states ``names`` (all by default) read from disk,
+        as DTensors."""
         p = self.params[i]
         local = p._local_tensor
         return {n: _wrap_like(p, self.files.read_range(n, self.starts[i], local.numel())
                               .view(local.shape))
-                for n in self.on_disk[i]}
+                for n in (self.on_disk[i] if names is None else names)}
 
     def fill_state_dict(self, opt: torch.optim.Optimizer, state_dict: dict) -> None:
         """Replace the placeholders in ``opt.state_dict()``'s result by the values."""

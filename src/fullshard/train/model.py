@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -85,6 +86,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..api import fully_shard
 from ..checkpoint import StateDictOptions, load_hf, parameters_on_meta, set_model_state_dict
+from ..checkpoint.hf_load import tied_stored_apart
 from ..fsdp_module import FSDPModule
 from ..gpt import GPT, GPTConfig, GroupedExperts, MoE, split_experts
 from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
@@ -191,13 +193,30 @@ def load_hf_model(path: str, on_meta: bool = False) -> nn.Module:
                           "config.json); hf:PATH takes a local folder, not a hub name")
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise
     if on_meta:
-        config = transformers.AutoConfig.from_pretrained(path)
-        with parameters_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = _hf_on_meta(transformers, path)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.config.use_cache = False  # training: no key/value cache to build
     return model.float().train()
+
+
+def _hf_on_meta(transformers, path: str) -> nn.Module:
+    """The model of ``path``'s config, parameters on the meta device, untied where the
+    files store a tied tensor with values of its own (as from_pretrained unties it)."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    apart = tied_stored_apart(model, path) if has_safetensors(path) else []
+    if not apart:
+        return model
+    warnings.warn(f"fullshard: {path} holds {apart[0][0]} with values other than "
+                  f"{apart[0][1]}, which its config ties it to; training them untied, with "
+                  "the stored values, as transformers' from_pretrained does. Set "
+                  "tie_word_embeddings=False in config.json to silence this warning.",
+                  stacklevel=3)
+    config.tie_word_embeddings = False
+    with parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def hf_vocab_size(model: nn.Module) -> int:

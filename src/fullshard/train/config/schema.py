@@ -345,16 +345,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"which fullshard does not combine with {asked}; choose full_shard, "
                           "shard_grad_op or zero1, or lora.base fp32")
     _check_expert_parallel(cfg)
-    if cfg.optim.name == "muon" and not cfg.is_hf and cfg.gpt.n_experts \
-            and cfg.gpt.grouped_experts:
-        raise ConfigError("optim.name: muon steps 2-D matrices, and gpt.grouped_experts stacks "
-                          "the experts' into 3-D tensors, which torch.optim.Muon does not take; "
-                          "set gpt.grouped_experts false (each expert its own matrices, no "
-                          "parallel.ep) or choose optim.name adamw")
     offload = cfg.parallel.offload
     if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
         raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "
                           f"{offload!r}")
+    check_optimizer(cfg.optim.name, grouped_experts=not cfg.is_hf and bool(cfg.gpt.n_experts)
+                    and cfg.gpt.grouped_experts, states_on_disk=offload.startswith("disk:"))
     if cfg.parallel.offload_params and not offload.startswith("disk:"):
         raise ConfigError(f"parallel.offload_params: parameters go to disk with "
                           f"parallel.offload disk:PATH, not with parallel.offload {offload}; "
@@ -363,6 +359,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"parallel.offload: {offload[5:]} is not a directory; create it, or "
                           "name a directory on a local disk for the optimizer states")
     return cfg
+
+
+def check_optimizer(name: str, *, grouped_experts: bool, states_on_disk: bool,
+                    flag: str = "optim.name") -> None:
+    """Refuse an optimizer the trainer cannot step the model with: Muon (2-D matrices,
+    each stepped whole) on grouped experts' 3-D tensors, or on optimizer states on disk
+    (stepped a chunk of elements at a time). ``flag`` names the optimizer's flag in the
+    message: train's, or estimate's and plan's, which must refuse what train refuses."""
+    if name != "muon":
+        return
+    if grouped_experts:
+        raise ConfigError(f"{flag}: muon steps 2-D matrices, and gpt.grouped_experts stacks "
+                          "the experts' into 3-D tensors, which torch.optim.Muon does not take; "
+                          "set gpt.grouped_experts false (each expert its own matrices, no "
+                          f"parallel.ep) or choose {flag} adamw")
+    if states_on_disk:
+        raise ConfigError(f"{flag}: muon steps each matrix whole, and parallel.offload "
+                          "disk:PATH steps the optimizer states a chunk of elements at a time, "
+                          "which only an elementwise update allows; choose parallel.offload "
+                          f"cpu, or {flag} adamw")
 
 
 def _check_expert_parallel(cfg: TrainConfig) -> None:
