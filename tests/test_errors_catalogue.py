@@ -790,8 +790,8 @@ _TESTED_ELSEWHERE = {
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
                     "E213", "E226", "E227", "E242")},
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
-    "E234": "tests/checkpoint/test_hf_tied_apart.py::"
+    "E234": "tests/checkpoint/test_hf_load_tied_apart.py::"
             "test_load_hf_into_a_tied_model_names_the_stored_head",
-    "E235": "tests/checkpoint/test_hf_tied_apart.py::"
+    "E235": "tests/checkpoint/test_hf_load_tied_apart.py::"
             "test_a_stored_head_is_used_untied_as_from_pretrained_does",
 }
