@@ -283,7 +283,11 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
                     "world_mesh['tp'], plan), then fully_shard(..., mesh=world_mesh['dp']).")
             owner = SHARDED_ORIGINALS.get(p)
             if owner is not None:
+                # torch's words first: callers match them (docs/errors.md E06)
                 raise ValueError(
+                    f"Parameter '{fqn}' is shared with a parameter already managed by another "
+                    "FSDP group. For shared/tied parameters, use fully_shard([module_a, "
+                    "module_b]) to place them in the same FSDP group. "
                     f"fully_shard({label}): parameter '{fqn}' is also managed by fully_shard"
                     f"({owner}); a parameter shared between two units is not supported. Shard "
                     "the modules that share it together: apply fully_shard to their common "

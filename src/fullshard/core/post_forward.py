@@ -12,14 +12,20 @@ The subgroups are created once per (group, N), by their members.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from .comm import Pending, all_gather
 
-# (ranks of the shard group, size) -> this rank's subgroup. Process-wide: units with the
-# same hpZ size over the same ranks share one.
-_SUBGROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+# default group -> {(ranks of the shard group, size) -> this rank's subgroup}: units with
+# the same hpZ size over the same ranks share one. Keyed by the default group because a
+# group belongs to the world that made it: a process re-initialized after
+# destroy_process_group has a new world, and under torch's threaded process group each
+# rank is a thread with a world of its own, so a subgroup cached by another rank (or an
+# earlier world) is not registered in this one and its collectives fail.
+_SUBGROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
 
 
 def subgroup_of(pg: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
@@ -31,12 +37,13 @@ def subgroup_of(pg: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
     their ranks, each name is its own, and no rank waits on subgroups it is not in."""
     ranks = tuple(dist.get_process_group_ranks(pg))
     key = (ranks, size)
-    if key not in _SUBGROUPS:
+    made = _SUBGROUPS.setdefault(dist.group.WORLD, {})
+    if key not in made:
         me = ranks.index(dist.get_rank())
         start = me - me % size
-        _SUBGROUPS[key] = dist.new_group(ranks=list(ranks[start:start + size]),
-                                         use_local_synchronization=True)
-    return _SUBGROUPS[key]
+        made[key] = dist.new_group(ranks=list(ranks[start:start + size]),
+                                   use_local_synchronization=True)
+    return made[key]
 
 
 class PostForwardShard:

@@ -147,9 +147,10 @@ def after_forward_rule(reshard_after_forward: bool | int | None, shard_size: int
 def frees_after_forward(reshard_after_forward: bool | int | None, is_root: bool) -> bool:
     """torch's rule: ``None`` means True below the root and False at the root (backward
     starts with the root, so freeing it would only gather it again at once); an explicit
-    ``True`` on the root is honoured."""
-    if is_root:
-        return reshard_after_forward is True
+    ``True`` or N on the root is honoured (N keeps 1/N, Note [resharding after forward
+    to a smaller group]; ``after_forward_rule`` has made an N of 1 ``False``)."""
+    if is_root and reshard_after_forward is None:
+        return False
     return reshard_after_forward is not False
 
 
