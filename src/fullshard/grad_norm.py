@@ -55,7 +55,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
 def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The gradients' norm over all ranks, as :func:`clip_grad_norm_` measures it, with
     the gradients left as they are (for a caller that applies :func:`clip_coefficient` in
-    its optimizer step)."""
+    its optimizer step: Note [the clip applied inside the step])."""
     return _total_norm(_grads_of(parameters), norm_type)
 
 
