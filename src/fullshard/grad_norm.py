@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .core.comm import note_collective
+from .core.grad_norms import squared_sum
 from .core.mesh import mesh_device
 
 
@@ -31,14 +32,51 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     those dimensions (a replicated dimension holds the same values on every rank, so it
     is counted once). Plain gradients (ignored parameters) are counted once, as every
     rank has them. ``max_norm=inf`` only measures: the gradients are left as they are.
+    Offloaded gradients whose 2-norms were measured on the device as they were reduced
+    are not read for the norm (Note [gradient norms measured before the copy to the
+    host]); the clipped ``.grad`` values are the same either way.
     """
-    max_norm, p = float(max_norm), float(norm_type)
-    if p <= 0:
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}.")
+    max_norm = float(max_norm)
+    grads = _grads_of(parameters)
+    norm = _total_norm(grads, norm_type)
+    if math.isinf(max_norm):
+        # clipping off (the trainer's grad_clip 0): a multiply by 1.0 of every gradient
+        # would change nothing a step uses (a non-finite norm skips the step)
+        return norm
+    coef = clip_coefficient(norm, max_norm)
+    with torch.no_grad():
+        targets = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        for (where, dtype), tensors in _by_device_and_dtype(targets).items():
+            # one kernel per device and dtype, and one copy of the coefficient
+            torch._foreach_mul_(tensors, coef.to(where, dtype))
+    return norm
+
+
+def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The gradients' norm over all ranks, as :func:`clip_grad_norm_` measures it, with
+    the gradients left as they are (for a caller that applies :func:`clip_coefficient` in
+    its optimizer step: Note [the clip applied inside the step])."""
+    return _total_norm(_grads_of(parameters), norm_type)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What :func:`clip_grad_norm_` multiplies the gradients by (at most 1), on the norm's
+    device, as torch's ``clip_grad_norm_`` computes it."""
+    return torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+
+
+def _grads_of(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [t.grad for t in parameters if t.grad is not None]
-    sharded: dict[tuple, list[torch.Tensor]] = {}
+    return [t.grad for t in parameters if t.grad is not None]
+
+
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm over all ranks of ``grads`` (see :func:`clip_grad_norm_`)."""
+    p = float(norm_type)
+    if p <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}.")
+    sharded: dict[tuple, list[torch.Tensor]] = {}  # the groups sharded over -> grads
     groups_of: dict[tuple, tuple] = {}  # (mesh, placements) -> the groups sharded over
     local: list[torch.Tensor] = []
     device = torch.device("cpu")
@@ -52,30 +90,39 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     mesh.get_group(d) for d, pl in enumerate(g.placements)
                     if isinstance(pl, (Shard, _StridedShard)))
                 device = mesh_device(mesh)  # where the all-reduce runs (CPU shards under offload)
-            sharded.setdefault(groups, []).append(g.to_local())
+            sharded.setdefault(groups, []).append(g)
         else:
             local.append(g)
+    parts = _measured_parts(sharded, local, p, device)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, tensors in sharded.items():
-        part = _combine(_parts_on(tensors, p, device), p, device)
+        part = parts[groups] if parts is not None else _combine(
+            _parts_on([g.to_local() for g in tensors], p, device), p, device)
         for group in groups:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
                             group=group)
             note_collective()  # Note [collectives settle before exit]
         total = _combine([total, part], p, device)
     total = _combine([total] + _parts_on(local, p, device), p, device)
-    norm = total if math.isinf(p) else total ** (1.0 / p)
-    if math.isinf(max_norm):
-        # clipping off (the trainer's grad_clip 0): a multiply by 1.0 of every gradient
-        # would change nothing a step uses (a non-finite norm skips the step)
-        return norm
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    with torch.no_grad():
-        targets = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        for (where, dtype), tensors in _by_device_and_dtype(targets).items():
-            # one kernel per device and dtype, and one copy of the coefficient
-            torch._foreach_mul_(tensors, coef.to(where, dtype))
-    return norm
+    return total if math.isinf(p) else total ** (1.0 / p)
+
+
+def _measured_parts(sharded: dict[tuple, list[torch.Tensor]], local: list[torch.Tensor],
+                    p: float, device: torch.device) -> dict[tuple, torch.Tensor] | None:
+    """Each group's ``sum |g|^2`` from the norms measured on the device, where every
+    gradient asked about has one, unchanged (Note [gradient norms measured before the
+    copy to the host]); else None, and the gradients are read."""
+    if p != 2.0 or local or not sharded:
+        return None
+    parts = {}
+    for groups, tensors in sharded.items():
+        if len(_by_device_and_dtype([g.to_local() for g in tensors])) > 1:
+            return None  # the host pass would sum per dtype, in another order
+        part = squared_sum(tensors)
+        if part is None:
+            return None
+        parts[groups] = part.to(device)
+    return parts
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]

@@ -215,3 +215,65 @@ def test_a_step_with_a_non_finite_gradient_norm_leaves_weights_and_states_alone(
     step_or_skip(optimizer, torch.tensor(1.0))
     assert float(optimizer.state[weight]["step"]) == 2.0
     assert not torch.equal(weight.detach(), after_one)
+
+
+def test_a_clip_coefficient_given_to_the_fused_step_clips_as_clipping_first_does():
+    """Note [the clip applied inside the step]: the weights within fp32 rounding of
+    clipping ``.grad`` first, and the gradient the step leaves is the clipped one."""
+    torch.manual_seed(0)
+    grad = torch.randn(64)
+    first, inside = (torch.nn.Parameter(torch.ones(64)) for _ in range(2))
+    opts = [torch.optim.AdamW([w], lr=0.1, fused=True) for w in (first, inside)]
+    for step in range(5):
+        first.grad, inside.grad = grad * (step + 1), grad * (step + 1)
+        norm = torch.linalg.vector_norm(first.grad)
+        coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+        first.grad.mul_(coef)
+        step_or_skip(opts[0], norm)
+        step_or_skip(opts[1], norm, coef)
+        torch.testing.assert_close(inside.grad, first.grad, rtol=1e-6, atol=0)
+        assert opts[1].grad_scale is None  # never left for a later step
+    torch.testing.assert_close(inside.detach(), first.detach(), rtol=1e-6, atol=0)
+    assert not torch.equal(first.detach(), torch.ones(64))
+    with pytest.raises(ValueError, match="only a fused optimizer"):
+        step_or_skip(torch.optim.AdamW([first], lr=0.1, foreach=False), norm, coef)
+
+
+def _offloaded_clipped_resume(out: str) -> dict:
+    """--parallel.offload cpu with a clip that bites: 6 steps straight, and 3 steps then a
+    resume to 6; the trainer's clip multiplies no gradient (Note [the clip applied
+    inside the step])."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, rank, world, torch.device("cpu"))
+    overrides = {**QUIET, "parallel.offload": "cpu", "optim.grad_clip": 0.05,
+                 "checkpoint.every": 3}
+    real, multiplied = torch._foreach_mul_, []
+
+    def counted(tensors, scalar):
+        multiplied.append(len(tensors))
+        return real(tensors, scalar)
+
+    torch._foreach_mul_ = counted
+    runs = {}
+    try:
+        for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
+            for steps, resume in legs:
+                cfg = apply_overrides(get_preset("debug"), {**overrides, "steps": steps},
+                                      "test")
+                trainer = Trainer(cfg, f"{out}/{name}", worker)
+                trainer.run(resume=resume)
+            if trainer.log is not None:
+                runs[name] = [(r["loss"], r["grad_norm"]) for r in trainer.log.records
+                              if "loss" in r]
+    finally:
+        torch._foreach_mul_ = real
+    return {"runs": runs, "multiplied": multiplied}
+
+
+@pytest.mark.slow
+def test_an_offloaded_clipped_run_resumes_exactly_with_the_clip_inside_the_step(tmp_path):
+    out = run_distributed(_offloaded_clipped_resume, 2, str(tmp_path))[0]
+    straight, resumed = out["runs"]["straight"], out["runs"]["resumed"]
+    assert len(straight) == 6 and all(norm > 0.05 for _, norm in straight)  # clipped
+    assert resumed[-3:] == straight[-3:]
+    assert out["multiplied"] == []

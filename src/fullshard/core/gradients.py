@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .comm import (BufferPool, HostCopies, Pending, all_reduce_sum, reduce_scatter_sum,
                    skips_collectives, traced)
+from . import grad_norms
 from .divergence import Guard
 from .param import ShardedParam
 from .quantized_collectives import quantized_reduce_scatter_sum
@@ -75,7 +76,7 @@ class PendingReduce:
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
                  options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None,
                  copies: HostCopies | None = None, held: list[torch.Tensor] = (),
-                 data_parallel_size: int = 1):
+                 data_parallel_size: int = 1, measure_norms: bool = False):
         self.unit_name = unit_name
         self.params = params
         self.had_grad = had_grad
@@ -94,6 +95,9 @@ class PendingReduce:
         # divides by its own mesh's size, not its root's, as torch's FSDP2 does.
         self._data_parallel_size = data_parallel_size
         self._replicating = False  # the all-reduce across replicas is in flight
+        # offloaded: measure the shard's norms on the device before the copy to the host
+        # (Note [gradient norms measured before the copy to the host])
+        self._measure_norms = measure_norms
 
     def finish(self, patience=None) -> "UnknownPresence | None":
         """Average the reduction into the sharded ``.grad``s; what is returned (when some
@@ -135,6 +139,7 @@ class PendingReduce:
         out.div_(divisor)
         if options.hook is not None and not options.force_sum:
             options.hook(grads)
+        norms = self._measure(out)  # the final values, while still on the device
         if out is not self._dest:  # a cast into the fp32 gradients and/or a copy to the host
             if self._copies is not None and self._dest.device != out.device:
                 self._copies.to_host(self._dest, out)  # readable after copies.settle()
@@ -146,8 +151,30 @@ class PendingReduce:
                 self._dest.copy_(out)
             out = self._dest
         self._release_buffers()  # ``out`` may have been one of them: only after the copy
+        unknown = self._hand_out(out)
+        if norms is not None:  # recorded after the last write into the gradients
+            grad_norms.record([p.sharded_param.grad for p in self.params], norms)
+        return unknown
+
+    def _shards(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         sizes = [p.layout.shard_numel for p in self.params]
-        shards = torch.split(out, sizes + [len(self.params), DIGEST_NUMEL])
+        return torch.split(out, sizes + [len(self.params), DIGEST_NUMEL])
+
+    def _measure(self, out: torch.Tensor) -> torch.Tensor | None:
+        """Each parameter's norm of the reduced ``out`` (still on the device), where the
+        result becomes the whole ``.grad`` as it is: offloaded, no hook, every parameter
+        had a gradient, none is added to an existing ``.grad``; else None (Note [gradient
+        norms measured before the copy to the host])."""
+        if (not self._measure_norms or self._options.hook is not None
+                or not all(self.had_grad)
+                or any(p.sharded_param.grad is not None for p in self.params)):
+            return None
+        shards = self._shards(out)
+        return grad_norms.measure([p.grad_rows(s) for p, s in zip(self.params, shards)])
+
+    def _hand_out(self, out: torch.Tensor) -> "UnknownPresence | None":
+        """Make (or add ``out`` into) the sharded ``.grad``s."""
+        shards = self._shards(out)
         unknown = None if all(self.had_grad) else UnknownPresence(
             [(p, i) for i, (p, had) in enumerate(zip(self.params, self.had_grad))
              if not had and p.sharded_param.grad is None], shards[-2])
@@ -166,6 +193,8 @@ class PendingReduce:
     def discard(self) -> None:
         """Wait for the collective (never free a buffer under it) and drop its result."""
         self.pending.wait(f"gradient reduction of {self.unit_name}")
+        # the collective may have written into kept .grad views without a version bump
+        grad_norms.forget([p.sharded_param.grad for p in self.params])
         self._release_buffers()
 
     def _release_buffers(self) -> None:
@@ -241,6 +270,7 @@ class ReducedGroup(Protocol):
     reduce_dtype: torch.dtype | None
     pool: BufferPool
     guard: Guard | None
+    offload: object  # the CPUOffloadPolicy, or None
 
     @property
     def compute_dtype(self) -> torch.dtype: ...
@@ -358,7 +388,7 @@ class GradReduction:
         # whether it all-reduces across replicas after the collective differ
         pending_reduce = functools.partial(
             PendingReduce, g.unit_name, trainable, had_grad, pool=g.pool, views=views,
-            dest=dest, options=options, copies=g.copies,
+            dest=dest, options=options, copies=g.copies, measure_norms=g.offload is not None,
             data_parallel_size=w * (g.replicate_pg.size() if g.replicate_pg is not None else 1))
         across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
         if plan.all_reduce:  # Note [shard groups of one rank]

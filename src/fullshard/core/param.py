@@ -309,11 +309,14 @@ class ShardedParam:
         for ref in self.refs:
             ref.module._parameters[ref.name] = tensor
 
+    def grad_rows(self, padded_grad_shard: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows of a reduced, padded gradient shard (a view)."""
+        lay = self.layout
+        return lay.valid(padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank)))
+
     def sharded_grad(self, padded_grad_shard: torch.Tensor) -> DTensor:
         """Wrap this rank's reduced gradient rows as a DTensor matching the sharded param."""
-        lay = self.layout
-        local = lay.valid(padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank)))
-        return DTensor(local, self.spec, requires_grad=False)
+        return DTensor(self.grad_rows(padded_grad_shard), self.spec, requires_grad=False)
 
     def local_is_shard(self) -> bool:
         """Whether the registered DTensor's local tensor is still this rank's rows of the

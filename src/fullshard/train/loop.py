@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..gpt import aux_loss, lm_loss
-from ..grad_norm import clip_grad_norm_
+from ..grad_norm import clip_coefficient, clip_grad_norm_, grad_norm
 from ..memory import tune_cpu_allocator
 from ..memory.allocator import release_free_heap
 from ..whole_matrix.recipe import muon_matrices
@@ -55,24 +55,40 @@ class Diverged(RuntimeError):
     """The loss (mean over ranks) is not finite; raised on every rank at the same step."""
 
 
-def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+                 clip: torch.Tensor | None = None) -> None:
     """Step, unless the gradient norm is not finite. The norm is global, so every rank
     skips the same step, and the trainer raises before anything saves: no non-finite
     weights, no checkpoint of them. A fused optimizer skips on the device (its
     ``found_inf``, as a gradient scaler drives it), so a step's only host
-    synchronization stays the statistics' at its end; any other reads the norm first."""
-    if optimizer.defaults.get("fused") and getattr(optimizer, "_step_supports_amp_scaling",
-                                                   False):
+    synchronization stays the statistics' at its end; any other reads the norm first.
+    ``clip``: a clip coefficient not yet applied to the gradients, which the fused step
+    applies as it reads them (Note [the clip applied inside the step])."""
+    if divides_in_step(optimizer):
         found_inf = (~torch.isfinite(grad_norm)).float()
+        scale = None if clip is None else 1.0 / clip  # grad_scale divides the gradients
         if steps_on_host(optimizer) and found_inf.device.type != "cpu":
             # Offloaded: the fused step runs on the host and would copy a GPU flag there
             # itself, without blocking, then read it before the copy lands. A blocking
             # copy here waits for it (the host must know the flag to step at all).
             found_inf = found_inf.cpu()
-        optimizer.found_inf = found_inf
-        optimizer.step()
+            scale = None if scale is None else scale.cpu()
+        optimizer.found_inf, optimizer.grad_scale = found_inf, scale
+        try:
+            optimizer.step()
+        finally:
+            optimizer.grad_scale = None  # never applied to a later step
+    elif clip is not None:
+        raise ValueError("step_or_skip: only a fused optimizer applies a clip coefficient "
+                         "in its step; clip the gradients first (clip_grad_norm_)")
     elif math.isfinite(float(grad_norm)):
         optimizer.step()
+
+
+def divides_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step takes ``found_inf`` and ``grad_scale`` (fused)."""
+    return bool(optimizer.defaults.get("fused")) and getattr(
+        optimizer, "_step_supports_amp_scaling", False)
 
 
 class Trainer:
@@ -243,22 +259,42 @@ class Trainer:
             if self.scaler is not None:
                 for optimizer in self.optimizers:
                     self.scaler.unscale_(optimizer)
-            grad_norm = self._clip_gradients()
+            grad_norm, clip = self._clip_gradients()
             for optimizer in self.optimizers:
                 if self.scaler is not None:
                     self.scaler.step(optimizer)
                 else:
-                    step_or_skip(optimizer, grad_norm)
+                    step_or_skip(optimizer, grad_norm, clip)
                 optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.update()
         return total, grad_norm
 
-    def _clip_gradients(self) -> torch.Tensor:
+    def _clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global gradient norm, and the clip coefficient left for the optimizer
+        steps to apply, or None where the gradients were clipped here (or not at all).
+
+        Note [the clip applied inside the step]
+        torch's ``clip_grad_norm_`` scales every ``.grad`` in place; with offloaded
+        gradients that is one more pass over the host gradients after the one the fused
+        CPU step makes anyway. The trainer owns the sequence clip, step, ``zero_grad``,
+        and nothing reads ``.grad`` in between, so where every optimizer is fused it
+        hands the coefficient to the step instead, as its ``grad_scale`` (the step
+        divides each gradient by ``1 / coefficient`` as it reads it, and writes the
+        clipped gradient back). The weights then agree with clipping first to within
+        fp32 rounding (``g / (1 / c)`` is not always ``g * c`` to the last bit), not bit
+        for bit. The public ``clip_grad_norm_`` keeps torch's meaning: ``.grad`` is
+        clipped when it returns. With the fp16 scaler (which owns ``grad_scale``) or a
+        non-fused optimizer (Muon), the trainer clips the gradients first.
+        """
         clip = self.cfg.optim.grad_clip
         # fullshard's: it reduces the norm on the mesh's device, also when offloaded
         # gradients live on the host (torch's would send host tensors through NCCL)
-        return clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if clip > 0 and self.scaler is None and all(map(divides_in_step, self.optimizers)):
+            norm = grad_norm(self.model.parameters())
+            return norm, clip_coefficient(norm, clip)
+        return clip_grad_norm_(self.model.parameters(),
+                               clip if clip > 0 else float("inf")), None
 
     def _gather_stats(self, loss: torch.Tensor, grad_norm: torch.Tensor,
                       peaks: bool = False) -> StepStats:
