@@ -160,11 +160,14 @@ def repeated_block_classes(model: nn.Module) -> set[type]:
     return repeated - nested
 
 
-def auto_wrap(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
+def auto_wrap(model: nn.Module, unit_kwargs: Callable[[nn.Module], dict] | None = None,
+              **fully_shard_kwargs: Any) -> nn.Module:
     """Shard ``model`` for the FSDP2 API without a policy: every repeated block (or Hugging
     Face ``_no_split_modules`` block) becomes a unit, then the root, which keeps its
     parameters from forward to backward (torch's default for a root) whatever
-    ``reshard_after_forward`` the blocks get. Returns ``model``."""
+    ``reshard_after_forward`` the blocks get. ``unit_kwargs(module)`` overrides the
+    arguments for one unit (e.g. an offload policy for some blocks only). Returns
+    ``model``."""
     from .api import fully_shard
 
     classes = repeated_block_classes(model)
@@ -176,7 +179,8 @@ def auto_wrap(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
     root_kwargs = {**fully_shard_kwargs, "reshard_after_forward": None}  # the root keeps
 
     def shard(module: nn.Module) -> None:
-        fully_shard(module, **(root_kwargs if module is model else fully_shard_kwargs))
+        kwargs = root_kwargs if module is model else fully_shard_kwargs
+        fully_shard(module, **kwargs, **(unit_kwargs(module) if unit_kwargs else {}))
 
     apply_wrap_policy(model, ModuleWrapPolicy(classes), shard)
     return model

@@ -19,8 +19,10 @@ from ..core.comm import DEFAULT_MAX_NUMEL
 from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..gpt import GroupedExperts
+from ..offload.fraction import offloaded_blocks, parse_fraction
 from ..policies import DiskOffloadPolicy, MixedPrecisionPolicy
 from ..whole_matrix.recipe import muon_matrices
+from ..wrap import repeated_block_classes
 from .activations import StepTrace, trace_step
 from .models import LossOf, workload_for
 from .process import current_rss_bytes
@@ -109,7 +111,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         mp_policy: a MixedPrecisionPolicy, or a dtype meaning param_dtype=dtype with fp32
             gradient reduction.
         offload: ``"cpu"`` (or True): shards, gradients and optimizer states on the host
-            (CPUOffloadPolicy); ``"disk"``: the same with the optimizer states in files,
+            (CPUOffloadPolicy); ``"cpu:FRACTION"``: the same for the last
+            ceil(FRACTION x blocks) blocks only (``--parallel.offload cpu:FRACTION``); ``"disk"``: the same with the optimizer states in files,
             the host holding three chunks of them (DiskOffloadPolicy's default
             chunk_numel); ``"disk+params"``: the parameter shards on disk too (paged in
             one unit at a time); ``"none"`` (or False): on the device.
@@ -233,14 +236,15 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     policy, param_dtype, model = step.policy, step.param_dtype, step.model
     compute_dtype = policy.param_dtype or param_dtype
     reduce_dtype = policy.reduce_dtype_for(param_dtype) or compute_dtype  # Note [torch versions]
-    groups = layout_groups(step.units, shard_size, raf, bucket_numel, step.subclass, ep)
+    groups = layout_groups(step.units, shard_size, raf, bucket_numel, step.subclass, ep,
+                           offloaded_units(step.units, offload))
     settings = RunSettings(
         param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
         optimizer_states=OPTIMIZER_STATES[optimizer], foreach_optimizer=device != "cpu",
         whole_matrix=frozenset(id(p) for p in muon_matrices(model))
         if optimizer == "muon" else frozenset(),
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
-        pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload != "none",
+        pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload in ("cpu", "disk", "disk+params"),
         states_on_disk=DISK_CHUNK_NUMEL if offload.startswith("disk") else 0,
         params_on_disk=offload == "disk+params",
         quantize_weights=DEFAULT_BLOCK_SIZE if "weights" in words else 0,
@@ -268,15 +272,32 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                   "quantize_comm": quantize_comm, "ep": ep})
 
 
+def offloaded_units(units: list[nn.Module], offload: str) -> frozenset[int]:
+    """Indices of the units ``cpu:FRACTION`` offloads (the trainer's unit_offload): the
+    last blocks and the units inside them (Note [which blocks a fraction offloads])."""
+    if not offload.startswith("cpu:"):
+        return frozenset()
+    root = units[-1]
+    blocks = [u for u in units[:-1] if type(u) in repeated_block_classes(root)]
+    inside = {id(m) for b in offloaded_blocks(blocks, float(offload[4:]))
+              for m in b.modules()}
+    return frozenset(i for i, u in enumerate(units[:-1]) if id(u) in inside)
+
+
 def offload_mode(offload: bool | str) -> str:
-    """``none``, ``cpu`` or ``disk`` for estimate's ``offload`` argument."""
+    """``none``, ``cpu``, ``cpu:FRACTION`` (0 < FRACTION < 1), ``disk`` or ``disk+params``
+    for estimate's ``offload`` argument."""
     if offload in (False, None, "none"):
         return "none"
     if offload in (True, "cpu"):
         return "cpu"
     if offload in ("disk", "disk+params"):
         return offload
-    raise ValueError("estimate: offload must be none, cpu, disk or disk+params (or a bool), "
+    if isinstance(offload, str) and offload.startswith("cpu:"):
+        fraction = parse_fraction(offload[4:])  # ValueError: not in (0, 1]
+        return "cpu" if fraction == 1 else f"cpu:{fraction:g}"
+    raise ValueError("estimate: offload must be none, cpu, cpu:FRACTION, disk or disk+params "
+                     "(or a bool), "
                      f"got {offload!r}")
 
 

@@ -68,14 +68,14 @@ class ReductionReplay:
         group.persistent_grads = self.pool.keeps(numel)
         if not self.ledger.holds(("grad", group.index)):
             self.ledger.alloc(("grad", group.index), GRADIENTS,
-                              numel * s.param_dtype.itemsize, s.offload)
+                              numel * s.param_dtype.itemsize, s.offloads(group.layout))
 
     def _plan(self, group: "ReplayGroup") -> ReducePlan:
         s = self.settings
         return reduce_plan(shard_size=group.layout.shard_size, replicated=s.replicated,
                            backend=s.backend, reduce_dtype=s.reduce_dtype,
                            compute_device=s.device, grad_dtype=s.param_dtype,
-                           grad_device=s.shard_device)
+                           grad_device=s.shard_device_of(group.layout))
 
     def finish(self) -> None:
         """The reduction in flight, if any, finished: its buffers go back or die."""

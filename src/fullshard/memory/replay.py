@@ -74,7 +74,7 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
             disk_param_bytes += shard
             paged_shard = max(paged_shard, shard)
         else:
-            ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offload)
+            ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offloads(g.layout))
         trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
         if s.states_on_disk:
             on_disk += trainable
@@ -82,10 +82,10 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
         rows = _whole_matrix_numel(s, g)  # Muon's: its states live with the owners
         ledger.alloc(("states", g.index), OPTIMIZER,
                      s.optimizer_states * (trainable - rows) * s.param_dtype.itemsize,
-                     s.offload)
+                     s.offloads(g.layout))
         if rows:  # each rank's rows as the last step wrote them
             ledger.alloc(("rows as written", g.index), OPTIMIZER,
-                         rows * s.param_dtype.itemsize, s.offload)
+                         rows * s.param_dtype.itemsize, s.offloads(g.layout))
     if owned:  # Note [whole-matrix optimizers]: the owner's momentum and whole copy of each
         ledger.alloc("owned whole matrices", OPTIMIZER, 2 * owned * s.param_dtype.itemsize,
                      s.offload)
@@ -251,8 +251,9 @@ class Replay:
     def _gather_plan(self, group: ReplayGroup) -> GatherPlan:
         s = self.settings
         return gather_plan(shard_size=group.layout.shard_size, shard_dtype=s.param_dtype,
-                           shard_device=s.shard_device, compute_dtype=s.compute_dtype,
-                           compute_device=s.device, offload=s.offload,
+                           shard_device=s.shard_device_of(group.layout),
+                           compute_dtype=s.compute_dtype, compute_device=s.device,
+                           offload=s.offloads(group.layout),
                            post_forward=group.post_forward_size is not None)
 
     def _unshard(self, group: ReplayGroup) -> None:
@@ -266,7 +267,7 @@ class Replay:
             return
         if layout.subclass:  # Note [tensor-subclass parameters]
             n = layout.subclass_send_bytes
-            if s.offload:  # the inputs are copied from the host shard first
+            if s.offloads(layout):  # the inputs are copied from the host shard first
                 self.ledger.alloc(("inputs", group.index), COMMUNICATION, n)
             group.side_gather = (self.pool.take(n, torch.uint8),
                                  self.pool.take(layout.shard_size * n, torch.uint8))
@@ -373,14 +374,14 @@ class Replay:
         s = self.settings
         shards = [p.shard_numel(g.layout.shard_size) * s.param_dtype.itemsize
                   for g in self.groups for p in g.layout.trainable
-                  if p.key not in s.whole_matrix]
+                  if p.key not in s.whole_matrix and not s.offloads(g.layout)]
         # Note [whole-matrix optimizers], "In rounds": at most the next round's gather
         # (its send and receive), this round's whole gradient and the previous round's
         # send are alive: four of the largest matrix. The rows coming back replace the
         # rows as last written, which the step no longer needs once it compared them.
         whole = 4 * self.largest_whole * s.param_dtype.itemsize
-        if s.offload or not shards or not s.optimizer_states:
-            temporaries = 0  # offloaded: the step runs on the host
+        if not shards or not s.optimizer_states:
+            temporaries = 0  # all offloaded: the step runs on the host
         elif s.foreach_optimizer:
             temporaries = sum(shards)      # e.g. _foreach_sqrt of every second moment
         else:

@@ -39,6 +39,14 @@ class RunSettings:
     def shard_device(self) -> torch.device:
         return shard_device_for(self.offload, self.device)
 
+    def offloads(self, layout: GroupLayout) -> bool:
+        """Whether ``layout``'s shard, gradients and states live on the host: all groups'
+        with ``offload``, else the group's own policy (cpu:FRACTION)."""
+        return self.offload or layout.offload
+
+    def shard_device_of(self, layout: GroupLayout) -> torch.device:
+        return shard_device_for(self.offloads(layout), self.device)
+
 
 @dataclass
 class ReplayGroup:

@@ -51,6 +51,7 @@ class GroupLayout:
     shard_size: int                 # ranks the parameters are sharded over
     is_root: bool
     after_forward: AfterForward     # its first unit's rule, as fully_shard keeps it
+    offload: bool = False           # its units' CPUOffloadPolicy (cpu:FRACTION's blocks)
 
     @property
     def flat(self) -> tuple[ParamShape, ...]:
@@ -132,14 +133,16 @@ def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
 
 def layout_groups(units: list[nn.Module], shard_size: int,
                   reshard_after_forward: bool | int, bucket_numel: int,
-                  subclass: dict[int, WeightBytes] | None = None, ep: int = 1
-                  ) -> list[GroupLayout]:
+                  subclass: dict[int, WeightBytes] | None = None, ep: int = 1,
+                  offloaded: frozenset[int] = frozenset()) -> list[GroupLayout]:
     """Groups in module order (root first), small adjacent units merged as fullshard does.
     ``reshard_after_forward`` is fully_shard's argument for every unit but the root,
     which gets ``None`` (as from ``auto_wrap``); ``subclass`` gives the bytes of the
     tensor-subclass parameters, by ``id``. With ``ep`` > 1 a unit of grouped experts holds
     ``1/ep`` of each expert tensor's rows, sharded over ``shard_size / ep`` ranks, and
-    stays a group of its own (on its own mesh: nothing merges across meshes)."""
+    stays a group of its own (on its own mesh: nothing merges across meshes). The units
+    whose indices are in ``offloaded`` keep their states on the host, and merge only with
+    each other (core/buckets.py)."""
     subclass = subclass or {}
     params = unit_params(units)
     order = sorted(range(len(units)), key=_module_order(units))
@@ -152,7 +155,7 @@ def layout_groups(units: list[nn.Module], shard_size: int,
     singles = [GroupLayout(type(units[i]).__name__, (i,), shapes[i], shard_size // split[i],
                            i == root,
                            after_forward_rule(None if i == root else reshard_after_forward,
-                                              shard_size // split[i]))
+                                              shard_size // split[i]), i in offloaded)
                for i in order if shapes[i]]
     # Units with tensor-subclass parameters keep their own group (core/buckets.py), as do
     # experts split over ranks.
@@ -161,7 +164,8 @@ def layout_groups(units: list[nn.Module], shard_size: int,
 
     runs = plan_runs([g for g in singles if not alone(g)], lambda g: g.unsharded_numel,
                      lambda first, g: joins_bucket(first.after_forward, first.is_root,
-                                                   g.after_forward), bucket_numel)
+                                                   g.after_forward)
+                   and first.offload == g.offload, bucket_numel)
     runs += [[g] for g in singles if alone(g)]
     position = {g.units[0]: n for n, g in enumerate(singles)}
     runs.sort(key=lambda run: position[run[0].units[0]])
@@ -179,4 +183,4 @@ def _merged(run: list[GroupLayout]) -> GroupLayout:
     first = run[0]
     return GroupLayout(f"{first.name}..{run[-1].name}", tuple(u for g in run for u in g.units),
                        tuple(p for g in run for p in g.params), first.shard_size, first.is_root,
-                       first.after_forward)
+                       first.after_forward, first.offload)

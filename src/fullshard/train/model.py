@@ -89,8 +89,10 @@ from ..checkpoint import StateDictOptions, load_hf, parameters_on_meta, set_mode
 from ..checkpoint.hf_load import tied_stored_apart
 from ..fsdp_module import FSDPModule
 from ..gpt import GPT, GPTConfig, GroupedExperts, MoE, split_experts
-from ..policies import CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy
-from ..wrap import auto_wrap, repeated_block_classes
+from ..offload.fraction import offloaded_blocks, parse_fraction
+from ..policies import (CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy,
+                        OffloadPolicy)
+from ..wrap import ModuleWrapPolicy, apply_wrap_policy, auto_wrap, repeated_block_classes
 from .config.schema import ConfigError, ParallelConfig, TrainConfig, get_preset
 from .data import ByteTokenizer, CharTokenizer, Tokenizer, read_documents, split, tokenize
 from .lora import add_lora
@@ -342,17 +344,13 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, meshes: Meshes) -> n
         apply_activation_checkpointing(model, lambda m: isinstance(m, blocks))
     if parallel.compile:
         compile_blocks(model, blocks)
-    offload = None
-    if parallel.offload == "cpu":
-        offload = CPUOffloadPolicy()
-    elif parallel.offload.startswith("disk:"):  # Note [optimizer states on disk]
-        offload = DiskOffloadPolicy(path=parallel.offload[len("disk:"):],
-                                    params=parallel.offload_params)
+    offload_of = unit_offload(model, parallel)
     how = dict(reshard_after_forward=reshard_after_forward(parallel),
-               mp_policy=mixed_precision(parallel.precision), offload_policy=offload)
+               mp_policy=mixed_precision(parallel.precision))
     if meshes.experts is not None:
-        shard_experts(model, meshes.experts, **how)
-    sharded = auto_wrap(model, mesh=meshes.dense, **how)
+        shard_experts(model, meshes.experts, offload_of, **how)
+    sharded = auto_wrap(model, lambda m: {"offload_policy": offload_of(m)},
+                        mesh=meshes.dense, **how)
     if parallel.strategy == "zero1":  # Note [ZeRO-1 is ZeRO-2 keeping the gathered storage]
         sharded.set_keep_unsharded_storage(True)
     if parallel.quantize != "none":  # Note [quantized communication]
@@ -366,12 +364,35 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, meshes: Meshes) -> n
     return sharded
 
 
-def shard_experts(model: nn.Module, joint: DeviceMesh, **how) -> None:
+def unit_offload(model: nn.Module, parallel: ParallelConfig
+                 ) -> Callable[[nn.Module], OffloadPolicy | None]:
+    """The offload policy of each module the trainer makes a unit (``None``: on the
+    device). ``cpu:FRACTION`` offloads the last blocks and what is inside them (their
+    experts), Note [which blocks a fraction offloads] in offload/fraction.py."""
+    offload = parallel.offload
+    if offload == "none":
+        return lambda _m: None
+    if offload.startswith("disk:"):  # Note [optimizer states on disk]
+        policy = DiskOffloadPolicy(path=offload[len("disk:"):], params=parallel.offload_params)
+        return lambda _m: policy
+    cpu = CPUOffloadPolicy()
+    fraction = parse_fraction(offload[4:]) if offload.startswith("cpu:") else 1.0
+    if fraction == 1:
+        return lambda _m: cpu
+    classes = repeated_block_classes(model)
+    blocks = apply_wrap_policy(model, ModuleWrapPolicy(classes), lambda _m: None)
+    inside = {id(m) for b in offloaded_blocks(blocks, fraction) for m in b.modules()}
+    return lambda m: cpu if id(m) in inside else None
+
+
+def shard_experts(model: nn.Module, joint: DeviceMesh,
+                  offload_of: Callable[[nn.Module], OffloadPolicy | None], **how) -> None:
     """Split every MoE block's experts over ``joint["ep"]`` and shard each block's part
     over ``joint["efsdp"]``: Note [expert parallelism in the trainer]."""
     split_experts(model, joint["ep"])
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        unit = fully_shard(moe.experts, mesh=joint["efsdp"], **how)
+        unit = fully_shard(moe.experts, mesh=joint["efsdp"],
+                           offload_policy=offload_of(moe.experts), **how)
         unit.set_gradient_divide_factor(joint.size())
 
 

@@ -62,6 +62,7 @@ import tyro
 from ...gpt import PRESET_SHAPES, GPTConfig
 from ...bounds import Bounds, within
 from ...errors import ConfigError
+from ...offload.fraction import parse_fraction
 
 Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
 Quantize = Literal["none", "weights", "grads", "weights,grads"]
@@ -103,14 +104,17 @@ def _offload_from_text(args: list[str]) -> str:
         return "none"
     if word.lower() in _TRUE + ("cpu",):
         return "cpu"
+    if word.lower().startswith("cpu:"):  # the fraction is checked by resolve_config
+        return "cpu:" + word[4:]
     if word.lower().startswith("disk:") and word[5:]:
         return "disk:" + word[5:]
-    raise ValueError(f"{word!r} is not none, cpu or disk:PATH")
+    raise ValueError(f"{word!r} is not none, cpu, cpu:FRACTION or disk:PATH")
 
 
-# none, cpu (true), or disk:PATH: where shards, gradients and optimizer states live.
+# none, cpu (true), cpu:FRACTION, or disk:PATH: where shards, gradients and optimizer
+# states live.
 Offload = Annotated[str, tyro.constructors.PrimitiveConstructorSpec(
-    nargs=1, metavar="none|cpu|disk:PATH", instance_from_str=_offload_from_text,
+    nargs=1, metavar="none|cpu|cpu:FRACTION|disk:PATH", instance_from_str=_offload_from_text,
     is_instance=lambda v: isinstance(v, str), str_from_instance=lambda v: [v])]
 
 
@@ -199,7 +203,9 @@ class ParallelConfig:
     bandwidth-bound links; the shards, optimizer and checkpoints stay exact."""
     offload: Offload = "none"
     """cpu: keep parameters, gradients and optimizer states in CPU memory (CPU offload);
-    the optimizer steps there, fused. disk:PATH: the same, with the optimizer states in
+    the optimizer steps there, fused. cpu:FRACTION (0 < FRACTION <= 1): only the last
+    ceil(FRACTION x blocks) transformer blocks, the rest and the embeddings, head and root
+    on the device (cpu:1 is cpu). disk:PATH: the same, with the optimizer states in
     files under the directory PATH (an NVMe disk), streamed through the host a chunk at a
     time during the step. For models that do not fit the devices (or the host) otherwise.
     true/false read as cpu/none."""
@@ -346,9 +352,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           "shard_grad_op or zero1, or lora.base fp32")
     _check_expert_parallel(cfg)
     offload = cfg.parallel.offload
-    if offload not in ("none", "cpu") and not (offload.startswith("disk:") and offload[5:]):
-        raise ConfigError(f"parallel.offload: accepted values are none, cpu or disk:PATH; got "
-                          f"{offload!r}")
+    _check_offload_fraction(offload)
+    if offload not in ("none", "cpu") and not offload.startswith("cpu:") \
+            and not (offload.startswith("disk:") and offload[5:]):
+        raise ConfigError(f"parallel.offload: accepted values are none, cpu, cpu:FRACTION or "
+                          f"disk:PATH; got {offload!r}")
     check_optimizer(cfg.optim.name, grouped_experts=not cfg.is_hf and bool(cfg.gpt.n_experts)
                     and cfg.gpt.grouped_experts, states_on_disk=offload.startswith("disk:"))
     if cfg.parallel.offload_params and not offload.startswith("disk:"):
@@ -379,6 +387,30 @@ def check_optimizer(name: str, *, grouped_experts: bool, states_on_disk: bool,
                           "disk:PATH steps the optimizer states a chunk of elements at a time, "
                           "which only an elementwise update allows; choose parallel.offload "
                           f"cpu, or {flag} adamw")
+
+
+def _check_offload_fraction(offload: str) -> None:
+    """cpu:FRACTION needs a number in (0, 1]; disk offload takes none (all of a unit's
+    states go to its files, Note [optimizer states on disk])."""
+    if offload.startswith("cpu:"):
+        try:
+            parse_fraction(offload[4:])
+        except ValueError as e:
+            raise ConfigError(f"parallel.offload: {e}") from None
+    elif offload.startswith("disk:") and not os.path.isdir(offload[5:]):
+        path, _, tail = offload[5:].rpartition(":")
+        if path and tail and _is_number(tail):
+            raise ConfigError(f"parallel.offload: {offload} gives disk offload a fraction, "
+                              "which only CPU offload takes; write cpu:FRACTION, or "
+                              "disk:PATH for all of it")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_expert_parallel(cfg: TrainConfig) -> None:
