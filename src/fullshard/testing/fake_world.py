@@ -37,29 +37,43 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-class BackendClock:
-    """Seconds spent inside the process group's collectives while installed (a context
-    manager); ``calls`` counts them."""
+class _PatchedCollectives:
+    """Replaces the process group's collective methods while installed (a context
+    manager) with what ``_replacement(name, real)`` returns; puts them back on exit."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
         self.calls = 0
         self._saved: dict[str, object] = {}
 
-    def __enter__(self) -> "BackendClock":
+    def __enter__(self):
         cls = dist.ProcessGroup
         for name in _METHODS:
             # the class's own entry (a binding descriptor) goes back on exit; getattr's
-            # plain function, which takes the group first, is what the wrapper calls
+            # plain function, which takes the group first, is what a wrapper calls
             if name in cls.__dict__:
                 self._saved[name] = cls.__dict__[name]
-                setattr(cls, name, self._timed(getattr(cls, name)))
+                setattr(cls, name, self._replacement(name, getattr(cls, name)))
         return self
 
     def __exit__(self, *exc) -> None:
         for name, real in self._saved.items():
             setattr(dist.ProcessGroup, name, real)
         self._saved.clear()
+
+    def _replacement(self, name: str, real):
+        raise NotImplementedError
+
+
+class BackendClock(_PatchedCollectives):
+    """Seconds spent inside the process group's collectives while installed (a context
+    manager); ``calls`` counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def _replacement(self, name: str, real):
+        return self._timed(real)
 
     def _timed(self, real):
         clock = self
@@ -83,29 +97,15 @@ _WRITES_FIRST = ("all_gather_single", "_allgather_base", "allgather", "allgather
                  "all_to_all_single", "alltoall_base", "alltoall", "gather", "scatter")
 
 
-class QuietBackend:
+class QuietBackend(_PatchedCollectives):
     """While installed (a context manager), the process group's collectives move no data
     and finish at once: what they write is zeroed (a cost that does not grow with the
     world size). What a step then spends is the caller's own host work alone, without the
     fake backend's copies into every rank's chunk (which leave the caches colder for
     what follows, in proportion to the world size: not the caller's cost)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self) -> "QuietBackend":
-        cls = dist.ProcessGroup
-        for name in _METHODS:
-            if name in cls.__dict__:
-                self._saved[name] = cls.__dict__[name]
-                setattr(cls, name, self._quiet(name in _WRITES_FIRST))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, real in self._saved.items():
-            setattr(dist.ProcessGroup, name, real)
-        self._saved.clear()
+    def _replacement(self, name: str, real):
+        return self._quiet(name in _WRITES_FIRST)
 
     def _quiet(self, writes_first: bool):
         backend = self
