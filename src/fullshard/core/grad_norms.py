@@ -79,9 +79,11 @@ def squared_sum(grads: list) -> torch.Tensor | None:
         return None
     vectors: dict[int, int] = {}  # id(norms) -> its offset in the concatenation
     pieces: list[torch.Tensor] = []
+    offset = 0
     for entry in entries:
         if id(entry.norms) not in vectors:
-            vectors[id(entry.norms)] = sum(v.numel() for v in pieces)
+            vectors[id(entry.norms)] = offset
+            offset += entry.norms.numel()
             pieces.append(entry.norms)
     where = pieces[0].device
     if len({v.device for v in pieces}) > 1:

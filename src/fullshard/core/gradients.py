@@ -119,11 +119,9 @@ class PendingReduce:
 
     def _finish(self, patience) -> "UnknownPresence | None":
         options = self._options
-        if self._replicating:
-            out = self.pending.wait(
-                f"gradient all-reduce across replicas of {self.unit_name}", patience)
-        else:
-            out = self.pending.wait(f"gradient reduction of {self.unit_name}", patience)
+        what = ("gradient all-reduce across replicas" if self._replicating
+                else "gradient reduction")
+        out = self.pending.wait(f"{what} of {self.unit_name}", patience)
         if self._replicate_pg is not None and not self._replicating:
             if not options.all_reduce:  # keep the shard-group sum; gradients come later
                 self._partial.add(out)
@@ -214,9 +212,6 @@ class UnknownPresence:
     def __init__(self, missing: list[tuple[ShardedParam, int]], flags: torch.Tensor):
         self.missing = missing  # (parameter, the index of its presence flag)
         self.flags = flags      # the reduced presence flags, one per reduced parameter
-
-    def resolve(self) -> None:
-        resolve_all([self])
 
 
 def resolve_all(unknown: list[UnknownPresence]) -> None:
