@@ -152,10 +152,37 @@ def _profile(step, batches, device: torch.device, path: str) -> None:
             f.write("\n\n")
 
 
+def _clip_and_step(impl: str, w: Workload, model, optim):
+    """Clip to norm 1 and step, each implementation as its users would. fullshard with
+    offload steps as its trainer does: the norm from the gradients' device-side norms,
+    the clip applied inside the fused CPU step (Note [the clip applied inside the step])
+    and the offloaded blocks stepped on a host thread while the next forward runs
+    (fullshard.OverlappedStep); the others clip with torch's clip_grad_norm_ first."""
+    if impl != "fullshard" or not w.offload:
+        def plain(mark):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            mark()
+            optim.step()
+        return plain
+    from fullshard import OverlappedStep
+    from fullshard.grad_norm import clip_coefficient, grad_norm
+    stepper = OverlappedStep(optim)
+
+    def overlapped(mark):
+        norm = grad_norm(model.parameters())
+        optim.grad_scale = (1.0 / clip_coefficient(norm, 1.0)).cpu()
+        optim.found_inf = (~torch.isfinite(norm)).float().cpu()
+        mark()
+        stepper.step()
+        optim.grad_scale = optim.found_inf = None
+    return overlapped
+
+
 def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = None) -> dict:
     device = _device()
     model = build(impl, w, device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too (offload)
+    clip_and_step = _clip_and_step(impl, w, model, optim)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if impl == "plain"
                 else torch.autocast(device.type, enabled=False))
 
@@ -177,9 +204,7 @@ def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = Non
         mark()
         loss.backward()
         mark()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        mark()
-        optim.step()
+        clip_and_step(mark)
         optim.zero_grad(set_to_none=True)
         mark()
         if split:

@@ -700,6 +700,14 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
     }
 
 
+def _overlapped_step_cases() -> dict[str, str]:
+    from fullshard import OverlappedStep
+    params = [nn.Parameter(torch.zeros(3))]
+    return {"E290": message_of(lambda: OverlappedStep(torch.optim.LBFGS(params))),
+            "E291": message_of(lambda: OverlappedStep(torch.optim.SGD(params, lr=0.1)).step(
+                lambda: 0.0))}
+
+
 @pytest.fixture(scope="module")
 def produced(tmp_path_factory) -> dict[str, str]:
     tmp = str(tmp_path_factory.mktemp("errors"))
@@ -710,6 +718,7 @@ def produced(tmp_path_factory) -> dict[str, str]:
     messages.update(_checksum_cases(tmp))
     messages.update(_load_hf_cases(tmp))
     messages.update(_verification_cases(tmp))
+    messages.update(_overlapped_step_cases())
     ranks = run_distributed(_library_cases, 2, tmp)
     messages.update(ranks[0])
     messages["E35"] = ranks[1]["E35"]  # the rank outside the mesh
@@ -736,6 +745,8 @@ def test_each_message_is_the_documented_text(produced):
 
 # Entries whose scenario needs its own run; each names the test that checks its text.
 _TESTED_ELSEWHERE = {
+    "E292": "tests/test_overlapped_step.py::"
+            "test_an_error_on_the_host_thread_is_raised_at_the_next_forward_naming_the_unit",
     "E171": "tests/train/test_lora.py::"
             "test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run",
     "E169": "tests/checkpoint/test_verify.py::"

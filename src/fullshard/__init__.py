@@ -19,6 +19,7 @@ from . import optim  # noqa: F401 - the local-shard optimizer step, installed by
 from .whole_matrix import register_whole_matrix_optimizer
 from .fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from .grad_norm import clip_grad_norm_
+from .overlapped_step import OverlappedStep
 from .torch_names import InstallOrderWarning, install, uninstall
 from .activation_checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
@@ -33,6 +34,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "clip_grad_norm_",
+    "OverlappedStep",
     "register_whole_matrix_optimizer",
     "install",
     "uninstall",

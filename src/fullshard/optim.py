@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .core.param import SHARDED_ORIGINALS, any_tracked, on_first_track, owner_of, stale_owner
 from .core.mapped import page_out
-from .core.state import finish_all_pending_reduces
+from .core.state import finish_all_pending_reduces, finish_host_steps
 from .offload import step_on_disk
 from .policies import DiskOffloadPolicy
 from . import whole_matrix
@@ -72,6 +72,11 @@ def set_local_step(enabled: bool) -> None:
     """Turn the local-shard optimizer step on (default) or off (pure DTensor path)."""
     global _enabled
     _enabled = enabled
+
+
+def local_step_enabled() -> bool:
+    """Whether optimizers step the local shards (``set_local_step``)."""
+    return _enabled
 
 
 def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
@@ -121,6 +126,8 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
                for j, p in enumerate(group["params"])]
               for i, group in enumerate(opt.param_groups)]
+    # a step of these parameters overlapped with the forward (overlapped_step.py) ends first
+    finish_host_steps({o for group in owners for o in group if o is not None})
     if whole_matrix.needs_whole_matrices(opt) and any(o is not None for g in owners for o in g):
         replaced = _run_closure_first(args, kwargs)
         finish_all_pending_reduces()

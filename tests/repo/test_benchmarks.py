@@ -98,3 +98,13 @@ def test_scale_benchmark_prints_a_row_per_world_size_with_shards_summing_to_the_
             if line.startswith("| ") and line.split("|")[1].strip().replace(",", "").isdigit()]
     assert [r[0].strip() for r in rows] == ["8", "64"]
     assert rows[0][2] == rows[1][2]  # N x rank 0's shard bytes: the model, at both sizes
+
+
+def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overlapped_step.py"), "--shape", "tiny",
+         "--rounds", "1", "--block", "3"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| fullshard, OverlappedStep |" in proc.stdout
+    assert "step first vs OverlappedStep: 0" in proc.stdout, proc.stdout

@@ -66,3 +66,15 @@ def test_partial_offload_resumes_exactly(tmp_path):
     straight, resumed = runs["straight"], runs["resumed"]
     assert len(straight) == 6 and straight[-1] < straight[0]
     assert resumed[-3:] == straight[-3:]
+
+
+def _overlap_on_and_off(offload: str) -> dict[str, list[float]]:
+    return {name: train_losses({"batch.batch_size": 4, "parallel.offload": offload,
+                                "parallel.overlap_step": on})
+            for name, on in {"off": False, "on": True}.items()}
+
+
+@pytest.mark.parametrize("offload", ["cpu", "cpu:0.5"])
+def test_the_step_overlapped_with_forward_trains_bit_for_bit_as_stepping_first(offload):
+    losses = run_distributed(_overlap_on_and_off, 2, offload)[0]
+    assert len(losses["on"]) == 4 and losses["on"] == losses["off"]

@@ -198,6 +198,9 @@ class ParamGroup:
         self._gathered_version: int | None = None
         self._gathering_again = False  # the next gather replaces kept, stale parameters
         self.signals = BackwardSignals()  # Note [when a unit's backward is done]
+        # an optimizer step of this group's offloaded shards running on a host thread
+        # (Note [the host step overlapped with the next forward]): a Future, or None
+        self.host_step = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
         # the root's divergence guard and this group's unit code in its ledger
@@ -314,6 +317,7 @@ class ParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters (no-op when already gathering or unsharded)."""
         self._check_live("unshard")
+        self.finish_host_step()  # the shard a gather reads is the stepped one
         if self.state is GroupState.POST_FORWARD:
             self.unsharded.allocate()
             writer = self.unsharded.writer
@@ -419,6 +423,13 @@ class ParamGroup:
                 up.requires_grad_(p.sharded_param.requires_grad)
             p.register(up)
         self.state = GroupState.UNSHARDED
+
+    def finish_host_step(self) -> None:
+        """Wait for the optimizer step of this group's shards on a host thread, if one runs
+        (Note [the host step overlapped with the next forward]); its error is raised here."""
+        job, self.host_step = self.host_step, None
+        if job is not None:
+            job.result()
 
     def keep_for_next_forward(self) -> None:
         """After a backward that keeps the parameters gathered: register the sharded ones,

@@ -129,6 +129,17 @@ def live_roots() -> list["RootState"]:
     return list(_LIVE_ROOTS.values())
 
 
+def finish_host_steps(owners=None) -> None:
+    """Wait for the optimizer steps running on a host thread (Note [the host step
+    overlapped with the next forward]): every one, or those of the groups holding any of
+    ``owners`` (ShardedParams)."""
+    for root in live_roots():
+        for group in root.members:
+            if group.host_step is not None and (
+                    owners is None or any(p in owners for p in group.params)):
+                group.finish_host_step()
+
+
 def finish_all_pending_reduces() -> None:
     """Complete every reduce-scatter left in flight and every gradient copy to the host
     (Optimizer.step calls this first)."""

@@ -25,10 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..core.state import finish_host_steps
 from ..gpt import aux_loss, lm_loss
 from ..grad_norm import clip_coefficient, clip_grad_norm_, grad_norm
 from ..memory import tune_cpu_allocator
 from ..memory.allocator import release_free_heap
+from ..optim import ELEMENTWISE_OPTIMIZERS
+from ..overlapped_step import OverlappedStep
 from ..whole_matrix.recipe import muon_matrices
 from . import checkpoints
 from .config.schema import ConfigError, OptimConfig, TrainConfig, to_toml
@@ -56,14 +59,16 @@ class Diverged(RuntimeError):
 
 
 def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-                 clip: torch.Tensor | None = None) -> None:
+                 clip: torch.Tensor | None = None, step=None) -> None:
     """Step, unless the gradient norm is not finite. The norm is global, so every rank
     skips the same step, and the trainer raises before anything saves: no non-finite
     weights, no checkpoint of them. A fused optimizer skips on the device (its
     ``found_inf``, as a gradient scaler drives it), so a step's only host
     synchronization stays the statistics' at its end; any other reads the norm first.
     ``clip``: a clip coefficient not yet applied to the gradients, which the fused step
-    applies as it reads them (Note [the clip applied inside the step])."""
+    applies as it reads them (Note [the clip applied inside the step]). ``step``: what
+    steps ``optimizer`` (its ``step``, or an ``OverlappedStep``'s)."""
+    step = optimizer.step if step is None else step
     if divides_in_step(optimizer):
         found_inf = (~torch.isfinite(grad_norm)).float()
         scale = None if clip is None else 1.0 / clip  # grad_scale divides the gradients
@@ -75,14 +80,22 @@ def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
             scale = None if scale is None else scale.cpu()
         optimizer.found_inf, optimizer.grad_scale = found_inf, scale
         try:
-            optimizer.step()
+            step()
         finally:
             optimizer.grad_scale = None  # never applied to a later step
     elif clip is not None:
         raise ValueError("step_or_skip: only a fused optimizer applies a clip coefficient "
                          "in its step; clip the gradients first (clip_grad_norm_)")
     elif math.isfinite(float(grad_norm)):
-        optimizer.step()
+        step()
+
+
+def overlaps_step(parallel, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the offloaded blocks' step runs on a host thread beside the next forward
+    (``--parallel.overlap_step``, CPU offload, an elementwise optimizer)."""
+    return (parallel.overlap_step and (parallel.offload == "cpu"
+                                       or parallel.offload.startswith("cpu:"))
+            and type(optimizer) in ELEMENTWISE_OPTIMIZERS)
 
 
 def divides_in_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -112,6 +125,10 @@ class Trainer:
         load_initial_weights(self.model, self.workload, worker.device)
         self.memory.watch(self.model)
         self.optimizers = build_optimizers(self.model, cfg.optim)
+        # what steps each: offloaded blocks on a host thread while the next forward runs
+        # (Note [the host step overlapped with the next forward])
+        self.stepping = [OverlappedStep(o).step if overlaps_step(cfg.parallel, o) else o.step
+                      for o in self.optimizers]
         # every rank skips an overflowing step and backs off alike (train/scaler.py)
         self.scaler = (AgreedGradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
@@ -229,6 +246,7 @@ class Trainer:
                 self._say(f"stopped at step {self.step} on request; continue with --resume")
                 return
         self._print_sample()  # not after a stop: Ctrl-C asks to be done quickly
+        finish_host_steps()  # nothing of the last step left running at the end
 
     def _gathers_peaks(self, first_step: int) -> bool:
         """Whether this step's record lists every rank's peak: the run's first step and the
@@ -260,11 +278,11 @@ class Trainer:
                 for optimizer in self.optimizers:
                     self.scaler.unscale_(optimizer)
             grad_norm, clip = self._clip_gradients()
-            for optimizer in self.optimizers:
+            for optimizer, step in zip(self.optimizers, self.stepping):
                 if self.scaler is not None:
                     self.scaler.step(optimizer)
                 else:
-                    step_or_skip(optimizer, grad_norm, clip)
+                    step_or_skip(optimizer, grad_norm, clip, step)
                 optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.update()

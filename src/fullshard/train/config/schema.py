@@ -201,6 +201,11 @@ class ParallelConfig:
     """Communicate in int8 with one fp32 scale per 256 elements (ZeRO++): weights (the
     all-gathers), grads (the reduce-scatters, summed in fp32), or weights,grads. For
     bandwidth-bound links; the shards, optimizer and checkpoints stay exact."""
+    overlap_step: bool = True
+    """With --parallel.offload cpu or cpu:FRACTION, step the offloaded blocks on a host
+    thread while the next forward runs, each block's forward waiting for its own step
+    (fullshard.OverlappedStep: the same values as stepping them all first). false: the
+    whole step ends before the next forward starts."""
     offload: Offload = "none"
     """cpu: keep parameters, gradients and optimizer states in CPU memory (CPU offload);
     the optimizer steps there, fused. cpu:FRACTION (0 < FRACTION <= 1): only the last

@@ -1,0 +1,221 @@
+"""The offloaded optimizer step on a host thread, overlapped with the next forward.
+
+Note [the host step overlapped with the next forward]
+Under CPU offload the optimizer steps the shards on the host after backward. On a GPU that
+host work (an fp32 AdamW reads and writes ~28 bytes per parameter) takes longer than the
+forward and backward together, and the device idles through it. ``OverlappedStep(opt)``
+lets the device go on: its ``step()`` steps the parameters that live on the device at
+once, through ``opt.step()`` (the optimizer's hooks run once, as usual), hands each
+offloaded unit's shards to one host thread, unit by unit in the order forward gathers
+them, and returns. The next forward starts at once; each offloaded unit's gather waits for
+that unit's step alone (``ParamGroup.finish_host_step``), so the first blocks compute while
+the host steps the later ones.
+
+Exact: the values are those ``opt.step()`` gives, bit for bit. An elementwise optimizer
+(``ELEMENTWISE_OPTIMIZERS``) updates each parameter from its own gradient and states
+alone, so stepping the parameters in pieces, with the hyperparameters, ``grad_scale`` and
+``found_inf`` as they were when ``step()`` was called, changes no value.
+
+What waits for the steps in flight: a gather of the unit (forward, ``unshard()``), the
+next gradients written into the unit (backward), ``state_dict`` and ``load_state_dict`` of
+the optimizer and of the sharded modules (checkpoints go through them), any optimizer
+step, and ``wait()``. What cannot wait by itself: code that reads a parameter's values or
+an optimizer state directly between ``step()`` and the next forward (an EMA of the
+weights, a norm of the parameters): call ``wait()`` first. The gradients of the
+parameters stepped on the host are handed to the step: their ``.grad`` is None after
+``step()`` (as after the ``zero_grad()`` that follows a step), so nothing can change them
+while the host reads them. An error on the host thread is raised at the next wait.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import increment_version
+from torch.distributed.tensor import DTensor
+
+from .core.group import ParamGroup
+from .core.param import owner_of
+from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots
+from .optim import ELEMENTWISE_OPTIMIZERS, _as_dtensor_state, _local_view, _step_unhooked
+from . import optim
+from .policies import DiskOffloadPolicy
+
+# the flags a fused step reads from its optimizer (the trainer's clip, a GradScaler)
+_STEP_FLAGS = ("grad_scale", "found_inf")
+# modules whose state_dict / load_state_dict already wait for host steps
+_WAITING_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class OverlappedStep:
+    """Step ``optimizer`` with its CPU-offloaded parameters stepped on a host thread while
+    the next forward runs (Note [the host step overlapped with the next forward]).
+
+    ``step()`` replaces ``optimizer.step()``; everything else (``zero_grad``, LR schedulers,
+    ``state_dict``) stays with ``optimizer``. ``wait()`` finishes the steps in flight."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+            names = ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS)
+            raise TypeError(
+                f"fullshard.OverlappedStep: {type(optimizer).__name__} is not one of the "
+                f"elementwise optimizers ({names}), whose step can run a unit at a time on "
+                "a host thread with the same result. Call optimizer.step() for it.")
+        self.optimizer = optimizer
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fullshard-host-step")
+        weakref.finalize(self, self._pool.shutdown, wait=True)
+        self._groups: list[ParamGroup] = []  # those given a host step by the last step()
+        optimizer.register_state_dict_pre_hook(lambda _opt: self.wait())
+        optimizer.register_load_state_dict_pre_hook(lambda _opt, _state: self.wait())
+
+    def step(self, closure=None) -> None:
+        """What ``optimizer.step()`` does, with the offloaded units stepped on the host
+        thread; returns once they are handed to it."""
+        if closure is not None:
+            raise ValueError(
+                "fullshard.OverlappedStep.step: a closure re-runs forward and backward "
+                "inside the step, which leaves nothing to overlap; call optimizer.step("
+                "closure) instead.")
+        self.wait()
+        opt = self.optimizer
+        if not optim.local_step_enabled():
+            opt.step()  # the DTensor path (set_local_step(False)) steps everything here
+            return
+        finish_all_pending_reduces()  # every gradient final and on the host
+        on_host = _host_stepped(opt)
+        if not on_host:
+            opt.step()
+            return
+        moved = {id(p) for work in on_host.values() for _i, p in work}
+        kept = [group["params"] for group in opt.param_groups]
+        try:  # the optimizer's own step, hooks and all, over what stays on the device
+            for group in opt.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in moved]
+            opt.step()
+        finally:
+            for group, params in zip(opt.param_groups, kept):
+                group["params"] = params
+        hyper = [{k: _frozen(v) for k, v in group.items() if k != "params"}
+                 for group in opt.param_groups]
+        flags = {name: _frozen(getattr(opt, name)) for name in _STEP_FLAGS
+                 if getattr(opt, name, None) is not None}
+        for group, work in on_host.items():
+            items = []
+            for index, p in work:
+                grad = p.grad
+                p.grad = None  # handed to the host step: nothing may change it meanwhile
+                items.append((index, p, p._local_tensor, grad._local_tensor,
+                              opt.state.get(p)))
+            group.host_step = self._pool.submit(_step_unit, opt, items, hyper, flags,
+                                                group.unit_name)
+            self._groups.append(group)
+            _wait_in_state_dicts(group)
+
+    def wait(self) -> None:
+        """Finish the host steps in flight; an error one of them raised is raised here."""
+        groups, self._groups = self._groups, []
+        for i, group in enumerate(groups):
+            try:
+                group.finish_host_step()
+            except BaseException:
+                self._groups = groups[i + 1:]
+                raise
+
+    def __getattr__(self, name: str):
+        # zero_grad, param_groups, state, ...: the optimizer's own
+        if name == "optimizer":  # not set yet: __init__ refused the optimizer
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+def _host_stepped(opt: torch.optim.Optimizer) -> dict[ParamGroup, list]:
+    """The parameters ``opt`` steps that a CPU-offloaded group holds, per group, groups in
+    the order forward gathers them (their units' order under each root)."""
+    groups: dict[int, ParamGroup] = {}
+    order: dict[ParamGroup, int] = {}
+    for root in live_roots():
+        for unit in root.units:
+            group = unit.group
+            if group is None or group in order:
+                continue
+            order[group] = len(order)
+            for sharded in group.params:
+                groups[id(sharded)] = group
+    found: dict[ParamGroup, list] = {}
+    for index, param_group in enumerate(opt.param_groups):
+        for p in param_group["params"]:
+            owner = owner_of(p)
+            if (owner is None or owner.offload is None
+                    or isinstance(owner.offload, DiskOffloadPolicy)
+                    or p.grad is None or _local_view(p) is None):
+                continue
+            group = groups.get(id(owner))
+            if group is not None:
+                found.setdefault(group, []).append((index, p))
+    return dict(sorted(found.items(), key=lambda item: order[item[0]]))
+
+
+def _frozen(value):
+    """``value`` as ``step()`` saw it: a tensor is copied, since a scheduler or scaler may
+    change it in place (a tensor ``lr``, the scale) before the host thread reads it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags: dict,
+               unit_name: str) -> None:
+    """The host thread's work for one unit: ``opt``'s step over the unit's local shards,
+    as a copy of ``opt`` whose groups hold only them (no hooks: they ran in ``step()``)."""
+    try:
+        shadow = object.__new__(type(opt))
+        shadow.__dict__.update(opt.__dict__)
+        shadow.state = defaultdict(dict)
+        by_group: dict[int, list] = {}
+        before = []  # per item: the local states handed to the step, to see what it made
+        for index, _p, local, grad, state in items:
+            local.grad = grad
+            by_group.setdefault(index, []).append(local)
+            local_state = None
+            if state:
+                local_state = {k: v._local_tensor if isinstance(v, DTensor) else v
+                               for k, v in state.items()}
+                shadow.state[local] = local_state
+            before.append(tuple(local_state.values()) if local_state else None)
+        shadow.param_groups = [{**hyper[index], "params": params}
+                               for index, params in by_group.items()]
+        for name in _STEP_FLAGS:
+            value = flags.get(name)
+            setattr(shadow, name, None if value is None else value.cpu())
+        _step_unhooked(shadow)
+        for (_index, p, local, _grad, state), values in zip(items, before):
+            local.grad = None
+            new = shadow.state.get(local)
+            in_place = (new and values is not None and len(new) == len(values)
+                        and all(a is b for a, b in zip(new.values(), values)))
+            if new and not in_place:  # a first step made the states: wrap them (optim._restore)
+                opt.state[p] = _as_dtensor_state(p, new, state or {})
+            increment_version(local)  # also a write through .data counts (optim._mark_stepped)
+    except Exception as error:
+        raise RuntimeError(f"fullshard: the optimizer step of unit {unit_name} on the host "
+                           f"thread (OverlappedStep) failed: {error}") from error
+
+
+def _wait_in_state_dicts(group: ParamGroup) -> None:
+    """Make the state dicts of the roots holding ``group`` wait for host steps first."""
+    for root in live_roots():
+        if group not in root.members:
+            continue
+        for unit in root.units:
+            module = unit.module
+            if module in _WAITING_MODULES:
+                continue
+            module.register_state_dict_pre_hook(lambda *_args: finish_host_steps())
+            module.register_load_state_dict_pre_hook(lambda *_args: finish_host_steps())
+            _WAITING_MODULES.add(module)

@@ -1,0 +1,208 @@
+"""OverlappedStep: CPU-offloaded units stepped on a host thread while the next forward runs
+(Note [the host step overlapped with the next forward]). The same bits as
+``optimizer.step()``, whatever the optimizer's flags; each unit's forward waits for its own
+unit's step and no other; state dicts and a resume see the stepped values."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fullshard.overlapped_step as overlapped_step
+from fullshard import CPUOffloadPolicy, OverlappedStep, fully_shard
+from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.testing import run_distributed
+from fullshard.testing.models import token_batch
+
+CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=16, n_layers=4, n_heads=2)
+
+
+def _model(offloaded):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer, offload_policy=policy if i in offloaded else None)
+    fully_shard(model, offload_policy=policy if "root" in offloaded else None)
+    model.set_bucket_numel(0)  # a group per block: the order of the units is visible
+    return model
+
+
+def _optimizer(model, kind):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "tensor_lr":  # a scheduler changes a tensor lr in place after each step
+        return torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3), fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1,
+                             fused=kind == "fused", foreach=kind == "foreach")
+
+
+def _train(offloaded, kind, overlapped, steps=4):
+    model = _model(offloaded)
+    opt = _optimizer(model, kind)
+    stepper = OverlappedStep(opt) if overlapped else opt
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    rank = dist.get_rank()
+    for step in range(steps):
+        x, y = token_batch(10 * step + rank, 6, CFG.vocab_size, CFG.seq_len)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        if kind == "fused":  # the trainer's clip inside the step, and a skip flag
+            opt.grad_scale = torch.tensor(1.5 + step)
+            opt.found_inf = torch.tensor(float(step == 2))
+        stepper.step()
+        opt.grad_scale = opt.found_inf = None
+        opt.zero_grad(set_to_none=True)
+        scheduler.step()
+    weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    states = {(k, name): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+              for k, p in model.named_parameters() for name, v in opt.state[p].items()}
+    return weights, states
+
+
+def _same_bits(offloaded, kind):
+    plain = _train(offloaded, kind, overlapped=False)
+    overlapped = _train(offloaded, kind, overlapped=True)
+    for a, b in zip(plain, overlapped):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
+    return True
+
+
+@pytest.mark.parametrize("world,offloaded,kind", [
+    (2, {0, 1, 2, 3, "root"}, "fused"),
+    (2, {1, 3}, "foreach"),
+    (3, {2, 3}, "fused"),
+    (2, {0, 3}, "sgd"),
+    (2, {0, 1, 2, 3}, "tensor_lr"),
+])
+def test_the_same_bits_as_the_optimizers_own_step(world, offloaded, kind):
+    assert all(run_distributed(_same_bits, world, offloaded, kind))
+
+
+def _forward_waits_per_unit():
+    """The last block's host step is slow: the first block's forward must start before it
+    ends, the last block's forward only after."""
+    model = _model({0, 1, 2, 3})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepper = OverlappedStep(opt)
+    events = []
+    real = overlapped_step._step_unit
+
+    def slow_last(opt_, items, hyper, flags, unit_name):
+        if unit_name.endswith("layers.3"):
+            time.sleep(1.0)
+        real(opt_, items, hyper, flags, unit_name)
+        events.append(("stepped", unit_name, time.monotonic()))
+
+    overlapped_step._step_unit = slow_last
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda *_a, i=i: events.append(("forward", f"layers.{i}", time.monotonic())))
+    x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    stepper.step()
+    events.clear()
+    lm_loss(model(x), y).backward()
+    def first(kind, suffix):
+        return next(t for k, name, t in events if k == kind and name.endswith(suffix))
+    last_step = first("stepped", "layers.3")
+    return first("forward", "layers.0") < last_step <= first("forward", "layers.3"), \
+        sorted({name for _k, name, _t in events})
+
+
+def test_each_forward_waits_for_its_own_units_step_only():
+    for waited, names in run_distributed(_forward_waits_per_unit, 2):
+        assert waited, names
+
+
+def _state_dicts_wait():
+    """State dicts taken right after step() (a checkpoint) hold the stepped values, and
+    a model resumed from them trains on as the uninterrupted one does."""
+    real = overlapped_step._step_unit
+
+    def slow(*args):
+        time.sleep(0.2)
+        real(*args)
+
+    results = []
+    for overlapped in (False, True):
+        overlapped_step._step_unit = slow if overlapped else real
+        model = _model({0, 1, 2, 3, "root"})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stepper = OverlappedStep(opt) if overlapped else opt
+        x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+        for _ in range(2):
+            lm_loss(model(x), y).backward()
+            stepper.step()
+            opt.zero_grad()
+        saved_model = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        saved_opt = opt.state_dict()
+        saved_opt = {(i, k): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                     for i, entry in saved_opt["state"].items() for k, v in entry.items()}
+        # resume: a new model and optimizer loaded from the states, trained one step more
+        resumed = _model({0, 1, 2, 3, "root"})
+        resumed.load_state_dict(model.state_dict())
+        ropt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+        ropt.load_state_dict(opt.state_dict())
+        rstepper = OverlappedStep(ropt) if overlapped else ropt
+        lm_loss(resumed(x), y).backward()
+        rstepper.step()
+        rstepper.wait() if overlapped else None
+        after = {k: v.full_tensor() for k, v in resumed.state_dict().items()}
+        results.append((saved_model, saved_opt, after))
+    overlapped_step._step_unit = real
+    (m0, o0, a0), (m1, o1, a1) = results
+    return ([k for k in m0 if not torch.equal(m0[k], m1[k])],
+            [k for k in o0 if not torch.equal(torch.as_tensor(o0[k]), torch.as_tensor(o1[k]))],
+            [k for k in a0 if not torch.equal(a0[k], a1[k])])
+
+
+def test_state_dicts_wait_and_a_resume_trains_on_exactly():
+    for differ in run_distributed(_state_dicts_wait, 2):
+        assert differ == ([], [], []), differ
+
+
+def _host_error_raised_at_the_next_forward():
+    model = _model({0, 1, 2, 3})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepper = OverlappedStep(opt)
+
+    def broken(_opt):
+        raise OSError("no space left on device")
+
+    overlapped_step._step_unhooked = broken  # what the host thread's step calls
+    x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    stepper.step()
+    try:
+        model(x)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_error_on_the_host_thread_is_raised_at_the_next_forward_naming_the_unit():
+    for message in run_distributed(_host_error_raised_at_the_next_forward, 2):
+        assert message.startswith("fullshard: the optimizer step of unit ") \
+            and "layers.0" in message and "no space left on device" in message, message
+
+
+def test_misuse_is_refused_in_one_line():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError, match="LBFGS is not one of the elementwise optimizers"):
+        OverlappedStep(torch.optim.LBFGS(params))
+    with pytest.raises(ValueError, match="closure"):
+        OverlappedStep(torch.optim.SGD(params, lr=0.1)).step(lambda: 0.0)
+
+
+def test_without_offload_it_is_the_optimizers_step():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = OverlappedStep(opt)
+    model(torch.ones(1, 3)).sum().backward()
+    before = model.weight.detach().clone()
+    stepper.step()
+    assert torch.equal(model.weight.detach(), before - 0.1 * model.weight.grad)
