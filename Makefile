@@ -81,9 +81,11 @@ GPU_WHEELS := .gpu-wheels
 GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
 # tyro's needs (docstring_parser, typeguard, typing_extensions: pip takes these only if
 # the box's are missing or too old), tomli-w, torchao, and setuptools for building
-# fullshard's editable install in isolation.
+# fullshard's editable install in isolation; Megatron-FSDP (and its einops) for
+# benchmarks/gpu.py's side-by-side.
 GPU_WHEEL_PKGS := tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 \
-	typing_extensions==4.16.0 tomli_w==1.2.0 torchao==0.18.0 setuptools==80.9.0
+	typing_extensions==4.16.0 tomli_w==1.2.0 torchao==0.18.0 setuptools==80.9.0 \
+	megatron-fsdp==0.6.1 einops==0.8.2
 gpu-wheels:
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -10,6 +10,11 @@ Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused Ad
   G3 G1 with CPU offload (fused CPU AdamW; no plain-loop counterpart)
   G4 G1 with per-block activation checkpointing and per-block torch.compile
 
+Implementations: plain (one device, no sharding), fsdp2 (torch's fully_shard), fullshard,
+megatron (Megatron-FSDP 0.6.1's fully_shard, ZeRO-3, one unit per block; CUDA only, G1 and
+G2: it has no CPU offload, and compiled blocks are not its unit class; skipped with the
+reason where it cannot run or is not installed).
+
 Each (implementation, workload) runs in its own set of processes (world size = every
 visible GPU), so memory figures start clean. On one GPU fullshard runs its collectives
 on the one rank as FSDP2 does (``fullshard.testing.collectives_at_one_rank``: gathers,
@@ -43,7 +48,7 @@ from llama import Llama, LlamaConfig  # noqa: E402
 
 from fullshard.testing import free_port  # noqa: E402
 
-IMPLS = ("plain", "fsdp2", "fullshard")
+IMPLS = ("plain", "fsdp2", "fullshard", "megatron")
 H100_BF16_DENSE_TFLOPS = 989.0
 
 
@@ -97,6 +102,8 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
     _prepare_blocks(model, w)
     if impl == "plain":
         return model.to(device)
+    if impl == "megatron":
+        return model  # sharded with its optimizer: _megatron
     if impl == "fullshard":
         from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from fullshard.testing import collectives_at_one_rank
@@ -158,6 +165,16 @@ def _clip_and_step(impl: str, w: Workload, model, optim):
     the clip applied inside the fused CPU step (Note [the clip applied inside the step])
     and the offloaded blocks stepped on a host thread while the next forward runs
     (fullshard.OverlappedStep); the others clip with torch's clip_grad_norm_ first."""
+    if impl == "megatron":
+        def megatron(mark):
+            # its reduce-scatters finished and the gradients attached to the optimizer's
+            # (distributed) parameters first: what its patched step would do, before clipping
+            model.finish_grad_sync()
+            torch.nn.utils.clip_grad_norm_(
+                [p for group in optim.param_groups for p in group["params"]], 1.0)
+            mark()
+            optim.step()
+        return megatron
     if impl != "fullshard" or not w.offload:
         def plain(mark):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -178,10 +195,33 @@ def _clip_and_step(impl: str, w: Workload, model, optim):
     return overlapped
 
 
+def _megatron(model: torch.nn.Module, device: torch.device):
+    """Megatron-FSDP (``megatron_fsdp.fully_shard``, ZeRO-3: parameters, gradients and
+    optimizer states sharded) with the others' precision: bf16 compute weights, fp32 main
+    weights, gradients and reduction; one unit per block, as the others wrap. Its compute
+    weights are the model cast to bf16 first, so its fp32 main weights start from
+    bf16-rounded values: its losses agree with the others' to bf16 rounding, not exactly."""
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from llama import Block
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = model.to(device=device, dtype=torch.bfloat16)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                main_grads_dtype=torch.float32,
+                                                grad_comm_dtype=torch.float32)
+    return megatron_fsdp.fully_shard(model, optim, device_mesh=mesh, dp_shard_dim="dp",
+                                     fsdp_unit_modules=[Block], zero_dp_strategy=3,
+                                     mixed_precision_policy=policy, device=device)
+
+
 def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = None) -> dict:
     device = _device()
     model = build(impl, w, device)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too (offload)
+    if impl == "megatron":
+        model, optim = _megatron(model, device)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too (offload)
     clip_and_step = _clip_and_step(impl, w, model, optim)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if impl == "plain"
                 else torch.autocast(device.type, enabled=False))
@@ -301,6 +341,20 @@ def launch(impl: str, workload: str, args: argparse.Namespace) -> dict | None:
     return None
 
 
+def _megatron_skipped(w: Workload, device: str) -> str | None:
+    """Why Megatron-FSDP does not run ``w`` here, or None."""
+    import importlib.util
+    if importlib.util.find_spec("megatron_fsdp") is None:
+        return "megatron_fsdp is not installed; make gpu-wheels carries megatron-fsdp 0.6.1"
+    if device != "cuda":
+        return "Megatron-FSDP runs on CUDA only (its constructor asks torch.cuda for the device)"
+    if w.offload:
+        return "Megatron-FSDP's fully_shard has no CPU offload"
+    if w.compile_and_checkpoint:
+        return "blocks compiled before sharding are no longer Megatron-FSDP's unit class"
+    return None
+
+
 def table(results: dict[tuple[str, str], dict]) -> str:
     rows = ["| workload | impl | step ms | tokens/s | MFU | peak alloc GiB | peak reserved GiB "
             "| fwd / bwd / clip / optim ms | vs FSDP2 | vs plain | last loss |",
@@ -349,6 +403,9 @@ def main() -> None:
         for impl in args.impls.split(","):
             if impl == "plain" and WORKLOADS[workload].offload:
                 continue  # a plain loop does not offload
+            if impl == "megatron" and (why := _megatron_skipped(WORKLOADS[workload], args.device)):
+                print(f"megatron on {workload}: skipped ({why})", file=sys.stderr, flush=True)
+                continue
             r = launch(impl, workload, args)
             if r is not None:
                 results[(workload, impl)] = r

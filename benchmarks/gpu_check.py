@@ -20,7 +20,8 @@ Steps, in order, each a process of its own with a time limit inside one budget
                 saying so, where torchao or peft is missing)
   checkpoint    benchmarks/checkpoint_io.py --backend nccl: fullshard.checkpoint save and
                 load (checksums verified) against torch DCP, the state on the GPU
-  gpu-bench     benchmarks/gpu.py --quick: G1-G4 x {fullshard, FSDP2, plain loop}, last,
+  gpu-bench     benchmarks/gpu.py --quick: G1-G4 x {fullshard, FSDP2, plain loop} and
+                Megatron-FSDP on G1 and G2, last,
                 so that it has whatever the budget has left (about 290 s on an H200)
 
 DIR gets gpu-check.md (the report, rewritten after every step, so a window that ends
@@ -49,7 +50,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 BENCH = os.path.join(ROOT, "benchmarks")
 NOTHING_RAN = 5  # pytest's exit status when every test was skipped or none collected
-PACKAGES = ("fullshard", "tyro", "tomli_w", "torchao", "peft", "transformers", "numpy",
+PACKAGES = ("fullshard", "tyro", "tomli_w", "torchao", "megatron_fsdp", "peft", "transformers",
+            "numpy",
             "tqdm", "xxhash", "safetensors", "pytest")
 
 
@@ -111,7 +113,7 @@ def steps(args: argparse.Namespace) -> list[Step]:
     bench = [PY, os.path.join(BENCH, "gpu.py"), "--json", os.path.join(out, "gpu-bench.json")]
     bench += (["--tiny", "--device", "cpu", "--nproc", "1", "--workloads", "G1,G3",
                "--impls", "plain,fullshard"] if dry else
-              ["--quick", "--timeout", "120", "--workloads", "G1,G2,G4,G3"])
+              ["--quick", "--timeout", "120", "--workloads", "G1,G2,G3,G4"])
     trainer = [PY, os.path.join(BENCH, "trainer.py")] + (
         ["--preset", "debug", "--rounds", "1", "--block", "2"] if dry else
         ["--preset", "gpt2-124m", "--batch-size", "8", "--rounds", "6", "--block", "10"])
@@ -126,13 +128,16 @@ def steps(args: argparse.Namespace) -> list[Step]:
         Step("install", [] if dry or not wheels else [
             pip + ["tyro", "tomli-w"], pip + ["--no-deps", "-e", ROOT], listed], 90),
         Step("install-torchao", [] if dry or not wheels else [pip + ["torchao"]], 30),
+        Step("install-megatron", [] if dry or not wheels else [
+            pip + ["--no-deps", "megatron-fsdp", "einops"]], 30),
         Step("cuda-lane", [lane], 150, lane_env, _pytest_summary),
         Step("trainer", [trainer], 60, {}, _trainer_summary),
         Step("trainer-compiled", [] if dry else [trainer + ["--compile"]], 90, {},
              _trainer_summary),
         Step("memory", [memory], 90, {}, _memory_summary),
         Step("checkpoint", [checkpoint], 60, {"OMP_NUM_THREADS": "1"}, _checkpoint_summary),
-        # last, with what the budget has left: eleven runs of ~25 s on an H200
+        # last, with what the budget has left: eleven runs of ~25 s on an H200, and
+        # Megatron-FSDP's two (G1, G2); G4 last, the one a short budget cuts
         Step("gpu-bench", [bench], 360, {}, _bench_summary),
     ]
 

@@ -17,7 +17,7 @@ def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
-         "--workloads", "G1,G3", "--impls", "fsdp2,fullshard", "--json", str(out)],
+         "--workloads", "G1,G3", "--impls", "fsdp2,fullshard,megatron", "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
@@ -30,6 +30,8 @@ def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
         assert set(r["phases_ms"]) == {"forward", "backward", "clip", "optimizer"}
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
     assert "| G3 | fullshard |" in proc.stdout
+    # Megatron-FSDP needs CUDA (and may not be installed): skipped with its reason
+    assert "megatron on G1: skipped (" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

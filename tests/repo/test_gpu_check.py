@@ -21,8 +21,9 @@ def test_the_gpu_check_runs_every_step_on_cpu(tmp_path):
     assert report.startswith("# fullshard gpu-check (DRY RUN")
     table = report.split("| step | status | seconds |\n|---|---|---:|\n")[1].split("\n\n")[0]
     rows = dict(line.split(" | ")[:2] for line in table.splitlines())
-    assert set(rows) == {"| install", "| install-torchao", "| cuda-lane", "| gpu-bench",
-                         "| trainer", "| trainer-compiled", "| memory", "| checkpoint"}
+    assert set(rows) == {"| install", "| install-torchao", "| install-megatron", "| cuda-lane",
+                         "| gpu-bench", "| trainer", "| trainer-compiled", "| memory",
+                         "| checkpoint"}
     assert rows["| gpu-bench"] == rows["| trainer"] == rows["| memory"] == "ok"
     assert rows["| checkpoint"] == "ok" and "| load (verify, read, reshard) |" in report
     assert rows["| cuda-lane"].startswith("skipped: pytest ran no test")
