@@ -59,6 +59,35 @@ _last: float | None = None
 _registered = False
 
 
+# Note [one seam for observing collectives]
+# Tools that count fullshard's collectives (fullshard.testing.counting) register an
+# observer here rather than patching the collective functions where other modules
+# imported them: a new or renamed import site would silently count nothing. Every
+# collective fullshard issues on its data (all-gathers, reduce-scatters, all-reduces,
+# quantized or not) tells the observers its kind and group as it is issued; collectives
+# a group of one rank skips are not issued and not told. Outside such tools the list is
+# empty: one test per collective.
+_OBSERVERS: list[Callable[[str, dist.ProcessGroup, bool], None]] = []
+
+
+@contextlib.contextmanager
+def observing(observer: Callable[[str, dist.ProcessGroup, bool], None]):
+    """Call ``observer(kind, group, async_op)`` for each collective issued inside the block;
+    ``kind`` is ``all_gather``, ``reduce_scatter`` or ``all_reduce``."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
+def issued(kind: str, group: dist.ProcessGroup, async_op: bool) -> None:
+    """Tell the observers a collective is being issued (Note [one seam for observing
+    collectives])."""
+    for observer in _OBSERVERS:
+        observer(kind, group, async_op)
+
+
 def note_collective() -> None:
     """Record that a collective was issued or waited on now (cheap: one clock read)."""
     global _last, _registered
@@ -186,6 +215,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     if skips_collectives(group.size()):
         output.copy_(shard)
         return Pending(output, None)
+    if _OBSERVERS:
+        issued("all_gather", group, async_op)
     work = _all_gather_flat(output, shard, group=group, async_op=True)
     return _done(Pending(output, work), async_op, what, patience)
 
@@ -207,6 +238,8 @@ def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
     if skips_collectives(group.size()):
         output.copy_(full)
         return Pending(output, None)
+    if _OBSERVERS:
+        issued("reduce_scatter", group, async_op)
     if dist.get_backend(group) == "gloo":
         received = scratch if scratch is not None else torch.empty_like(full)
         return _done(_reduce_scatter_by_all_to_all(output, full, received, group, inspect),
@@ -234,6 +267,8 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup,
     """Sum ``tensor`` in place over ``group`` (the reduction across replicas)."""
     if skips_collectives(group.size()):
         return Pending(tensor, None)
+    if _OBSERVERS:
+        issued("all_reduce", group, async_op)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return _done(Pending(tensor, work), async_op, what)
 

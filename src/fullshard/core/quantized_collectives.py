@@ -95,6 +95,7 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.
     send = torch.empty(1, per_rank, dtype=torch.uint8, device=shard.device)
     quantize(shard.view(1, n), block, send)
     received = torch.empty(w * per_rank, dtype=torch.uint8, device=shard.device)
+    comm.issued("all_gather", group, async_op)
     work = comm._all_gather_flat(received, send.view(-1), group=group, async_op=True)
 
     def unpack() -> None:
@@ -123,6 +124,7 @@ def quantized_reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor,
     if exact_tail:
         send[:, q_bytes:].view(torch.float32).copy_(chunks[:, body:])
     received = torch.empty_like(send)
+    comm.issued("reduce_scatter", group, async_op)
     work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
 
     def sum_copies() -> None:

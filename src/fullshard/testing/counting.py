@@ -10,51 +10,23 @@ import torch
 import torch.distributed as dist
 
 from ..core import comm as comm_module
-from ..core.comm import skips_collectives
-from ..core import gradients as gradients_module
-from ..core import group as group_module
-from ..core import post_forward as post_forward_module
-from ..core import subclass_params as subclass_module
 
 
 @contextlib.contextmanager
 def count_collectives():
     """Yield a Counter with keys ``all_gather``/``all_gather_async``/``reduce_scatter``/
     ``all_reduce`` (gathers within a post-forward subgroup, ``reshard_after_forward=N``,
-    and those of tensor-subclass parameters count too; collectives over a group of one
-    rank are not issued and not counted, unless ``collectives_at_one_rank`` is on)."""
+    those of tensor-subclass parameters and quantized ones count too; collectives over a
+    group of one rank are not issued and not counted, unless ``collectives_at_one_rank``
+    is on). Counted where fullshard issues them (Note [one seam for observing
+    collectives]), so no import site escapes."""
     counts: Counter = Counter()
-    real_ag, real_rs = group_module.all_gather, gradients_module.reduce_scatter_sum
-    real_ar = gradients_module.all_reduce_sum
 
-    def all_gather(out, shard, pg, async_op=False, **kwargs):
-        if not skips_collectives(pg.size()):
-            counts["all_gather_async" if async_op else "all_gather"] += 1
-        return real_ag(out, shard, pg, async_op=async_op, **kwargs)
+    def count(kind: str, _group, async_op: bool) -> None:
+        counts[kind + ("_async" if async_op and kind == "all_gather" else "")] += 1
 
-    def reduce_scatter_sum(out, full, pg, async_op=False, **kwargs):
-        if not skips_collectives(pg.size()):
-            counts["reduce_scatter"] += 1
-        return real_rs(out, full, pg, async_op=async_op, **kwargs)
-
-    def all_reduce_sum(tensor, pg, async_op=False, **kwargs):
-        if not skips_collectives(pg.size()):
-            counts["all_reduce"] += 1
-        return real_ar(tensor, pg, async_op=async_op, **kwargs)
-
-    patches = [(group_module, "all_gather", all_gather),
-               (gradients_module, "reduce_scatter_sum", reduce_scatter_sum),
-               (post_forward_module, "all_gather", all_gather),
-               (subclass_module, "all_gather", all_gather),
-               (gradients_module, "all_reduce_sum", all_reduce_sum)]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    for mod, name, fn in patches:
-        setattr(mod, name, fn)
-    try:
+    with comm_module.observing(count):
         yield counts
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
 
 
 @contextlib.contextmanager
