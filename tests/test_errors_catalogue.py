@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from functools import partial
 from pathlib import Path
 
@@ -753,13 +754,13 @@ _TESTED_ELSEWHERE = {
             "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
     "E29": "tests/core/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/core/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
-    "E130": "tests/core/test_divergence.py::"
+    "E130": "tests/core/test_arrival.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E151": "tests/whole_matrix/test_whole_matrix.py::"
             "test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
     "E225": "tests/whole_matrix/test_kept.py::"
             "test_states_loaded_on_some_ranks_only_are_refused_on_every_rank",
-    "E150": "tests/core/test_divergence.py::"
+    "E150": "tests/core/test_arrival.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E245": "tests/cli/test_train_flags.py::"
@@ -768,7 +769,7 @@ _TESTED_ELSEWHERE = {
             "test_an_export_to_an_existing_directory_is_one_line_and_leaves_nothing",
     "E134": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E132": "tests/cli/test_train.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
-    "E131": "tests/core/test_divergence.py::test_ranks_at_different_collective_functions_both_name_them",
+    "E131": "tests/core/test_arrival.py::test_ranks_at_different_collective_functions_both_name_them",
     "E82": "tests/cli/test_cli_errors.py::"
            "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
     "E34": "tests/train/test_launch_reliability.py::"
@@ -809,3 +810,23 @@ _TESTED_ELSEWHERE = {
     "E235": "tests/checkpoint/test_hf_load_tied_apart.py::"
             "test_a_stored_head_is_used_untied_as_from_pretrained_does",
 }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _named_test_exists(target: str) -> bool:
+    path, _, name = target.partition("::")
+    file = ROOT / path
+    return file.exists() and re.search(rf"^\s*def {re.escape(name.split('[')[0])}\b",
+                                       file.read_text(), re.M) is not None
+
+
+def test_every_test_named_for_an_entry_exists():
+    """The tests named as checking an entry elsewhere, here and in docs/errors.md, are
+    real test functions in the named files (a moved test left stale names behind)."""
+    stale = [f"{code}: {target}" for code, target in _TESTED_ELSEWHERE.items()
+             if not _named_test_exists(target)]
+    named = re.findall(r"`(tests/[\w/]+\.py::\w+)", (ROOT / "docs" / "errors.md").read_text())
+    stale += [target for target in named if not _named_test_exists(target)]
+    assert not stale, stale
