@@ -6,7 +6,7 @@ Each reads or changes the unit's state (``core/state.UnitState``, found with
 ``unit_of``) or its group; the work itself happens in ``core/``. The ones that tune NCCL
 internals fullshard does not have (separate communicators, process-group or
 symmetric-memory allocation, several reduce-scatter buffers in flight) validate their
-arguments and do nothing, as documented in the README's API table, because fullshard's
+arguments and do nothing, as documented in the API table in docs/api.md, because fullshard's
 schedule already does what they are for or has no such knob.
 """
 
