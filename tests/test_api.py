@@ -176,7 +176,7 @@ def _not_last_backward_worker():
             batch = _gpt_batch(step * 2 + micro, 2 * world)
             model.set_is_last_backward(False)  # even on the last one: step() completes it
             _gpt_loss(model, local_slice(batch, rank, world)).backward()
-            left_in_flight.append(model._unit.root.backward.pending_reduce is not None)
+            left_in_flight.append(bool(model._unit.root.backward.pending_reduces))
             _gpt_loss(reference, batch).backward()
         _step_all(opt, ref_opt)
     assert_same_weights(model, reference, rtol=1e-5, atol=1e-6)

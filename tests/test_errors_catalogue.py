@@ -343,7 +343,35 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.set_custom_all_gather(Gather())
         model.set_quantized_communication(weights=True)
     out["E142"] = message_of(custom_and_quantized)
+    out.update(_comm_setter_cases(Gather))
     return out
+
+
+def _comm_setter_cases(custom_gather) -> dict[str, str]:
+    """torch's communication setters (core/comm_groups.py), at world size 2."""
+    from fullshard import fully_shard
+
+    def allocation_beside_custom():
+        model = fully_shard(nn.Linear(4, 4))
+        model.set_custom_all_gather(custom_gather())
+        model.set_allocate_memory_from_process_group_for_comm(True)
+
+    def symmetric_beside_allocation():
+        model = fully_shard(nn.Linear(4, 4))
+        model.set_allocate_memory_from_process_group_for_comm(True)
+        model.set_symm_mem_for_comm()
+
+    def merged_then_separated():
+        model = _Pair()
+        fully_shard(model.a)
+        fully_shard(model)  # merged with the root's group at the first forward
+        model(torch.randn(2, 4))
+        model.a.set_separate_reduce_scatter_group()
+
+    return {"E300": message_of(allocation_beside_custom),
+            "E301": message_of(symmetric_beside_allocation),
+            "E302": message_of(lambda: fully_shard(nn.Linear(4, 4)).set_symm_mem_for_comm()),
+            "E303": message_of(merged_then_separated)}
 
 
 def _install_order_cases() -> dict[str, str]:

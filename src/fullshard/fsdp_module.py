@@ -3,11 +3,7 @@
 Its methods are torch's ``FSDPModule`` API, with torch's signatures and semantics, on
 every torch fullshard supports (those torch 2.15 added too: Note [torch versions]).
 Each reads or changes the unit's state (``core/state.UnitState``, found with
-``unit_of``) or its group; the work itself happens in ``core/``. The ones that tune NCCL
-internals fullshard does not have (separate communicators, process-group or
-symmetric-memory allocation, several reduce-scatter buffers in flight) validate their
-arguments and do nothing, as documented in the API table in docs/api.md, because fullshard's
-schedule already does what they are for or has no such knob.
+``unit_of``) or its group; the work itself happens in ``core/``.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .core import hooks
+from .core import comm_groups, hooks
 from .core.load_check import check_fits
 from .core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from .core.state import UnitState, unit_of
@@ -337,28 +333,52 @@ class FSDPModule:
         the all-reduce across replicas stays in the reduce dtype."""
         _set_quantized(self._unit, _units(self, recurse), weights, grads, block_size)
 
-    # -- communication tuning with no fullshard counterpart -----------------------------------
+    # -- communication tuning (core/comm_groups.py) -----------------------------------------
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
-        """Accepted and validated; fullshard keeps at most one reduce-scatter in flight and
-        recycles its input buffers through its pool."""
+        """Let up to ``max_input_buffers`` gradient reductions (each holding its send
+        buffer) stay in flight when the next one starts, instead of one: the oldest is
+        finished when one more would exceed it, all of them at the end of backward, in
+        order, so gradients are the same (Note [reductions in flight]). More overlap for a
+        reduce-scatter slower than backward, at the memory of the extra buffers. The root
+        uses the largest value among its units."""
         _check_max_input_buffers(max_input_buffers)
+        comm_groups.change(self._unit, _units(self, recurse),
+                           "set_reduce_scatter_max_input_buffers",
+                           reduces_in_flight=max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
-        """Accepted; fullshard issues all-gathers and reduce-scatters on the unit's one
-        process group."""
-        _expect_bool("set_separate_reduce_scatter_group", enable)
+        """With ``True`` gradient reduce-scatters run on a process group of their own over
+        the same ranks (made now, one per distinct rank set, as torch does), so on NCCL
+        they progress while all-gathers run; ``False`` goes back to the shard group. Call
+        it on every rank alike (making a group is collective). Note [a reduce-scatter
+        group of its own]."""
+        method = "set_separate_reduce_scatter_group"
+        _expect_bool(method, enable)
+        comm_groups.separate_reduce_groups(
+            comm_groups.groups_of(self._unit, _units(self, recurse), method), enable)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted; fullshard's communication buffers come from its own pool."""
+        """With ``True`` this unit's all-gather output and reduce-scatter input come from
+        the process group's own allocator where its backend offers one (NCCL: memory it
+        can send zero-copy); where it offers none (gloo, CPU) from fullshard's pool, as
+        without it. Refused beside a custom collective or symmetric memory, as in torch.
+        Note [staging buffers from the process group]."""
         _expect_bool("set_allocate_memory_from_process_group_for_comm", enable)
+        comm_groups.allocate_from_process_group(self._unit, _made_together(self._unit),
+                                                enable)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Accepted for ``"NCCL"``; fullshard does not allocate symmetric memory."""
+        """Gather this unit's parameters into symmetric memory, so NCCL can use its
+        copy-engine or symmetric-kernel all-gather. Where symmetric memory cannot work (a
+        torch built without it, CPU devices) this raises, as torch's does. Refused beside
+        a custom collective or process-group allocation, as in torch. Note [staging
+        buffers from the process group]."""
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm: only the 'NCCL' backend exists, got "
                              f"{backend!r}")
+        comm_groups.use_symmetric_memory(self._unit, _made_together(self._unit), backend)
 
     # -- state dict and module moves -------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -52,3 +52,25 @@ def steps_with_counts(model, opt, steps):
         opt.step()
         opt.zero_grad()
         yield dict(c)
+
+
+def sgd_steps(model, steps):
+    """Train ``steps`` SGD steps on each rank's batches; each step's loss and the full
+    gradients its backward left, for comparing runs that should agree exactly."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        x, y = rank_batch(step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        out.append((loss.item(), [p.grad.full_tensor() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def same_steps(a, b) -> bool:
+    """Whether two ``sgd_steps`` results agree to the bit."""
+    return len(a) == len(b) and all(
+        la == lb and len(ga) == len(gb) and all(map(torch.equal, ga, gb))
+        for (la, ga), (lb, gb) in zip(a, b))

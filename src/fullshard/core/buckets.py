@@ -10,7 +10,8 @@ unsharded size stays under ``bucket_numel`` into one group: one all-gather, one
 reduce-scatter for the whole run. A merged group is gathered when its first
 member needs it, freed after forward once every member has run (ZeRO-3), and
 reduced once every member's gradients are in. Units merge only when they agree on
-mesh, dtype, mixed-precision policy and ``reshard_after_forward``; small units next to the root may join
+mesh, dtype, mixed-precision policy, ``reshard_after_forward`` and communication
+settings (core/comm_groups.py); small units next to the root may join
 the root's group and then follow the root's rule (stay gathered from forward to
 backward, at most ``bucket_numel`` elements), which saves the first gather of the
 backward. ``bucket_numel=0`` turns merging off.
@@ -46,7 +47,8 @@ def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> boo
             and ga.flat_shard.device == gb.flat_shard.device
             and (ga.offload, ga.compute_device) == (gb.offload, gb.compute_device)
             and (ga.quantize_weights, ga.quantize_grads) == (gb.quantize_weights,
-                                                             gb.quantize_grads))
+                                                             gb.quantize_grads)
+            and ga.comm_options == gb.comm_options)
 
 
 def merge_small_units(units: "list[UnitState]", bucket_numel: int,
@@ -78,6 +80,7 @@ def merge_small_units(units: "list[UnitState]", bucket_numel: int,
         merged.unsharded.keep_storage = any(u.group.unsharded.keep_storage
                                                for u in run)
         merged.quantize_weights, merged.quantize_grads = first.quantize_weights, first.quantize_grads
+        merged.comm_options = first.comm_options  # core/comm_groups.py
         merged.readopt()  # one flat shard for the run; DTensors re-pointed at its views
         for u in run:
             u.group.retire(merged_into=merged)

@@ -18,6 +18,7 @@ from .comm import (BufferPool, HostCopies, Pending, all_reduce_sum, reduce_scatt
                    skips_collectives, traced)
 from . import grad_norms
 from .divergence import Guard
+from .ledger import REDUCE_SCATTER_OWN_GROUP
 from .param import ShardedParam
 from .quantized_collectives import quantized_reduce_scatter_sum
 from .schedule import DIGEST_NUMEL, reduce_numel, reduce_plan, reduce_tail
@@ -65,10 +66,11 @@ class PendingReduce:
     Under hybrid sharding a unit's shard sum is then all-reduced across replicas. Waited
     for as soon as it is issued, that all-reduce would hold the compute stream (NCCL) or
     the host (gloo) behind it once per unit. Instead, when the next unit's reduction is
-    about to be issued, the previous unit's reduce-scatter is waited for and its
+    about to be issued, the oldest reduce-scatter in flight is waited for and its
     all-reduce only started (``start_replica_reduce``); it is finished one unit later, or
-    when the gradients settle. At most one reduce-scatter and one all-reduce are in
-    flight, issued in the same order on every rank."""
+    when the gradients settle. At most one all-reduce is in flight beside the
+    reduce-scatters (one, or as many as Note [reductions in flight] allows), all issued
+    in the same order on every rank."""
 
     def __init__(self, unit_name: str, params: list[ShardedParam], had_grad: list[bool],
                  pending: Pending,
@@ -255,6 +257,7 @@ class _Packed(NamedTuple):
     plan: object                 # core/schedule.reduce_plan's answer
     comm: object                 # the unit's custom reduce-scatter, or None
     inspected: bool              # the chunk's digest is compared in the collective
+    pooled: bool                 # ``full`` is the pool's (else its allocator's: held)
 
 
 class ReducedGroup(Protocol):
@@ -266,6 +269,10 @@ class ReducedGroup(Protocol):
     pool: BufferPool
     guard: Guard | None
     offload: object  # the CPUOffloadPolicy, or None
+    comm_options: object  # core/comm_groups.CommOptions
+
+    @property
+    def reduce_scatter_pg(self) -> dist.ProcessGroup: ...
 
     @property
     def compute_dtype(self) -> torch.dtype: ...
@@ -376,8 +383,11 @@ class GradReduction:
             return None
         w = g.world_size
         ref = trainable[0].unsharded_local
-        full, had_grad, numel, plan, comm, inspected = self._pack(trainable, options)
+        full, had_grad, numel, plan, comm, inspected, pooled = self._pack(trainable, options)
         reduce_dtype = full.dtype
+        # a staged ``full`` is held, not pooled (Note [staging buffers from the process group])
+        own, held = ([full], []) if pooled else ([], [full])
+        pg = g.reduce_scatter_pg  # Note [a reduce-scatter group of its own]
         dest, views = self._grad_destination(trainable, numel, g.flat_shard)
         # what every reduction below hands its PendingReduce; the buffers it holds and
         # whether it all-reduces across replicas after the collective differ
@@ -388,29 +398,29 @@ class GradReduction:
         across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
         if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
-                return pending_reduce(pending=Pending(full, None), buffers=[full], **across)
+                return pending_reduce(pending=Pending(full, None), buffers=own, held=held,
+                                      **across)
             self.partial_sum.add_into(full.view(-1))
             return pending_reduce(pending=all_reduce_sum(full, g.replicate_pg, async_op=True),
-                                  buffers=[full])
+                                  buffers=own, held=held)
         if comm is not None:  # Note [custom collectives]
             out = comm.allocate((numel,), dtype=reduce_dtype, device=ref.device)
-            work = comm(output_tensor=out, input_tensor=full, group=g.pg,
-                        op=dist.ReduceOp.SUM)
+            work = comm(output_tensor=out, input_tensor=full, group=pg, op=dist.ReduceOp.SUM)
             # ``full`` is the comm's (never pooled), but it must live until the collective
             # has finished: an async comm reads it after this returns
             return pending_reduce(pending=Pending(out, work), buffers=[], held=[full], **across)
         if g.quantize_grads and not skips_collectives(w):  # Note [quantized communication]
             out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
                 else dest
-            pending = quantized_reduce_scatter_sum(out, full, g.pg, g.quantize_grads,
+            pending = quantized_reduce_scatter_sum(out, full, pg, g.quantize_grads,
                                                    exact_tail=reduce_tail(len(trainable)),
                                                    async_op=True)
-            return pending_reduce(pending=pending, buffers=[full], **across)
+            return pending_reduce(pending=pending, buffers=own, held=held, **across)
         scratch = g.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
-        pending = reduce_scatter_sum(out, full, g.pg, async_op=True, scratch=scratch,
+        pending = reduce_scatter_sum(out, full, pg, async_op=True, scratch=scratch,
                                      inspect=g.guard.inspector(numel) if inspected else None)
-        return pending_reduce(pending=pending, buffers=[full, scratch], **across)
+        return pending_reduce(pending=pending, buffers=own + [scratch], held=held, **across)
 
     def _pack(self, trainable: list[ShardedParam], options: ReduceOptions) -> "_Packed":
         """The unsharded gradients laid out rank-major in one send buffer in the reduce
@@ -438,22 +448,31 @@ class GradReduction:
                            grad_device=g.flat_shard.device)
         if plan.all_reduce and options.all_reduce:
             g._record("all-reduce", w * numel)
-        elif not skips_collectives(w):
-            g._record("reduce-scatter", w * numel)
+        elif not skips_collectives(w):  # Note [a reduce-scatter group of its own]
+            g._record("reduce-scatter" if g.comm_options.reduce_pg is None
+                      else REDUCE_SCATTER_OWN_GROUP, w * numel)
         # Note [ranks agree on every collective]: on gloo the ranks compare the digests
         # (which include this reduction) before summing; elsewhere the digest is zeros
         inspected = (not plan.all_reduce and comm is None and not g.quantize_grads
                      and g.patience is not None and not skips_collectives(w)
                      and g.replicate_pg is None and w == len(g.guard.ranks))
         digest = self._digest(inspected, grads[0], w)
-        full = (g.pool.take(w * numel, reduce_dtype, ref.device) if comm is None else
-                comm.allocate((w * numel,), dtype=reduce_dtype, device=ref.device))
+        # see Note [staging buffers from the process group]
+        staging = g.comm_options.reduce_staging
+        if comm is not None:
+            full, pooled = comm.allocate((w * numel,), dtype=reduce_dtype,
+                                         device=ref.device), False
+        elif staging is not None:
+            full, pooled = staging.take(g.pool, g.reduce_scatter_pg, w * numel, reduce_dtype,
+                                        ref.device)
+        else:
+            full, pooled = g.pool.take(w * numel, reduce_dtype, ref.device), True
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
         torch._chunk_cat(grads + [flags, digest], dim=0, num_chunks=w, out=full.view(w, numel))
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
-        return _Packed(full, had_grad, numel, plan, comm, inspected)
+        return _Packed(full, had_grad, numel, plan, comm, inspected, pooled)
 
     def accumulate_unsharded(self) -> None:
         """Without gradient sync: move this backward's unsharded gradients into a

@@ -120,6 +120,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import BufferPool, HostCopies, Pending, all_gather, skips_collectives, traced
+from .comm_groups import DEFAULT_COMM, CommOptions
 from .ledger import GATHER_AGAIN
 from .mapped import page_out
 from .quantized_collectives import quantized_all_gather
@@ -215,8 +216,17 @@ class ParamGroup:
         # (see Note [quantized communication])
         self.quantize_weights = 0
         self.quantize_grads = 0
+        # torch's communication setters: a reduce-scatter group of its own, reductions in
+        # flight, staging buffers not from the pool (core/comm_groups.py)
+        self.comm_options: CommOptions = DEFAULT_COMM
         self._gather_pooled = True  # the gather in flight writes a pooled buffer
         self.grads = GradReduction(self)  # the gradient side (core/gradients.py)
+
+    @property
+    def reduce_scatter_pg(self) -> dist.ProcessGroup:
+        """Where gradient reduce-scatters run: the shard group, or one of their own
+        (Note [a reduce-scatter group of its own])."""
+        return self.comm_options.reduce_pg or self.pg
 
     def _record(self, op: str, numel: int) -> None:
         """Enter a collective about to be issued in the root's ledger (Note [ranks agree on
@@ -371,10 +381,15 @@ class ParamGroup:
         # on (Note [streams and events]); ``ordered`` makes the caller's stream wait for it.
         plan = self._gather_plan()
         with self.copies.to_device() as ordered, traced("all_gather", self.unit_name):
-            out = (self.pool.take(self.world_size * self.storage.numel, dtype, device)
-                   if comm is None else
-                   comm.allocate((self.world_size * self.storage.numel,), dtype=dtype,
-                                 device=device))
+            numel = self.world_size * self.storage.numel
+            # see Note [staging buffers from the process group]
+            staging = self.comm_options.gather_staging
+            if comm is not None:
+                out, pooled = comm.allocate((numel,), dtype=dtype, device=device), False
+            elif staging is not None:
+                out, pooled = staging.take(self.pool, self.pg, numel, dtype, device)
+            else:
+                out, pooled = self.pool.take(numel, dtype, device), True
             if plan.cast:  # the one copy-in: cast / offload (Note [in-place all-gather])
                 send = self._own_chunk(out)
                 send.copy_(self.flat_shard, non_blocking=True)
@@ -392,7 +407,7 @@ class ParamGroup:
                 pending = Pending(out, comm(output_tensor=out, input_tensor=send,
                                             group=self.pg, async_op=async_op))
             self._gather = ordered(pending)
-        self._gather_pooled = comm is None
+        self._gather_pooled = pooled
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -504,7 +519,7 @@ class ParamGroup:
         return version
 
     def _give_gathered(self, gathered: torch.Tensor) -> None:
-        if self._gather_pooled:  # a custom all-gather's buffer belongs to its allocator
+        if self._gather_pooled:  # a custom or staged buffer belongs to its allocator
             self.pool.give(gathered)
 
     def _own_chunk(self, gathered: torch.Tensor) -> torch.Tensor:

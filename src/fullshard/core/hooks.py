@@ -425,7 +425,7 @@ def _on_backward_done(root: RootState, group: ParamGroup) -> None:
 
 
 def _post_backward(root: RootState, group: ParamGroup) -> None:
-    root.finish_pending_reduce(everything=False)  # keep at most one reduce-scatter in flight
+    root.finish_pending_reduce(everything=False)  # Note [reductions in flight]
     group.finish_host_step()  # its host step may still read the gradients about to be written
     if not (root.stays_gathered_after_backward(group) or root.backward.creates_graph):
         group.reshard()  # free the parameters before the reduce allocates its buffers
@@ -433,7 +433,9 @@ def _post_backward(root: RootState, group: ParamGroup) -> None:
     if first.backward_prefetch is None and first.backward_prefetch_after_grads:
         _prefetch(root, [root.prev_group_in_forward(first)])
     if any(u.requires_gradient_sync for u in root.members[group]):
-        root.backward.pending_reduce = group.grads.reduce(root.reduce_options(group))
+        reduction = group.grads.reduce(root.reduce_options(group))
+        if reduction is not None:
+            root.backward.pending_reduces.append(reduction)
     else:  # accumulate unsharded until a backward with gradient sync reduces it all
         group.grads.accumulate_unsharded()
     root.backward.reduced.add(group)

@@ -22,15 +22,19 @@ from typing import NamedTuple
 # STALE_GATHER is a gather that parameters kept gathered across backward needed because
 # this rank's shard was written in place since: named, because a write on some ranks only
 # makes those ranks gather alone.
+# OWN_GROUP_REDUCE is a reduce-scatter on a group of its own (Note [a reduce-scatter group
+# of its own] in core/comm_groups.py): ranks that disagree on that are named, not hung.
 FORWARD, ALL_GATHER, POST_FORWARD_GATHER, SUBCLASS_GATHER, REDUCE_SCATTER, ALL_REDUCE, \
-    STALE_GATHER = range(7)
+    STALE_GATHER, OWN_GROUP_REDUCE = range(8)
 GATHER_AGAIN = "all-gather again"
+REDUCE_SCATTER_OWN_GROUP = "reduce-scatter on its own process group"
 OPERATIONS = {
     "all-gather": ALL_GATHER,
     GATHER_AGAIN: STALE_GATHER,
     "all-gather (post-forward subgroup)": POST_FORWARD_GATHER,
     "all-gather (tensor-subclass parameters)": SUBCLASS_GATHER,
     "reduce-scatter": REDUCE_SCATTER,
+    REDUCE_SCATTER_OWN_GROUP: OWN_GROUP_REDUCE,
     "all-reduce": ALL_REDUCE,
 }
 _OPERATION_NAMES = {code: name for name, code in OPERATIONS.items()}

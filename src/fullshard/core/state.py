@@ -168,8 +168,10 @@ class BackwardState:
         # recomputation in backward is what autograd goes through (watched there)
         self.recomputed: set[UnitState] = set()
         self.reduced: set[ParamGroup] = set()  # groups reduced in this backward
-        self.pending_reduce: PendingReduce | None = None  # at most one reduction in flight
-        # and one all-reduce across replicas (Note [the replica all-reduce in flight])
+        # the reductions in flight, oldest first: at most the root's reduces_in_flight
+        # (Note [reductions in flight]), and one all-reduce across replicas (Note [the
+        # replica all-reduce in flight])
+        self.pending_reduces: list[PendingReduce] = []
         self.replica_reduce: PendingReduce | None = None
         self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
         self.handle = None  # finalize_backward(async_op=True)'s, until waited
@@ -226,6 +228,8 @@ class RootState:
         self.pool = BufferPool()
         for group in self.members:
             group.pool = self.pool
+        self.reduces_in_flight = 1
+        self.update_reduces_in_flight()
         self.use_copies(unit.shared_copies)
         _LIVE_ROOTS[next(_ROOTS_MADE)] = self
         self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
@@ -277,10 +281,10 @@ class RootState:
         (also those accumulated without sync) and its bookkeeping. The forward order
         recorded by the last complete iteration is kept for prefetching."""
         backward = self.backward
-        for pending in (backward.replica_reduce, backward.pending_reduce):
+        for pending in (backward.replica_reduce, *backward.pending_reduces):
             if pending is not None:
                 pending.discard()
-        backward.pending_reduce = backward.replica_reduce = None
+        backward.pending_reduces, backward.replica_reduce = [], None
         if backward.handle is not None:  # finalize_backward(async_op=True)'s
             backward.handle.invalidate()
             backward.handle = None
@@ -314,23 +318,53 @@ class RootState:
     def unshards_in_backward(self, group: ParamGroup) -> bool:
         return any(u.unshard_in_backward for u in self.members[group])
 
-    # -- reduce-scatter in flight -----------------------------------------------------------
+    # -- reduce-scatters in flight ----------------------------------------------------------
+    # Note [reductions in flight]
+    # A reduction holds its send buffer until it is finished, and finishing waits for its
+    # collective: on CUDA the compute stream then waits for the reduce-scatter before the
+    # next unit's gradients are laid out. By default one reduction is in flight: the next
+    # unit's reduction first finishes the one before. With
+    # ``set_reduce_scatter_max_input_buffers(n)`` (torch's name for the same dial) up to
+    # ``n`` stay in flight and the oldest is finished when the (n+1)-th starts: a
+    # reduce-scatter slower than the backward it hides behind no longer stalls compute, at
+    # the memory of n send buffers. They are finished in the order they were issued, the
+    # same on every rank, and all of them at the end of backward (or when left in flight
+    # by ``set_is_last_backward(False)``, before the next forward, backward or step), so
+    # the gradients are the same whatever ``n``. The root keeps the largest ``n`` of its
+    # groups', as torch's FSDP2 keeps one per communication context.
+    def update_reduces_in_flight(self) -> None:
+        """Read the groups' ``set_reduce_scatter_max_input_buffers`` settings again."""
+        self.reduces_in_flight = max((g.comm_options.reduces_in_flight for g in self.members),
+                                     default=1)
+
     def finish_pending_reduce(self, everything: bool = True) -> None:
-        """Finish the reduction in flight; with ``everything`` False a hybrid-sharded one
-        is only moved on to its all-reduce across replicas, which the next call finishes
-        (Note [the replica all-reduce in flight])."""
+        """Finish the reductions in flight; with ``everything`` False only those beyond the
+        ones the next reduction may leave in flight (Note [reductions in flight]), and a
+        hybrid-sharded one only moves on to its all-reduce across replicas, which the next
+        call finishes (Note [the replica all-reduce in flight])."""
         backward = self.backward
-        replica, backward.replica_reduce = backward.replica_reduce, None
-        pending, backward.pending_reduce = backward.pending_reduce, None
-        if pending is not None and not everything and pending.start_replica_reduce(
-                self.patience):
-            backward.replica_reduce, pending = pending, None
-        for reduction in (replica, pending):
-            if reduction is None:
-                continue
-            unknown = reduction.finish(self.patience)
-            if unknown is not None:
-                backward.unknown_presence.append(unknown)
+        earlier, backward.replica_reduce = backward.replica_reduce, None
+        pending = backward.pending_reduces
+        keep = 0 if everything else self.reduces_in_flight - 1
+        while len(pending) > keep:
+            oldest = pending.pop(0)
+            if not everything and oldest.start_replica_reduce(self.patience):
+                # the earlier all-reduce is finished once the next one has started
+                self._finish(earlier)
+                self._finish(backward.replica_reduce)
+                earlier, backward.replica_reduce = None, oldest
+            else:
+                self._finish(earlier)
+                earlier = None
+                self._finish(oldest)
+        self._finish(earlier)
+
+    def _finish(self, reduction: PendingReduce | None) -> None:
+        if reduction is None:
+            return
+        unknown = reduction.finish(self.patience)
+        if unknown is not None:
+            self.backward.unknown_presence.append(unknown)
 
     def use_copies(self, shared: SharedCopies) -> None:
         """Move every group's host<->device copies to ``shared``'s streams (after the
