@@ -22,7 +22,10 @@ rounds (the sampling would slow the timed ones; a process that imported before r
 the memory it freed): a thread samples the process's anonymous resident
 memory (``RssAnon``: the mapped files' pages are the page cache's, not the process's)
 every millisecond; the figure is the peak during the import over the level before it,
-beside what the rank must hold (its shards) and the largest tensor of the model.
+beside what the rank must hold (its shards) and the largest tensor of the model. Beside
+it, the rise of the whole resident set (``VmHWM`` after the import over ``VmRSS``
+before it, the high-water mark reset first): pages of files mapped into the process
+count there, as they do against a job's memory limit.
 ``--cold`` drops the folder from the page cache before every import. One untimed import
 first pays for what a process does once (imports; transformers builds its table of every
 architecture's conversions, about 0.4 s here, at the first load as ``from_pretrained``
@@ -43,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from fullshard.checkpoint import load_hf, parameters_on_meta
-from fullshard.memory.process import AnonymousPeak
+from fullshard.memory.process import (AnonymousPeak, current_rss_bytes, peak_rss_bytes,
+                                      reset_peak_rss)
 from fullshard.testing import run_distributed
 from fullshard.wrap import auto_wrap
 
@@ -91,14 +95,17 @@ def _streamed(folder: str, dtype: torch.dtype, measure: bool = False) -> dict:
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     auto_wrap(model)
+    marked = measure and reset_peak_rss()
+    resident = current_rss_bytes()
     started = time.perf_counter()
     with AnonymousPeak() if measure else _Unmeasured() as memory:
         load_hf(model, folder)
     loaded = time.perf_counter()
+    rss_rise = peak_rss_bytes() - resident if marked else float("nan")
     shards = sum(p.to_local().numel() * dtype.itemsize for p in model.parameters())
     largest = max(p.numel() * dtype.itemsize for p in model.parameters())
     return {"load_hf_s": loaded - started, "build_s": started - built, "anon_rise": memory.rise,
-            "shards": shards, "largest": largest}
+            "rss_rise": rss_rise, "shards": shards, "largest": largest}
 
 
 def _broadcast(folder: str, measure: bool = False) -> dict:
@@ -194,12 +201,14 @@ def main() -> None:
     print(f"| load_hf alone (slowest rank; building and sharding left out) | {alone:.2f} | "
           f"{alone / read:.2f} |")
     print(f"\n| rank | its {args.dtype} shards MB | largest tensor MB | RssAnon rise, load_hf MB | "
-          "/ (shards + largest) | RssAnon rise, rank 0 + broadcast MB |\n"
-          "|---|---:|---:|---:|---:|---:|")
+          "/ (shards + largest) | RSS rise, load_hf MB | / shards | "
+          "RssAnon rise, rank 0 + broadcast MB |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for rank, r in enumerate(ranks):
         rise = memory["load_hf"][rank]["anon_rise"]
+        rss = memory["load_hf"][rank]["rss_rise"]
         print(f"| {rank} | {r['shards'] / 1e6:.0f} | {r['largest'] / 1e6:.0f} | "
               f"{rise / 1e6:.0f} | {rise / (r['shards'] + r['largest']):.2f} | "
+              f"{rss / 1e6:.0f} | {rss / r['shards']:.2f} | "
               f"{memory['broadcast'][rank]['anon_rise'] / 1e6:.0f} |")
 
 

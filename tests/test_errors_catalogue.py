@@ -256,7 +256,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model = fully_shard(pair)
         read = SafetensorsFiles.read
 
-        def unreadable(self, key, index=None):
+        def unreadable(self, key, index=None, into=None):
             raise OSError(5, "Input/output error")
         if dist.get_rank() == 1:
             SafetensorsFiles.read = unreadable
@@ -497,6 +497,16 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
     with torch.device("meta"):
         on_meta = _WithBuffer()
     without_b = {k: v for k, v in pair.items() if not k.startswith("b.bias")}
+
+    def cut_short_after_opening():
+        from fullshard.checkpoint.safetensors_files import SafetensorsFiles
+        files = SafetensorsFiles(folder("cut", **pair))
+        try:
+            stored = files.tensors["a.weight"]
+            os.truncate(stored.file, stored.begin)
+            files.read("a.weight")
+        finally:
+            files.close()
     return {
         "E195": message_of(lambda: load_hf(_Pair(), bin_only)),
         "E196": message_of(lambda: load_hf(_Pair(), folder("missing", **without_b))),
@@ -513,6 +523,7 @@ def _load_hf_cases(tmp: str) -> dict[str, str]:
         "E204": message_of(lambda: load_hf(_Pair(), os.path.join(tmp, "hf", "gone"))),
         "E205": message_of(lambda: load_hf(_Pair(), text)),
         "E243": message_of(lambda: load_hf(_Pair(), directory)),
+        "E265": message_of(cut_short_after_opening),
     }
 
 

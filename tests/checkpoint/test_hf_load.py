@@ -62,12 +62,14 @@ def _differences(model, reference) -> list[str]:
 
 
 def _bytes_read(monkeypatch_target: list) -> None:
-    """Record (key, bytes) of every read load_hf makes in this process."""
+    """Record (key, bytes the reader read from the files) of every read load_hf makes in
+    this process."""
     original = SafetensorsFiles.read
 
-    def read(self, key, index=None):
-        tensor = original(self, key, index)
-        monkeypatch_target.append((key, tensor.numel() * tensor.element_size()))
+    def read(self, key, index=None, into=None):
+        before = self.bytes_read
+        tensor = original(self, key, index, into)
+        monkeypatch_target.append((key, self.bytes_read - before))
         return tensor
 
     SafetensorsFiles.read = read
@@ -144,14 +146,17 @@ def _memory(root: str) -> dict:
     """The rise of anonymous resident memory while load_hf fills an fp32 Llama's shards
     from bf16 files, in a process that has allocated little before (the tiny Llama's
     load first: imports, transformers' tables)."""
-    from fullshard.memory.process import AnonymousPeak
+    from fullshard.memory.process import (AnonymousPeak, current_rss_bytes, peak_rss_bytes,
+                                          reset_peak_rss)
     transformers.utils.logging.set_verbosity_error()
     tiny = os.path.join(root, "llama")
     load_hf(_sharded(tiny), tiny)
     model = _sharded(os.path.join(root, "larger"))
+    marked = reset_peak_rss()
+    resident = current_rss_bytes()
     with AnonymousPeak() as memory:
         load_hf(model, os.path.join(root, "larger"))
-    return {"rise": memory.rise,
+    return {"rise": memory.rise, "rss_rise": peak_rss_bytes() - resident if marked else None,
             "shards": sum(p.to_local().nbytes for p in model.parameters()),
             "largest": max(p.numel() * p.element_size() for p in model.parameters())}
 
@@ -159,7 +164,8 @@ def _memory(root: str) -> dict:
 @pytest.mark.slow
 def test_a_rank_holds_its_shards_and_no_more_than_one_tensor_besides(tmp_path):
     """Host memory per rank <= its shards + one tensor: the whole model is 80 MB in fp32,
-    a rank's shards 40 MB, the largest tensor (an embedding) 17 MB."""
+    a rank's shards 40 MB, the largest tensor (an embedding) 17 MB; and its resident
+    memory, the files' pages included, rises by its shards and a few MB."""
     root = str(tmp_path)
     _save_models(root)
     config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": 8192, "hidden_size": 512,
@@ -172,6 +178,9 @@ def test_a_rank_holds_its_shards_and_no_more_than_one_tensor_besides(tmp_path):
         assert out["shards"] > 30e6 and out["largest"] > 15e6, out
         assert out["rise"] <= out["shards"] + out["largest"], (rank, out)
         assert out["rise"] >= 0.9 * out["shards"], (rank, out)  # the measure sees the shards
+        if out["rss_rise"] is not None:  # all resident memory, the files' pages included:
+            # they are read, not mapped (a mapping kept them resident: 1.7x the shards)
+            assert out["rss_rise"] <= 1.2 * out["shards"], (rank, out)
 
 
 def _layouts(root: str) -> dict:
@@ -197,7 +206,7 @@ def _layouts(root: str) -> dict:
     broken = _sharded(folder)
     original = SafetensorsFiles.read
     if dist.get_rank() == 1:
-        def unreadable(self, key, index=None):
+        def unreadable(self, key, index=None, into=None):
             raise OSError(5, "Input/output error")
         SafetensorsFiles.read = unreadable
     try:

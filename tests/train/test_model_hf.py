@@ -70,9 +70,9 @@ def _fine_tune(model_dir: str, data: str, out: str) -> dict:
     reads = []
     read = SafetensorsFiles.read
 
-    def recorded(self, key, index=None):
+    def recorded(self, key, index=None, into=None):
         reads.append(key)
-        return read(self, key, index)
+        return read(self, key, index, into)
     SafetensorsFiles.read = recorded  # this rank's process only
     try:
         trainer = Trainer(cfg, out, Worker(rank, world, rank, world, torch.device("cpu")))

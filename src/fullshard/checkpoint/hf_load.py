@@ -5,14 +5,14 @@ Note [streaming safetensors into shards]
 The trainer used to build the whole model on rank 0 (``from_pretrained``) and broadcast
 it: rank 0 held the model in host memory and sent every byte. ``load_hf`` takes the
 model already sharded, usually built with its parameters on the meta device
-(``parameters_on_meta``), and every rank reads for itself: the folder's files are
-memory-mapped (``safetensors_files.py``) and for each entry of the state dict the rank
-takes the block its local shard covers (a DTensor's ``__create_chunk_list__``: rows
-``[r*C, r*C + valid)`` for fullshard's ``Shard(0)``, Note [padded dim-0 shards]; a
-column block for ``Shard(d)``; the whole for a replicated tensor) as a view of the
-mapping and copies it into its local tensor in place, casting on the way (Note [one
-storage is the shard]: nothing is replaced). So an entry read as stored costs no host
-memory beyond the shard it fills: one copy, from the page cache. An entry transformers
+(``parameters_on_meta``), and every rank reads for itself: for each entry of the state
+dict the rank takes the block its local shard covers (a DTensor's
+``__create_chunk_list__``: rows ``[r*C, r*C + valid)`` for fullshard's ``Shard(0)``,
+Note [padded dim-0 shards]; a column block for ``Shard(d)``; the whole for a replicated
+tensor) and reads the file's bytes of its rows into its local tensor in place, casting
+on the way (Note [reading rows into the shard]; Note [one storage is the shard]: nothing
+is replaced). So an entry read as stored costs no host memory beyond the shard it fills
+and a few MB of scratch: one copy, from the page cache. An entry transformers
 converts from several tensors (Note [the model's own conversion]) is built whole, one at
 a time, and the converter's tensors are what it holds beyond the shards (Mixtral's
 experts stacked, then concatenated: up to twice the fused tensor). Everything is checked before anything is written: keys missing or in excess,
@@ -65,11 +65,10 @@ class _Entry:
         """This rank holds none of it (fewer rows than ranks)."""
         return self.index is not None and any(s.start == s.stop for s in self.index)
 
-    def write(self, block: torch.Tensor) -> None:
-        """Copy this rank's block into its local tensor, in place (casting the dtype)."""
-        local = self.tensor.to_local() if isinstance(self.tensor, DTensor) else self.tensor
-        with torch.no_grad():
-            local.copy_(block)
+    @property
+    def local(self) -> torch.Tensor:
+        """The tensor this rank fills: its block of the whole."""
+        return self.tensor.to_local() if isinstance(self.tensor, DTensor) else self.tensor
 
 
 def load_hf(model: nn.Module, path: str | os.PathLike) -> None:
@@ -122,13 +121,15 @@ def _load(model: nn.Module, path: str) -> None:
         for target, key in direct.items():
             entry = entries[target]
             if not entry.empty:  # only this rank's block is read
-                entry.write(files.read(key, entry.index))
+                files.read(key, entry.index, into=entry.local)
         for group in plan.converted:  # one converted entry whole at a time
             for target, whole in group.run(model, files.read).items():
                 _check_converted(files, group, canonical.get(target, target), whole, entries)
                 entry = entries[canonical[target]]
                 if not entry.empty:
-                    entry.write(whole[entry.index] if entry.index is not None else whole)
+                    with torch.no_grad():
+                        entry.local.copy_(whole[entry.index] if entry.index is not None
+                                          else whole)
     finally:
         files.close()
 
