@@ -55,7 +55,9 @@ class Checker:
     """Checks every collective against the NCCL rules, then issues it."""
 
     def __init__(self, originals: dict[str, Callable]):
-        self._all_gather = originals["all_gather_single"]
+        # the unchecked flat all-gather the ranks compare with: torch 2.13 names it
+        # all_gather_single, torch 2.11 only _allgather_base
+        self._all_gather = originals.get("all_gather_single", originals.get("_allgather_base"))
         self._groups: dict[str, GroupState] = {}
         self._devices: dict[str, str] = {}
 
