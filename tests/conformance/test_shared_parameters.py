@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from fullshard import fully_shard
 from fullshard.testing.threaded_world import run_threaded
+from support.threaded_ranks import NEEDS_THREAD_SAFE_DTENSOR
 
 TORCHS_PATTERN = "already managed by another"  # what torch's own test matches
 
@@ -44,6 +45,7 @@ def _shard_tied_apart() -> tuple[str, str]:
 
 
 @pytest.mark.slow
+@NEEDS_THREAD_SAFE_DTENSOR
 def test_a_parameter_shared_by_two_units_is_refused_in_torchs_words():
     stage, message = run_threaded(_shard_tied_apart, 2)[0]
     assert re.search(TORCHS_PATTERN, message), message

@@ -19,6 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import FSDPModule, fully_shard
 from fullshard.testing.threaded_world import run_threaded
+from support.threaded_ranks import NEEDS_THREAD_SAFE_DTENSOR
+
+pytestmark = NEEDS_THREAD_SAFE_DTENSOR
 
 WORLD = 4  # an integer reshard_after_forward of 2 makes subgroups of 2 ranks of 4
 SETTINGS = (True, False, 2, None)
