@@ -14,6 +14,8 @@ state-dict type.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +93,26 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *, 
     """Load ``model_state_dict`` (full or sharded) into the sharded ``model``; returns the
     missing and unexpected keys like ``nn.Module.load_state_dict``."""
     _check_in("set_model_state_dict", model, options)
-    with native_state_dict():
+    with native_state_dict(), _quiet_about_the_default_device():
         return _dsd.set_model_state_dict(model, model_state_dict, options=_opts(options))
+
+
+# What torch's DCP says when every value a rank holds is on the meta device (a model
+# built there to receive rank 0's weights, broadcast_from_rank0): it asks the process
+# group for a default device through a function it deprecates itself, which then warns
+# that the group has several backends (gloo registers for CPU and CUDA). torch offers no
+# argument to name the device; the broadcast works either way. Only these two messages,
+# only around this call.
+_DEFAULT_DEVICE_WARNINGS = (r"`_get_pg_default_device` will be deprecated",
+                            r"Multiple backends are registered with this ProcessGroup")
+
+
+@contextlib.contextmanager
+def _quiet_about_the_default_device():
+    with warnings.catch_warnings():
+        for message in _DEFAULT_DEVICE_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None, options=None
