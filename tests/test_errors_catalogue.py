@@ -344,6 +344,22 @@ def _library_cases(tmp: str) -> dict[str, str]:
         model.set_quantized_communication(weights=True)
     out["E142"] = message_of(custom_and_quantized)
     out.update(_comm_setter_cases(Gather))
+
+    def torch_root_then_fullshard_child():
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        torch_fully_shard(model)
+        fully_shard(model[0])
+    out["E270"] = message_of(torch_root_then_fullshard_child)
+
+    def tp_mesh_made_apart():
+        from torch.distributed.tensor import Shard, distribute_tensor
+        dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        layer = nn.Linear(4, 4)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), tp, [Shard(0)]))
+        fully_shard(layer, mesh=dp)
+    out["E271"] = message_of(tp_mesh_made_apart)
     return out
 
 

@@ -142,3 +142,28 @@ def test_a_second_threaded_world_in_one_process():
     for _ in range(2):
         seen = run_threaded(_after_backward, WORLD)
         assert seen[0][(True, 2)] == ["dtensor"] * 4
+
+
+def _default_buckets_after_forward() -> dict:
+    """{setting: kinds of the inner unit's registered parameters after forward}, the
+    inner unit left to fullshard's default bucketing (small units merge into the root's
+    all-gather group)."""
+    seen = {}
+    for setting in (None, True):
+        model = _TwoLayers()
+        fully_shard(model.first, reshard_after_forward=setting)
+        fully_shard(model, reshard_after_forward=setting)
+        model(torch.randn(2, 6))
+        seen[setting] = _kinds(model.first.parameters())
+    return seen
+
+
+@pytest.mark.slow
+def test_a_small_unit_merged_into_the_root_follows_the_roots_rule():
+    """The deliberate difference from torch's test_param_registration_after_forward
+    (docs/conformance.md): with the default reshard_after_forward=None, a small inner
+    unit merged into the root's group stays whole after forward, as the root does, where
+    torch frees it; with True both free their parameters, as in torch."""
+    seen = run_threaded(_default_buckets_after_forward, 2)
+    for rank in range(2):
+        assert seen[rank] == {None: ["tensor"] * 2, True: ["dtensor"] * 2}, (rank, seen[rank])

@@ -156,3 +156,20 @@ def local_grad(grad: torch.Tensor, tp_spec: DTensorSpec,
     local = grad._local_tensor
     wait = getattr(local, "wait", None)  # AsyncCollectiveTensor from a redistribute
     return wait() if callable(wait) else local
+
+
+def refuse_unrelated_tp_mesh(label: str, fqn: str, p: DTensor, dp_mesh: DeviceMesh,
+                             spmd: SpmdDims | None) -> None:
+    """Raise if ``p`` lives on a mesh made apart from ``dp_mesh`` that nonetheless shares
+    its process groups (two ``init_device_mesh`` calls over the same ranks reuse the
+    default group): it is neither a dimension of one parent mesh with ``dp_mesh`` nor
+    ``dp_mesh`` itself, so no joint layout of the two exists."""
+    tp_mesh = p.device_mesh
+    if spmd is not None or tp_mesh == dp_mesh or is_foreign_dtensor(p, dp_mesh):
+        return
+    raise ValueError(
+        f"fully_shard({label}): parameter '{fqn}' is a DTensor on mesh {tp_mesh}, which was "
+        f"made apart from the data-parallel mesh {dp_mesh} given to fully_shard, not as "
+        "another dimension of one parent mesh. Make both from one init_device_mesh(device, "
+        "(dp, tp), mesh_dim_names=('dp', 'tp')): parallelize_module(..., world_mesh['tp'], "
+        "plan), then fully_shard(..., mesh=world_mesh['dp']).")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed._composable.contract import _get_registry  # torch's composable APIs
+# every module a composable API (torch's fully_shard among them) was applied to, weakly held
+from torch.distributed._composable_state import _module_state_mapping
 
 ORDER_HINT = ("A `from torch.distributed.fsdp import fully_shard` (or of FSDPModule) that "
               "ran before fullshard.install() keeps torch's: call install() before that "
@@ -40,3 +42,20 @@ def refuse_torch_fsdp2(label: str, module: nn.Module) -> None:
         f"fully_shard({label}): {where} was sharded by torch's fully_shard "
         "(torch.distributed.fsdp), not fullshard's; the two cannot shard parts of one "
         f"model. {ORDER_HINT}")
+
+
+def refuse_param_of_torch_fsdp2(label: str, fqn: str, p: nn.Parameter) -> None:
+    """Raise if ``p`` is a parameter torch's FSDP2 already sharded through a module
+    enclosing this one (torch's ``fully_shard`` on the root, then fullshard's on a child):
+    ``refuse_torch_fsdp2`` looks only downwards, and the DTensor would otherwise be taken
+    for a tensor-parallel parameter."""
+    for owner in list(_module_state_mapping.keys()):
+        registry = _get_registry(owner)
+        if registry is None or "fully_shard" not in registry:
+            continue
+        if any(q is p for q in owner.parameters()):
+            raise ValueError(
+                f"fully_shard({label}): parameter '{fqn}' was already sharded by torch's "
+                f"fully_shard (torch.distributed.fsdp) applied to {type(owner).__name__}, "
+                "which encloses this module; the two cannot shard parts of one model. "
+                f"{ORDER_HINT}")
