@@ -175,9 +175,14 @@ class PendingReduce:
     def _hand_out(self, out: torch.Tensor) -> "UnknownPresence | None":
         """Make (or add ``out`` into) the sharded ``.grad``s."""
         shards = self._shards(out)
-        unknown = None if all(self.had_grad) else UnknownPresence(
-            [(p, i) for i, (p, had) in enumerate(zip(self.params, self.had_grad))
-             if not had and p.sharded_param.grad is None], shards[-2])
+        missing = []
+        for i, (p, had) in enumerate(zip(self.params, self.had_grad)):
+            if had:  # a gradient here: present, whatever an earlier reduction's flag says
+                p.presence_unknown = False
+            elif p.sharded_param.grad is None or p.presence_unknown:
+                missing.append((p, i))
+                p.presence_unknown = True
+        unknown = UnknownPresence(missing, shards[-2]) if missing else None
         if self._views is not None:  # every .grad was None: hand out the views
             for p, view in zip(self.params, self._views):
                 p.sharded_param.grad = view
@@ -219,13 +224,18 @@ class UnknownPresence:
 def resolve_all(unknown: list[UnknownPresence]) -> None:
     """Resolve every reduction's unknown presence with one read of the flags it needs:
     on a device, one host sync for the whole backward rather than one per unit."""
-    wanted = [(presence, p, index) for presence in unknown for p, index in presence.missing]
+    wanted = [(presence, p, index) for presence in unknown for p, index in presence.missing
+              if p.presence_unknown]
     if not wanted:
         return
     flags = torch.stack([presence.flags[index] for presence, _, index in wanted]).tolist()
-    for (_, p, _), flag in zip(wanted, flags):
-        if flag <= 0:
+    # several reductions may have added into one parameter (backwards left unsettled by
+    # set_is_last_backward(False)): it keeps its gradient if any rank had one in any
+    used = {id(p) for (_, p, _), flag in zip(wanted, flags) if flag > 0}
+    for _, p, _ in wanted:
+        if id(p) not in used:
             p.sharded_param.grad = None
+        p.presence_unknown = False
 
 
 class PartialSum:
@@ -375,7 +385,10 @@ class GradReduction:
         them only when the backward's gradients are settled, after the divergence check
         (no device sync inside backward). With ``set_reduce_scatter_unused_params(True)``
         every trainable parameter of a reduced unit gets a gradient, zeros where no rank
-        used it, as torch's FSDP2 does with that setting.
+        used it, as torch's FSDP2 does with that setting. Several reductions may add into
+        one parameter before the flags are read (backwards left unsettled by
+        ``set_is_last_backward(False)``): it keeps its gradient if any rank had one in
+        any of them (``ShardedParam.presence_unknown`` marks those still in question).
         """
         g = self.group
         trainable = g.trainable()

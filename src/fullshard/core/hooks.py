@@ -50,7 +50,10 @@ reduces the units of that graph in its final callback. Until a forward with grad
 another graph, the units the last backward covered are still expected (they stay in
 ``BackwardState.ran_with_grad``); the gradients of the second backward add to the
 reduced ones, as in one process. Without that they stayed on the unsharded parameters and were
-reduced with the next step's.
+reduced with the next step's. A kept graph whose watches did not all fire (two losses
+of one forward, backpropagated one at a time) also keeps its unwatched calls counting
+after the first backward: the second waits for their gradients in its final callback
+instead of reducing when the remaining watches fire.
 
 Note [a backward that creates a graph]
 ``torch.autograd.grad(out, x, create_graph=True)`` (a gradient penalty) or

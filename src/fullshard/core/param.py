@@ -202,6 +202,9 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         self.offload = None  # its unit's CPUOffloadPolicy / DiskOffloadPolicy, set by the group
         self.accumulated_grad: torch.Tensor | None = None  # no-sync sum in reduce_dtype
+        # its .grad came only from reductions whose presence flags are not read yet (Note
+        # [gradient presence flags]): zeros that may go back to None
+        self.presence_unknown = False
         # Note [tensor-subclass parameters]: gathered through the subclass's own hooks, or
         # in its own dtype beside a unit computing in another (param_dtype_override_fn)
         self.extension: SubclassShard | None = (

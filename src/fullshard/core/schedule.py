@@ -223,9 +223,13 @@ class BackwardSignals:
 
     def end_backward(self) -> None:
         """Forget this backward's signals (the final callback; watches of forwards it did
-        not reach stay live until their graphs are freed)."""
+        not reach stay live until their graphs are freed). While some stay live, a kept
+        graph (``retain_graph=True``) may be backpropagated again through the unwatched
+        calls it also holds: they keep counting, so that backward reduces the unit in its
+        final callback, after their gradients, not when the live watches fire."""
         self.fired = 0
-        self.unwatched_calls = 0
+        if self.live <= 0:
+            self.unwatched_calls = 0
 
     def forget(self) -> None:
         """Drop every watch, live ones too (``reset_iter_state``): they no longer count."""

@@ -292,6 +292,9 @@ class RootState:
         for group in self.members:
             group.reshard()
             group.forget_backward()
+        for presence in backward.unknown_presence:
+            for p, _ in presence.missing:
+                p.presence_unknown = False
         backward.unknown_presence = []
         for u in self.units:
             u.explicit_unshard = False
