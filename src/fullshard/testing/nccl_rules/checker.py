@@ -172,13 +172,14 @@ def _coalescing_method(original: Callable, starts: bool) -> Callable:
 
 
 def _checked_object_to_tensor(original: Callable) -> Callable:
-    def object_to_tensor(obj, device, group):
+    # (obj, device, group) to torch 2.13; torch 2.15 passes one more argument
+    def object_to_tensor(obj, device, group, *more, **named):
         if _active is None:
-            return original(obj, device, group)
+            return original(obj, device, group, *more, **named)
         op = sys._getframe(1).f_code.co_name  # all_gather_object, broadcast_object_list, ...
         pg = group if group is not None else c10d._get_default_group()
         with pickling_for(op, _active.state(pg).where, dist.get_rank()):
-            return original(obj, device, group)
+            return original(obj, device, group, *more, **named)
     return object_to_tensor
 
 
