@@ -40,3 +40,24 @@ def test_an_expert_parallel_degree_the_run_cannot_take_is_a_usage_error(capsys, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("fullshard estimate: --ep: ") and says in err, err
     assert len(err.splitlines()) == 1 and "ValueError" not in err
+
+
+def _peak_bytes_of(capsys, offload: str) -> float:
+    assert estimate_main(["--preset", "shakespeare", "--world-size", "2", "--batch", "2",
+                          "--offload", offload]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if "peak per rank" in l)
+    return float(line.split()[-2].replace(",", ""))
+
+
+def test_estimate_takes_a_fraction_to_offload_as_the_trainer_does(capsys):
+    device = {o: _peak_bytes_of(capsys, o) for o in ("none", "cpu:0.5", "cpu")}
+    assert device["none"] > device["cpu:0.5"] > device["cpu"], device
+
+
+@pytest.mark.parametrize("value", ["cpu:0", "cpu:1.5", "cpu:abc", "ssd"])
+def test_a_fraction_estimate_cannot_take_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        estimate_main(["--preset", "debug", "--offload", value])
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err
+    assert said.startswith("fullshard estimate: --offload: ") and len(said.splitlines()) == 1

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..memory.estimate import (OPTIMIZER_STATES, STRATEGIES, estimate, estimate_traced,
-                               trace_workload)
+                               offload_mode, trace_workload)
 from ..memory.plan import plan
 from ..memory.weights import QUANTIZE
 from ..memory.zero_table import format_zero_table
@@ -109,6 +109,19 @@ def _check_trainable(args: argparse.Namespace, states_on_disk: bool) -> None:
                     and gpt.grouped_experts)
 
 
+def _offload(text: str) -> str:
+    """``--offload``'s value, as the trainer's ``--parallel.offload`` reads a fraction."""
+    if text in ("none", "cpu", "disk", "disk+params"):
+        return text
+    if text.startswith("cpu:"):
+        try:
+            return offload_mode(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    raise argparse.ArgumentTypeError(f"{text!r}: expected none, cpu, cpu:FRACTION (e.g. "
+                                     "cpu:0.5), disk or disk+params")
+
+
 def estimate_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="fullshard estimate",
                            description="Per-rank peak memory of fullshard training.")
@@ -118,10 +131,12 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="hpZ: keep parameters sharded N ways between forward and backward")
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                         help="activation checkpointing of every block")
-    parser.add_argument("--offload", nargs="?", const="cpu", default="none",
-                        choices=["none", "cpu", "disk", "disk+params"], help="cpu (the "
+    parser.add_argument("--offload", nargs="?", const="cpu", default="none", type=_offload,
+                        metavar="none|cpu|cpu:FRACTION|disk|disk+params", help="cpu (the "
                         "default with no value): shards, gradients and optimizer states in "
-                        "host memory (CPUOffloadPolicy); disk: the optimizer states in files "
+                        "host memory (CPUOffloadPolicy); cpu:FRACTION: the last ceil(FRACTION "
+                        "x blocks) blocks only (fullshard train --parallel.offload "
+                        "cpu:FRACTION); disk: the optimizer states in files "
                         "(DiskOffloadPolicy); disk+params: the parameter shards too")
     parser.add_argument("--ep", type=EP, default=1, help="expert parallelism (fullshard "
                         "train --parallel.ep): each block's experts split over N ranks, a unit "
