@@ -127,7 +127,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
                for j, p in enumerate(group["params"])]
               for i, group in enumerate(opt.param_groups)]
     # a step of these parameters overlapped with the forward (overlapped_step.py) ends first
-    finish_host_steps({o for group in owners for o in group if o is not None})
+    finish_host_steps(o for group in owners for o in group if o is not None)
     if whole_matrix.needs_whole_matrices(opt) and any(o is not None for g in owners for o in g):
         replaced = _run_closure_first(args, kwargs)
         finish_all_pending_reduces()
@@ -164,10 +164,8 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
             grad = p.grad
             local.grad = grad._local_tensor if grad is not None else None
             state = opt.state.pop(p, None)
-            local_state = None
-            if state:
-                local_state = {k: v._local_tensor if isinstance(v, DTensor) else v
-                               for k, v in state.items()}
+            local_state = local_states(state)
+            if local_state:
                 opt.state[local] = local_state
             swaps.append((p, local, state, local_state and tuple(local_state.values())))
             local_params.append(local)
@@ -337,14 +335,31 @@ def _restore(opt: torch.optim.Optimizer) -> None:
             continue
         p, local = first, second
         local.grad = None
-        new_state = opt.state.pop(local, None)
-        if new_state and local_values is not None and len(new_state) == len(local_values) \
-                and all(a is b for a, b in zip(new_state.values(), local_values)):
-            opt.state[p] = state  # updated in place (every step after the first): as it was
-        elif new_state:
-            opt.state[p] = _as_dtensor_state(p, new_state, state or {})
-        elif state:
-            opt.state[p] = state
+        after = state_after_step(p, opt.state.pop(local, None), state, local_values)
+        if after:
+            opt.state[p] = after
+
+
+def local_states(state: dict | None) -> dict | None:
+    """A parameter's optimizer states with each DTensor replaced by its local tensor (the
+    memory the local-shard step updates); None for no states."""
+    if not state:
+        return None
+    return {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def state_after_step(p: DTensor, new: dict | None, old: dict | None,
+                     old_local_values: tuple | None) -> dict | None:
+    """What ``opt.state[p]`` holds after a local-shard step that left ``new`` for ``p``'s
+    local tensor, given the states ``old`` it had and their local tensors: ``old`` where
+    the step updated them in place (every step after the first), the states the step
+    made wrapped as DTensors otherwise."""
+    if new and old_local_values is not None and len(new) == len(old_local_values) \
+            and all(a is b for a, b in zip(new.values(), old_local_values)):
+        return old
+    if new:
+        return _as_dtensor_state(p, new, old or {})
+    return old
 
 
 def _as_dtensor_state(p: DTensor, new: dict, old: dict) -> dict:

@@ -36,12 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.nn as nn
 from torch.autograd.graph import increment_version
-from torch.distributed.tensor import DTensor
 
 from .core.group import ParamGroup
 from .core.param import owner_of
 from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots
-from .optim import ELEMENTWISE_OPTIMIZERS, _as_dtensor_state, _local_view, _step_unhooked
+from .optim import (ELEMENTWISE_OPTIMIZERS, _local_view, _step_unhooked, local_states,
+                    state_after_step)
 from . import optim
 from .policies import DiskOffloadPolicy
 
@@ -182,10 +182,8 @@ def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags
         for index, _p, local, grad, state in items:
             local.grad = grad
             by_group.setdefault(index, []).append(local)
-            local_state = None
-            if state:
-                local_state = {k: v._local_tensor if isinstance(v, DTensor) else v
-                               for k, v in state.items()}
+            local_state = local_states(state)
+            if local_state:
                 shadow.state[local] = local_state
             before.append(tuple(local_state.values()) if local_state else None)
         shadow.param_groups = [{**hyper[index], "params": params}
@@ -196,11 +194,9 @@ def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags
         _step_unhooked(shadow)
         for (_index, p, local, _grad, state), values in zip(items, before):
             local.grad = None
-            new = shadow.state.get(local)
-            in_place = (new and values is not None and len(new) == len(values)
-                        and all(a is b for a, b in zip(new.values(), values)))
-            if new and not in_place:  # a first step made the states: wrap them (optim._restore)
-                opt.state[p] = _as_dtensor_state(p, new, state or {})
+            after = state_after_step(p, shadow.state.get(local), state, values)
+            if after is not None and after is not state:  # a first step made them
+                opt.state[p] = after
             increment_version(local)  # also a write through .data counts (optim._mark_stepped)
     except Exception as error:
         raise RuntimeError(f"fullshard: the optimizer step of unit {unit_name} on the host "

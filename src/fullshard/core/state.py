@@ -132,12 +132,15 @@ def live_roots() -> list["RootState"]:
 def finish_host_steps(owners=None) -> None:
     """Wait for the optimizer steps running on a host thread (Note [the host step
     overlapped with the next forward]): every one, or those of the groups holding any of
-    ``owners`` (ShardedParams)."""
-    for root in live_roots():
-        for group in root.members:
-            if group.host_step is not None and (
-                    owners is None or any(p in owners for p in group.params)):
-                group.finish_host_step()
+    ``owners`` (ShardedParams; an iterable read only when a step is running)."""
+    running = [group for root in live_roots() for group in root.members
+               if group.host_step is not None]
+    if not running:
+        return
+    wanted = None if owners is None else set(owners)
+    for group in running:
+        if wanted is None or any(p in wanted for p in group.params):
+            group.finish_host_step()
 
 
 def finish_all_pending_reduces() -> None:

@@ -128,7 +128,7 @@ class Trainer:
         # what steps each: offloaded blocks on a host thread while the next forward runs
         # (Note [the host step overlapped with the next forward])
         self.stepping = [OverlappedStep(o).step if overlaps_step(cfg.parallel, o) else o.step
-                      for o in self.optimizers]
+                         for o in self.optimizers]
         # every rank skips an overflowing step and backs off alike (train/scaler.py)
         self.scaler = (AgreedGradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
