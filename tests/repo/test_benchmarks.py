@@ -12,14 +12,21 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def _bench(script: str, *args: str, timeout: float = 300,
+           one_thread: bool = False) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/SCRIPT ARGS`` to completion; fails the test unless it exits 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if one_thread else None
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 @pytest.mark.extended
 def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
-         "--workloads", "G1,G3", "--impls", "fsdp2,fullshard,megatron", "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("gpu.py", "--tiny", "--device", "cpu", "--workloads", "G1,G3",
+                  "--impls", "fsdp2,fullshard,megatron", "--json", str(out))
     results = json.loads(out.read_text())
     assert set(results) == {"G1/fsdp2", "G1/fullshard", "G3/fsdp2", "G3/fullshard"}
     reference = results["G1/fsdp2"]["losses"]
@@ -36,21 +43,14 @@ def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_benchmark_times_the_trainer_beside_a_plain_loop():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "trainer.py"), "--preset", "debug",
-         "--rounds", "1", "--block", "2"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("trainer.py", "--preset", "debug", "--rounds", "1", "--block", "2")
     assert "| fullshard train |" in proc.stdout and "trainer / plain tokens/s:" in proc.stdout
 
 
 @pytest.mark.extended
 def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "disk_offload.py"), "--tiny", "--steps", "2",
-         "--memory-steps", "1", "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("disk_offload.py", "--tiny", "--steps", "2", "--memory-steps", "1",
+                  "--dir", str(tmp_path))
     for line in ("disk / CPU       step", "fullshard I/O thread (rank 0):",
                  "dd direct I/O, one process: write", "rank 1: CPU offload"):
         assert line in proc.stdout, proc.stdout
@@ -59,10 +59,7 @@ def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
 
 @pytest.mark.extended
 def test_quantized_comm_benchmark_counts_bytes_per_setting():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quantized_comm.py"), "--tiny", "--steps", "2"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("quantized_comm.py", "--tiny", "--steps", "2")
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
             if line.startswith("| ") and "MB/step" not in line}
     assert set(rows) == {"none", "weights", "grads", "weights,grads"}, proc.stdout
@@ -73,11 +70,8 @@ def test_quantized_comm_benchmark_counts_bytes_per_setting():
 
 @pytest.mark.extended
 def test_hf_import_benchmark_times_each_import_and_the_memory_per_rank():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hf_import.py"), "--world-size", "2",
-         "--repeats", "1", "--layers", "2", "--hidden", "256"],
-        capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("hf_import.py", "--world-size", "2", "--repeats", "1", "--layers", "2",
+                  "--hidden", "256", timeout=400, one_thread=True)
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:]
             for line in proc.stdout.splitlines() if line.startswith("| ")}
     for op in ("read once", "load_hf", "rank 0 + broadcast"):
@@ -91,11 +85,8 @@ def test_hf_import_benchmark_times_each_import_and_the_memory_per_rank():
 
 @pytest.mark.scale
 def test_scale_benchmark_prints_a_row_per_world_size_with_shards_summing_to_the_model():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--sizes", "8,64",
-         "--rounds", "1", "--steps", "2"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("scale.py", "--sizes", "8,64", "--rounds", "1", "--steps", "2",
+                  one_thread=True)
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
             if line.startswith("| ") and line.split("|")[1].strip().replace(",", "").isdigit()]
     assert [r[0].strip() for r in rows] == ["8", "64"]
@@ -103,10 +94,6 @@ def test_scale_benchmark_prints_a_row_per_world_size_with_shards_summing_to_the_
 
 
 def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "overlapped_step.py"), "--shape", "tiny",
-         "--rounds", "1", "--block", "3"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench("overlapped_step.py", "--shape", "tiny", "--rounds", "1", "--block", "3")
     assert "| fullshard, OverlappedStep |" in proc.stdout
     assert "step first vs OverlappedStep: 0" in proc.stdout, proc.stdout
