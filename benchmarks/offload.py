@@ -27,7 +27,7 @@ decay) and gradient clipping to norm 1:
 Each implementation runs in its own pair of processes (so each rank's peak RSS is its
 own), ``--repeats`` times, in an order that turns each repeat against the machine's drift.
 A step's time runs from one step's forward to the next one's (an overlapped host step ends
-inside the next forward and is counted there). Prints the median step time over every
+inside the next forward and is counted there), on the slower rank. Prints the median step time over every
 timed step of every repeat, its range, the ratio to FSDP2, the median time of each phase
 (forward, backward, clip, optimizer step; with OverlappedStep the step phase is only
 what stays on the main thread), each rank's peak RSS (the largest over repeats), and the
@@ -150,7 +150,7 @@ def _build_deepspeed(model, batch: int, lr: float):
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-    info = {}
+    info = {"version": f"DeepSpeed {deepspeed.__version__}, torch {torch.__version__}"}
     try:
         # adamw_mode: decoupled weight decay, as torch's AdamW; torch's defaults otherwise
         optim = DeepSpeedCPUAdam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
@@ -203,12 +203,13 @@ def run_rank(impl: str, shape: str, warmup: int, steps: int, lr: float = LR) -> 
 
 
 def launch(impl: str, shape: str, warmup: int, steps: int, lr: float = LR) -> dict:
-    """Both ranks' runs of ``impl``, folded: the losses averaged over ranks, rank 0's times."""
+    """Both ranks' runs of ``impl``, folded: the losses averaged over ranks, each step's time
+    the slower rank's, rank 0's phases."""
     from fullshard.testing import run_distributed
 
     ranks = run_distributed(run_rank, 2, impl, shape, warmup, steps, lr, timeout=1200.0)
     return {"losses": [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))],
-            "times": ranks[0]["times"],
+            "times": [max(step) for step in zip(*(r["times"] for r in ranks))],
             "phases": ranks[0]["phases"],
             "peak_rss": [r["peak_rss"] for r in ranks],
             "info": ranks[0]["info"]}
