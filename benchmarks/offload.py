@@ -285,8 +285,10 @@ def main() -> None:
 
 
 def report(runs: dict[str, list[dict]], skipped: dict[str, str], args) -> None:
+    from fullshard.gpt import GPT
+
     cfg, batch = shapes()[args.shape]
-    params = sum(p.numel() for p in __import__("fullshard.gpt").gpt.GPT(cfg).parameters())
+    params = sum(p.numel() for p in GPT(cfg).parameters())
     print(f"torch {torch.__version__}; 2 ranks (gloo, CPU); shape {args.shape} "
           f"({params / 1e6:.1f}M parameters, batch {batch} x {cfg.seq_len} per rank); "
           f"{args.repeats} repeats x {args.steps} timed steps after {args.warmup} warm-up")
