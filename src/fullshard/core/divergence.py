@@ -74,12 +74,13 @@ import datetime
 import os
 import re
 import weakref
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import control
+from . import control, structure
 from .comm import note_collective
 from .difference import CHECK, ELSEWHERE, STALLED, Difference, Record, first_difference
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
@@ -301,14 +302,43 @@ class Guard:
             record = Record(ELSEWHERE, -1, 0, 0, {}, {}, serial)
         self._compare(self._exchange(record, round_), (other or self).ledger)
 
-    def _gather(self, run, round_: "_Round"):
+    # -- the model itself ---------------------------------------------------------------
+    def agree_on_model(self, description: tuple, root: str) -> None:
+        """Before the root's first collective: every rank sharded the same model, or every
+        rank raises DivergenceError naming the first difference (Note [ranks shard the
+        same model])."""
+        where = f"reached the first forward of '{root}' and"
+        self.channel.drain()  # one operation in flight on the channel
+        mine = structure.digest(description)
+        summary = torch.tensor([mine, -mine], dtype=torch.int64)
+        self._gather(lambda: dist.all_reduce(summary, dist.ReduceOp.MAX,
+                                             group=self.channel.group), where)
+        if int(summary[0]) == -int(summary[1]):
+            return
+        digests = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
+        self._gather(lambda: dist.all_gather(digests, torch.tensor([mine]),
+                                             group=self.channel.group), where)
+        holders: dict[int, list[int]] = {}
+        for rank, value in zip(self.ranks, digests):
+            holders.setdefault(int(value), []).append(rank)
+        groups = []
+        for index, (value, ranks) in enumerate(holders.items()):
+            shared = [description if value == mine else None]
+            if index < structure.MAX_DESCRIBED:
+                self._gather(partial(dist.broadcast_object_list, shared, src=ranks[0],
+                                     group=self.channel.group), where)
+            groups.append((ranks, shared[0]))
+        raise DivergenceError(structure.message(root, groups))
+
+    def _gather(self, run, round_: "_Round | str"):
         try:
             result = run()
             note_collective()  # an exchange is a collective: Note [collectives settle before exit]
             return result
         except RuntimeError as err:
             ledger = self.ledger
-            where = (f"waited in the {round_.waiting_at} (step {ledger.step}), then"
+            where = (round_ if isinstance(round_, str) else
+                     f"waited in the {round_.waiting_at} (step {ledger.step}), then"
                      if round_.kind == STALLED else
                      f"ended the {PHASE_NAMES[round_.phase]} of step {ledger.step} and")
             why = ("a peer went away" if _PEER_GONE.search(str(err)) else

@@ -78,6 +78,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .divergence import DivergenceError, Guard, debug_enabled, guarded
+from .structure import describe
 from .group import GroupState, ParamGroup
 from .init import lazy_init
 from .load_check import own_hook
@@ -144,6 +145,7 @@ def ensure_root(unit: UnitState) -> RootState:
         root.guard = Guard(Ledger([u.name for u in root.units]), ranks,
                            debug_enabled(unit.debug), lambda: root.backward.running,
                            lagged=unit.mesh.device_type != "cpu")
+        root.guard.agree_on_model(describe(root.units), unit.name)  # Note [ranks shard the same model]
     for u in root.units:
         u.ledger_code = unit_code(u.name)
     for group, members in root.members.items():
