@@ -122,11 +122,19 @@ class FSDPModule:
         """All-gather this unit's parameters now (e.g. to start the first gather before
         forward). With ``async_op=True`` returns a handle whose ``wait()`` finishes it."""
         unit = self._unit
-        hooks.ensure_root(unit)
-        for u in unit.gathered_together():
-            u.explicit_unshard = True
-            if u.group is not None:
-                u.group.unshard(async_op=async_op)
+        guard = hooks.ensure_root(unit).guard
+        # compare first where gloo would abort: Note [an unshard() on some ranks only]
+        compare_first = guard is not None and not guard.lagged
+        try:
+            if compare_first:
+                guard.compare_first = True
+            for u in unit.gathered_together():
+                u.explicit_unshard = True
+                if u.group is not None:
+                    u.group.unshard(async_op=async_op)
+        finally:
+            if compare_first:
+                guard.compare_first = False
         return UnshardHandle(unit) if async_op else None
 
     def reshard(self) -> None:

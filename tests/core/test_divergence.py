@@ -57,6 +57,16 @@ def _unshard_different_modules(debug):
     lm_loss(model(x), y).backward()
 
 
+def _unshard_on_rank0(debug):
+    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "10"  # stalls are compared after 1 s
+    model = _model(debug)
+    x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    if dist.get_rank() == 0:  # a gather of layers.0 alone, where rank 1 gathers the root
+        model.layers[0].unshard()
+    lm_loss(model(x), y).backward()
+
+
 def _write_kept_shard_on_rank0(debug):
     model = _model(debug)
     x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
@@ -77,6 +87,8 @@ _SCENARIOS = {
     "extra_forward": (_extra_forward_on_rank0, [
         "rank 0 ran the forward of 'GPT' (forward without grad of step 1)",
         "rank 1 ran the forward of 'GPT' (forward of step 1)"]),
+    "unshard_on_rank0": (_unshard_on_rank0, ["rank 0 ran the all-gather of 'layers.0'",
+                                             "rank 1 ran the forward of 'GPT'"]),
     "unshard": (_unshard_different_modules, ["rank 0 ran the all-gather of 'layers.0'",
                                              "rank 1 ran the all-gather of 'layers.1'"]),
 }

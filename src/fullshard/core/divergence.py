@@ -54,6 +54,18 @@ while the step runs. With ``FULLSHARD_DEBUG=1`` (or ``fully_shard(root, debug=Tr
 ranks compare before every collective instead, so the first mismatch is named before it
 is issued, at one exchange per collective.
 
+Note [an unshard() on some ranks only]
+A user's ``unshard()`` runs outside any forward, so nothing orders it against the peers:
+called on some ranks only (a rank-0 evaluation that gathers first), its all-gather pairs
+with whatever the peers issue next, on gloo often a gather of another size, and gloo
+aborts the process inside its transport before any comparison could name it. Where the
+host waits in collectives (CPU, the guard not lagged), such a call therefore compares
+before its gather, as debug mode does for every collective: one all-reduce on the
+channel per explicit ``unshard()``, nothing for the gathers of forward and backward. A
+peer that meanwhile entered a collective meets the comparison after its first stall
+slice and every rank names the difference. On accelerators the comparison one step
+behind names it instead (a host barrier per call would cost what the lagged guard saves).
+
 Note [a comparison one step behind]
 On an accelerator the host runs ahead of the device, and a comparison it waited for at
 the end of each backward would be a host barrier: every rank's host waits for the
@@ -154,6 +166,9 @@ class Guard:
         self.in_backward = in_backward
         self.ranks = sorted(ranks)  # the channel's group ranks, in its order
         self.debug = debug
+        # set around a user's unshard() where the host waits in collectives: compare
+        # before its gather (Note [an unshard() on some ranks only])
+        self.compare_first = False
         self.lagged = lagged
         key = tuple(self.ranks)
         self.channel = control.prepare(self.ranks)  # made by fully_shard: found here
@@ -173,7 +188,7 @@ class Guard:
         """Record a collective about to be issued (debug mode: compare first)."""
         phase = self.phase()
         self.ledger.record(phase, OPERATIONS[operation], unit, numel)
-        if self.debug:
+        if self.debug or self.compare_first:
             self.check(phase)
 
     def forward(self, unit: int) -> None:
