@@ -4,7 +4,7 @@ count, sizes and order as the design says."""
 import pytest
 import torch.distributed.distributed_c10d as c10d
 
-from fullshard.core.schedule import reduce_tail
+from fullshard.core.gradients import chunk_tail_numel
 from fullshard.testing.dispatch_log import DispatchLog
 from fullshard.testing.fake_world import fake_world
 from fullshard.testing.scale import WORLD_SIZES, BlocksRun, row_blocks, trainer, trainer_step
@@ -40,7 +40,7 @@ def test_one_gather_per_unit_each_way_and_one_reduce_scatter_sized_numel_over_n(
         ops = step_collectives(run)
     assert made == []
     shards = [sum(p.numel() for p in block.parameters()) // world for block in row_blocks()]
-    tail = reduce_tail(2)  # each chunk ends in a presence flag per parameter and a digest
+    tail = chunk_tail_numel(2)  # each chunk ends in a presence flag per parameter and a digest
     assert {op.kind for op in ops} == {"all_gather", "reduce_scatter"}
     gathers = [sizes(op) for op in ops if op.kind == "all_gather"]
     # forward in module order, then again in backward (reshard_after_forward), reversed

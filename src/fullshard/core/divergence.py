@@ -96,8 +96,7 @@ from . import control, structure
 from .comm import note_collective
 from .difference import CHECK, ELSEWHERE, STALLED, Difference, Record, first_difference
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
-                     PHASE_NAMES, Ledger)
-from .schedule import DIGEST_NUMEL
+                     PHASE_NAMES, Ledger, digest_elements)
 
 _FIELDS = 5  # kind, phase, count, digest, serial
 STALL_SLICE_MAX_S = 30.0
@@ -196,20 +195,16 @@ class Guard:
         self.ledger.record(self.phase(), FORWARD, unit)
 
     # -- in-band: the digests a reduction carries ------------------------------------------
-    def digest_bytes(self) -> list[int]:
-        """The ledger's digest now, 8 bits per element (DIGEST_NUMEL elements)."""
-        digest = self.ledger.digest
-        return [(digest >> (8 * i)) & 0xFF for i in range(DIGEST_NUMEL)]
-
-    def inspector(self, chunk_numel: int):
+    def inspector(self, read_digests: Callable[[torch.Tensor], torch.Tensor]):
         """What a reduce-scatter over every rank of the guard calls with the rows it
         received (one per rank, before summing them): every rank's digest, written at
-        its issue, against this rank's (Note [ranks agree on every collective])."""
-        expected = self.digest_bytes()
+        its issue, against this rank's (Note [ranks agree on every collective]).
+        ``read_digests`` finds them in the rows (Note [a reduction's chunk])."""
+        expected = digest_elements(self.ledger.digest)
         count = self.ledger.count
 
         def inspect(rows: torch.Tensor) -> None:
-            tails = rows[:, chunk_numel - DIGEST_NUMEL:chunk_numel]
+            tails = read_digests(rows)
             if torch.equal(tails, torch.tensor(expected, dtype=rows.dtype).expand_as(tails)):
                 self.ledger.mark_agreed(count)
                 return

@@ -3,13 +3,31 @@
 ``GradReduction.reduce`` lays a group's gradients out and starts the reduce-scatter;
 ``PendingReduce`` completes it: replica all-reduce under hybrid sharding, the mean,
 the cast back into the parameters' dtype, and handing the shards out as ``.grad``.
+
+Note [a reduction's chunk]
+A group's gradients are reduced in one collective whose send buffer is laid out rank
+major: rank r's chunk is what rank r receives summed. Every chunk is
+
+    [ gradient shard of each trainable parameter, in the group's order ]
+    [ one presence flag per trainable parameter ]   Note [gradient presence flags]
+    [ DIGEST_NUMEL elements of the sender's ledger digest ]   Note [ranks agree on every collective]
+
+The flags and the digest ride in the same collective so that neither costs one of its
+own: the flags tell every rank which parameters got a gradient anywhere, and on gloo
+(whose reduce-scatter receives every rank's copy of a chunk before summing them) the
+digests let every rank compare what the ranks ran before the sum is used. Each digest
+element carries 8 bits, exact in any floating dtype. Everything that writes or reads a
+chunk (packing, handing gradients out, the guard's inspection, quantized reductions
+that must carry the tail exactly, the memory replay that sizes the buffers) goes
+through the functions below, so the layout is stated once; the digest's encoding in
+elements sits with the digest (core/ledger.py).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,10 +36,37 @@ from .comm import (BufferPool, HostCopies, Pending, all_reduce_sum, reduce_scatt
                    skips_collectives, traced)
 from . import grad_norms
 from .divergence import Guard
-from .ledger import REDUCE_SCATTER_OWN_GROUP
+from .ledger import DIGEST_NUMEL, REDUCE_SCATTER_OWN_GROUP, digest_elements
 from .param import ShardedParam
 from .quantized_collectives import quantized_reduce_scatter_sum
-from .schedule import DIGEST_NUMEL, reduce_numel, reduce_plan, reduce_tail
+from .schedule import reduce_plan
+
+
+def chunk_tail_numel(params: int) -> int:
+    """Elements after the gradients in a chunk: presence flags, then the digest."""
+    return params + DIGEST_NUMEL
+
+
+def chunk_numel(shard_numels: Sequence[int]) -> int:
+    """Elements of one rank's chunk for trainable shards of ``shard_numels`` elements."""
+    return sum(shard_numels) + chunk_tail_numel(len(shard_numels))
+
+
+def split_chunk(chunk: torch.Tensor, shard_numels: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Views of a chunk: each parameter's gradient shard, then the flags, then the digest
+    (the last two are ``parts[-2]`` and ``parts[-1]``)."""
+    return torch.split(chunk, list(shard_numels) + [len(shard_numels), DIGEST_NUMEL])
+
+
+def chunk_gradients(chunk: torch.Tensor, params: int) -> torch.Tensor:
+    """The gradient part of a chunk (what a communication hook sees)."""
+    return chunk[:chunk.numel() - chunk_tail_numel(params)]
+
+
+def received_digests(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Every sender's digest in the copies of one chunk a rank received (one row each,
+    ``chunk`` elements of a chunk at the start of each row): what the guard inspects."""
+    return rows[:, chunk - DIGEST_NUMEL:chunk]
 
 
 def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
@@ -133,7 +178,7 @@ class PendingReduce:
             all_reduce_sum(out, self._replicate_pg,
                            what=f"gradient all-reduce across replicas of {self.unit_name}")
         divisor = options.divide_factor or self._data_parallel_size
-        grads = out[:out.numel() - reduce_tail(len(self.params))]  # without flags and digest
+        grads = chunk_gradients(out, len(self.params))  # Note [a reduction's chunk]
         if options.hook is not None and options.force_sum:
             options.hook(grads)
         out.div_(divisor)
@@ -157,8 +202,7 @@ class PendingReduce:
         return unknown
 
     def _shards(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        sizes = [p.layout.shard_numel for p in self.params]
-        return torch.split(out, sizes + [len(self.params), DIGEST_NUMEL])
+        return split_chunk(out, [p.layout.shard_numel for p in self.params])
 
     def _measure(self, out: torch.Tensor) -> torch.Tensor | None:
         """Each parameter's norm of the reduced ``out`` (still on the device), where the
@@ -359,7 +403,8 @@ class GradReduction:
             self._no_digest = _kept(self._no_digest, shape, like, 0)
             return self._no_digest
         rows = self._digest_rows = _kept(self._digest_rows, shape, like, 0)
-        digest = torch.tensor(self.group.guard.digest_bytes(), dtype=like.dtype)
+        digest = torch.tensor(digest_elements(self.group.guard.ledger.digest),
+                              dtype=like.dtype)
         return rows.copy_(digest.to(like.device).expand(shape))
 
 
@@ -426,13 +471,15 @@ class GradReduction:
             out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output \
                 else dest
             pending = quantized_reduce_scatter_sum(out, full, pg, g.quantize_grads,
-                                                   exact_tail=reduce_tail(len(trainable)),
+                                                   exact_tail=chunk_tail_numel(len(trainable)),
                                                    async_op=True)
             return pending_reduce(pending=pending, buffers=own, held=held, **across)
         scratch = g.pool.take(w * numel, reduce_dtype, ref.device) if plan.scratch else None
         out = torch.empty(numel, dtype=reduce_dtype, device=ref.device) if plan.output else dest
+        inspect = (g.guard.inspector(functools.partial(received_digests, chunk=numel))
+                   if inspected else None)
         pending = reduce_scatter_sum(out, full, pg, async_op=True, scratch=scratch,
-                                     inspect=g.guard.inspector(numel) if inspected else None)
+                                     inspect=inspect)
         return pending_reduce(pending=pending, buffers=own + [scratch], held=held, **across)
 
     def _pack(self, trainable: list[ShardedParam], options: ReduceOptions) -> "_Packed":
@@ -453,7 +500,7 @@ class GradReduction:
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         # one row per rank, kept (Note [the reduction's tail, one row per rank])
         flags = self._presence_flags(had_grad, grads[0], w)
-        numel = reduce_numel([p.layout.shard_numel for p in trainable])
+        numel = chunk_numel([p.layout.shard_numel for p in trainable])
         comm = None if skips_collectives(w) else g.reduce_scatter_comm
         plan = reduce_plan(shard_size=w, replicated=g.replicate_pg is not None,
                            backend=dist.get_backend(g.pg), reduce_dtype=reduce_dtype,
@@ -534,8 +581,7 @@ class GradReduction:
         key = (tuple(map(id, trainable)), ref.dtype, ref.device)
         if key != self._grad_key:
             buf = self._new_grad_buffer(numel, ref)
-            shards = torch.split(buf, [p.layout.shard_numel for p in trainable]
-                                 + [len(trainable), DIGEST_NUMEL])
+            shards = split_chunk(buf, [p.layout.shard_numel for p in trainable])
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key
         return self._grad_buffer, self._grad_views

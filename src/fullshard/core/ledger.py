@@ -38,6 +38,15 @@ OPERATIONS = {
     "all-reduce": ALL_REDUCE,
 }
 _OPERATION_NAMES = {code: name for name, code in OPERATIONS.items()}
+
+# The digest as it travels in a reduction's chunk (Note [a reduction's chunk] in
+# core/gradients.py): this many elements of 8 bits each, exact in any floating dtype.
+DIGEST_NUMEL = 8
+
+
+def digest_elements(digest: int) -> list[int]:
+    """A 64-bit digest as DIGEST_NUMEL values of 8 bits each."""
+    return [(digest >> (8 * i)) & 0xFF for i in range(DIGEST_NUMEL)]
 _OPERATION_NAMES[FORWARD] = "forward"
 
 # Phases: where the rank was when it recorded the entry.

@@ -282,23 +282,6 @@ def gather_plan(*, shard_size: int, shard_dtype: torch.dtype, shard_device: torc
     return GatherPlan(cast=cast, gathered=True, unsharded=True)
 
 
-# Each rank's chunk of a reduction ends with this rank's ledger digest, 8 bits an element
-# (exact in any floating dtype): the ranks compare them before summing (Note [ranks agree
-# on every collective]).
-DIGEST_NUMEL = 8
-
-
-def reduce_numel(shard_numels: Sequence[int]) -> int:
-    """Per-rank elements of a reduction: the trainable parameters' shards, one presence
-    flag each (Note [gradient presence flags]) and the ledger digest."""
-    return sum(shard_numels) + reduce_tail(len(shard_numels))
-
-
-def reduce_tail(params: int) -> int:
-    """Elements after the gradients in a reduction's chunk: presence flags, the digest."""
-    return params + DIGEST_NUMEL
-
-
 class ReducePlan(NamedTuple):
     """The buffers a group's gradient reduction uses besides its pooled send buffer."""
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..core.schedule import (AfterForward, after_forward_rule, joins_bucket, plan_runs,
-                             reduce_numel)
+from ..core.gradients import chunk_numel
+from ..core.schedule import AfterForward, after_forward_rule, joins_bucket, plan_runs
 from ..gpt import GroupedExperts
 from ..wrap import ModuleWrapPolicy, apply_wrap_policy, repeated_block_classes
 from .weights import WeightBytes
@@ -95,8 +95,8 @@ class GroupLayout:
 
     @property
     def reduce_numel(self) -> int:
-        """Per-rank elements of the reduce-scatter: shards plus one presence flag each."""
-        return reduce_numel([p.shard_numel(self.shard_size) for p in self.trainable])
+        """Per-rank elements of the reduce-scatter (Note [a reduction's chunk])."""
+        return chunk_numel([p.shard_numel(self.shard_size) for p in self.trainable])
 
 
 def find_units(model: nn.Module, split_experts: bool = False) -> list[nn.Module]:
