@@ -48,6 +48,9 @@ CASES = {
     "cpu offload": (TINY, 2, dict(strategy="full_shard", bucket_numel=0, offload=True)),
     "bf16 compute, fp32 reduce": (TINY, 2, dict(strategy="full_shard", bucket_numel=0,
                                                 mp_policy=torch.bfloat16)),
+    # set_reduce_scatter_max_input_buffers(2): the oldest finishes when the third starts
+    "two reductions in flight": (TINY, 2, dict(strategy="full_shard", bucket_numel=0,
+                                               reduces_in_flight=2)),
 }
 
 
@@ -141,6 +144,8 @@ def _train_and_record(cfg: GPTConfig, kwargs: dict) -> list:
         auto_wrap(model, reshard_after_forward=raf, **fs_kwargs)
         if "bucket_numel" in kwargs:
             model.set_bucket_numel(kwargs["bucket_numel"])
+        if kwargs.get("reduces_in_flight", 1) > 1:
+            model.set_reduce_scatter_max_input_buffers(kwargs["reduces_in_flight"])
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(2):
@@ -160,7 +165,7 @@ def _replay_and_record(mp: pytest.MonkeyPatch, cfg: GPTConfig, world: int, kwarg
     keep: dict = {}
     _record(mp, ReplayGroup, BytePool, log, keep)
     Replay = replay_module.Replay
-    step, reduce, finish = Replay._step, ReductionReplay._reduce, ReductionReplay.finish
+    step, reduce, finish = Replay._step, ReductionReplay._reduce, ReductionReplay._finish_one
     replays: list = []
 
     def logged_step(self):
@@ -174,16 +179,14 @@ def _replay_and_record(mp: pytest.MonkeyPatch, cfg: GPTConfig, world: int, kwarg
             log.append(("reduce", id(group), group.persistent_grads, pending[3] is not None))
         return pending
 
-    def logged_finish(self):
-        pending = self.pending
-        result = finish(self)
-        if pending is not None:
-            log.append(("reduced", id(pending[0])))
+    def logged_finish(self, pending):
+        result = finish(self, pending)
+        log.append(("reduced", id(pending[0])))
         return result
 
     mp.setattr(Replay, "_step", logged_step)
     mp.setattr(ReductionReplay, "_reduce", logged_reduce)
-    mp.setattr(ReductionReplay, "finish", logged_finish)
+    mp.setattr(ReductionReplay, "_finish_one", logged_finish)
     estimate(cfg, world_size=world, batch_size=BATCH, seq_len=SEQ, device="cpu",
              process_baseline=0, **kwargs)
 
@@ -214,3 +217,14 @@ def test_replay_makes_the_runtime_schedule(case, monkeypatch):
     assert {"take", "give", "state", "reduce", "reduced"} <= kinds, kinds
     for rank, events in enumerate(runtime):
         assert events == replayed, f"rank {rank}, {case}: " + _first_difference(events, replayed)
+
+
+def test_more_reductions_in_flight_hold_more_send_buffers():
+    one, two = (estimate(BIG_ROOT, world_size=2, batch_size=BATCH, seq_len=SEQ, device="cpu",
+                         process_baseline=0, bucket_numel=0, reduces_in_flight=n)
+                for n in (1, 2))
+    # the blocks' reductions overlap the root's: at least a block's send buffer more
+    assert two.total > one.total, (one.total, two.total)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="reduces_in_flight must be an int >= 1"):
+            estimate(TINY, world_size=2, device="cpu", reduces_in_flight=bad)

@@ -94,7 +94,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
              device: str = "cuda", bucket_numel: int = DEFAULT_BUCKET_NUMEL,
              process_baseline: int | None = None, loss_of: LossOf | None = None,
              quantize: str | None = None, lora_rank: int = 0,
-             quantize_comm: str = "none", ep: int = 1) -> MemoryEstimate:
+             quantize_comm: str = "none", ep: int = 1,
+             reduces_in_flight: int = 1) -> MemoryEstimate:
     """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
 
     Args:
@@ -144,6 +145,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             parallelism in the trainer]). The trace routes tokens evenly, so a rank's
             experts compute on as many rows as without it; the all-to-alls' buffers (a
             block's routed rows, twice) are not counted.
+        reduces_in_flight: gradient reductions left in flight, each holding its send
+            buffer (``set_reduce_scatter_max_input_buffers``; Note [reductions in flight]).
     """
     _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank,
                ep)
@@ -155,7 +158,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
                            reshard_after_forward=reshard_after_forward, offload=offload,
                            optimizer=optimizer, device=device, bucket_numel=bucket_numel,
                            process_baseline=process_baseline, quantize_comm=quantize_comm,
-                           ep=ep)
+                           ep=ep, reduces_in_flight=reduces_in_flight)
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,14 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                     optimizer: str = "adamw", device: str = "cuda",
                     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                     process_baseline: int | None = None,
-                    quantize_comm: str = "none", ep: int = 1) -> MemoryEstimate:
+                    quantize_comm: str = "none", ep: int = 1,
+                    reduces_in_flight: int = 1) -> MemoryEstimate:
     """``estimate`` of a traced step: fullshard's schedule replayed over it."""
+    if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) \
+            or reduces_in_flight < 1:
+        raise ValueError("estimate: reduces_in_flight must be an int >= 1 (as "
+                         "set_reduce_scatter_max_input_buffers takes), got "
+                         f"{reduces_in_flight!r}")
     _check_run(strategy, reshard_after_forward, world_size, optimizer, step.quantize,
                step.lora_rank, ep)
     if (ep > 1) != step.split_experts:
@@ -250,7 +259,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         quantize_weights=DEFAULT_BLOCK_SIZE if "weights" in words else 0,
         quantize_grads=DEFAULT_BLOCK_SIZE if "grads" in words else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
-        keep_unsharded=strategy == "zero1" and reshard_after_forward is None)
+        keep_unsharded=strategy == "zero1" and reshard_after_forward is None,
+        reduces_in_flight=reduces_in_flight)
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
     peaks = replay.run()
     if process_baseline is None:

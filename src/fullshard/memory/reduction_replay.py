@@ -1,7 +1,7 @@
 """The gradient side of a replayed step (memory/replay.py) in byte counts: what
 ``GradReduction.reduce`` allocates for a group's reduction (the pooled send buffer, the
 gloo scratch, a separate output, int8 chunks) and what ``PendingReduce.finish`` gives
-back, with at most one reduction in flight, as at run time."""
+back, with as many reductions in flight as at run time (Note [reductions in flight])."""
 
 from __future__ import annotations
 
@@ -26,11 +26,19 @@ class ReductionReplay:
         self.pool = pool
         self.sample = sample
         self.sample_with = sample_with
-        self.pending: tuple | None = None  # (group, send buffer, scratch, output)
+        # (group, send buffer, scratch, output) of each reduction in flight, oldest first
+        self.pending: list[tuple] = []
 
     def start(self, group: "ReplayGroup") -> None:
-        """Reduce ``group``'s gradients (the previous reduction already finished)."""
-        self.pending = self._reduce(group)
+        """Reduce ``group``'s gradients (``make_room`` ran first)."""
+        reduction = self._reduce(group)
+        if reduction is not None:
+            self.pending.append(reduction)
+
+    def make_room(self) -> None:
+        """Before a reduction starts: finish the oldest ones beyond those the runtime leaves
+        in flight (``RootState.finish_pending_reduce(everything=False)``)."""
+        self.finish(keep=self.settings.reduces_in_flight - 1)
 
     def _reduce(self, group: "ReplayGroup") -> tuple | None:
         s, layout = self.settings, group.layout
@@ -77,12 +85,14 @@ class ReductionReplay:
                            compute_device=s.device, grad_dtype=s.param_dtype,
                            grad_device=s.shard_device_of(group.layout))
 
-    def finish(self) -> None:
-        """The reduction in flight, if any, finished: its buffers go back or die."""
-        if self.pending is None:
-            return
-        group, full, scratch, out = self.pending
-        self.pending = None
+    def finish(self, keep: int = 0) -> None:
+        """Finish reductions in flight, oldest first, until ``keep`` are left."""
+        while len(self.pending) > keep:
+            self._finish_one(self.pending.pop(0))
+
+    def _finish_one(self, pending: tuple) -> None:
+        """One reduction finished: its buffers go back or die."""
+        group, full, scratch, out = pending
         if self.ledger.holds(("q_reduce", group.index)):  # fp32 sum, a pass of rows
             numel = group.layout.reduce_numel
             self.sample_with((1 + min(ROWS_PER_PASS, group.layout.shard_size)) * numel * 4)

@@ -239,7 +239,7 @@ class Replay:
         self._reduced.clear()
 
     def _post_backward(self, group: ReplayGroup) -> None:
-        self.reductions.finish()  # at most one reduction in flight
+        self.reductions.make_room()  # Note [reductions in flight]
         self._reshard(group)  # before the reduction allocates its buffers
         self.reductions.start(group)
         self._reduced.add(group.index)

@@ -34,6 +34,7 @@ class RunSettings:
     whole_matrix: frozenset[int] = frozenset()
     quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
     quantize_grads: int = 0
+    reduces_in_flight: int = 1  # set_reduce_scatter_max_input_buffers (Note [reductions in flight])
 
     @property
     def shard_device(self) -> torch.device:
