@@ -759,9 +759,16 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
 def _overlapped_step_cases() -> dict[str, str]:
     from fullshard import OverlappedStep
     params = [nn.Parameter(torch.zeros(3))]
+    clipped = OverlappedStep(torch.optim.SGD(params, lr=0.1))
+    clipped.optimizer.grad_scale = torch.tensor(0.5)
+    nested = OverlappedStep(torch.optim.SGD(params, lr=0.1))
+    outer = nested.stepping_in_backward()
+    outer.__enter__()
     return {"E290": message_of(lambda: OverlappedStep(torch.optim.LBFGS(params))),
             "E291": message_of(lambda: OverlappedStep(torch.optim.SGD(params, lr=0.1)).step(
-                lambda: 0.0))}
+                lambda: 0.0)),
+            "E293": message_of(lambda: clipped.stepping_in_backward().__enter__()),
+            "E294": message_of(lambda: nested.stepping_in_backward().__enter__())}
 
 
 @pytest.fixture(scope="module")

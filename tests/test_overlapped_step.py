@@ -3,6 +3,7 @@
 ``optimizer.step()``, whatever the optimizer's flags; each unit's forward waits for its own
 unit's step and no other; state dicts and a resume see the stepped values."""
 
+import contextlib
 import time
 
 import pytest
@@ -91,10 +92,10 @@ def _forward_waits_per_unit():
     events = []
     real = overlapped_step._step_unit
 
-    def slow_last(opt_, items, hyper, flags, unit_name):
+    def slow_last(opt_, items, hyper, flags, unit_name, ready=None):
         if unit_name.endswith("layers.3"):
             time.sleep(1.0)
-        real(opt_, items, hyper, flags, unit_name)
+        real(opt_, items, hyper, flags, unit_name, ready)
         events.append(("stepped", unit_name, time.monotonic()))
 
     overlapped_step._step_unit = slow_last
@@ -206,3 +207,81 @@ def test_without_offload_it_is_the_optimizers_step():
     before = model.weight.detach().clone()
     stepper.step()
     assert torch.equal(model.weight.detach(), before - 0.1 * model.weight.grad)
+
+
+# -- stepping during backward (Note [the host step overlapped with backward]) ---------------
+def _train_in_backward(offloaded, kind, in_backward, steps=4, micro=1):
+    model = _model(offloaded)
+    opt = _optimizer(model, kind)
+    stepper = OverlappedStep(opt)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    rank = dist.get_rank()
+    handed_during_backward = []
+    real = stepper._hand_to_host
+
+    def handing(group, *args):
+        handed_during_backward.append(model._unit.root.backward.running)
+        return real(group, *args)
+
+    stepper._hand_to_host = handing
+    for step in range(steps):
+        for m in range(micro):
+            last = m == micro - 1
+            x, y = token_batch(100 * step + 10 * m + rank, 6, CFG.vocab_size, CFG.seq_len)
+            model.set_requires_gradient_sync(last)
+            loss = lm_loss(model(x), y)
+            with stepper.stepping_in_backward() if in_backward and last \
+                    else contextlib.nullcontext():
+                loss.backward()
+        stepper.step()
+        opt.zero_grad(set_to_none=True)
+        scheduler.step()
+    stepper.wait()
+    weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    states = {(k, name): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+              for k, p in model.named_parameters() for name, v in opt.state[p].items()}
+    return weights, states, handed_during_backward
+
+
+def _same_bits_in_backward(offloaded, kind, micro):
+    *plain, _ = _train_in_backward(offloaded, kind, in_backward=False, micro=micro)
+    *stepped, during = _train_in_backward(offloaded, kind, in_backward=True, micro=micro)
+    for a, b in zip(plain, stepped):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
+    return during
+
+
+@pytest.mark.parametrize("world,offloaded,kind,micro", [
+    (2, {0, 1, 2, 3, "root"}, "foreach", 1),
+    (3, {1, 2, 3}, "sgd", 1),
+    (2, {0, 1, 2, 3}, "tensor_lr", 2),  # accumulation: only the last backward steps
+])
+def test_stepping_in_backward_gives_the_same_bits_and_steps_during_backward(
+        world, offloaded, kind, micro):
+    for during in run_distributed(_same_bits_in_backward, world, offloaded, kind, micro):
+        blocks = len([u for u in offloaded if u != "root"])
+        # every offloaded block of every step handed over while backward still ran (the
+        # root's group is the last reduced: the final callback may hand it out)
+        assert sum(during) >= 4 * blocks, during
+
+
+def _refuses_a_clip_coefficient():
+    model = _model({0, 1})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    stepper = OverlappedStep(opt)
+    opt.grad_scale = torch.tensor(0.5)
+    with pytest.raises(ValueError, match="grad_scale set, a clip or loss-scale coefficient"):
+        with stepper.stepping_in_backward():
+            pass
+    opt.grad_scale = None
+    with stepper.stepping_in_backward():
+        with pytest.raises(RuntimeError, match="the blocks do not nest"):
+            with stepper.stepping_in_backward():
+                pass
+    return True
+
+
+def test_stepping_in_backward_refuses_a_clip_and_nesting():
+    assert all(run_distributed(_refuses_a_clip_coefficient, 2))

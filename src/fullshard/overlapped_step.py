@@ -25,10 +25,29 @@ weights, a norm of the parameters): call ``wait()`` first. The gradients of the
 parameters stepped on the host are handed to the step: their ``.grad`` is None after
 ``step()`` (as after the ``zero_grad()`` that follows a step), so nothing can change them
 while the host reads them. An error on the host thread is raised at the next wait.
+
+Note [the host step overlapped with backward]
+Without a gradient clip nothing after backward changes an offloaded unit's gradients, so
+its step need not wait for the end of backward either: inside ``with
+overlapped.stepping_in_backward(): loss.backward()`` each CPU-offloaded unit is handed to
+the host thread as soon as its reduced gradients are handed out (``RootState._finish``
+tells ``BackwardState.on_reduced``), while backward goes on with the units before it; the
+host thread first waits for that unit's copy to the host (``HostCopies.landed``).
+``step()`` then steps what is left. The same bits as ``optimizer.step()``: the
+hyperparameters are those the optimizer holds during backward, which is what ``step()``
+would read as long as nothing changes them in between (schedulers step after
+``step()``). What it cannot serve, and refuses: a clip or a GradScaler (``grad_scale`` /
+``found_inf`` on the optimizer), whose coefficient exists only after every gradient.
+A unit whose parameters lacked a gradient on every rank (their ``.grad`` becomes None
+only when backward settles) and gradients left in flight by
+``set_is_last_backward(False)`` are stepped by ``step()``, as before. Every backward in
+the block with gradient sync steps: put only the last micro-batch's backward in it (the
+earlier ones under ``set_requires_gradient_sync(False)`` reduce nothing and step nothing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,6 +88,14 @@ class OverlappedStep:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fullshard-host-step")
         weakref.finalize(self, self._pool.shutdown, wait=True)
         self._groups: list[ParamGroup] = []  # those given a host step by the last step()
+        # Note [the host step overlapped with backward]: groups handed to the host thread
+        # during this backward, and their parameters (step() leaves them alone)
+        self._from_backward: list[ParamGroup] = []
+        self._stepped_in_backward: set[int] = set()
+        # in the block: id(ShardedParam) -> its group, and each such group's parameters
+        # in the optimizer as (param group index, parameter)
+        self._listening: dict | None = None
+        self._work_of: dict[ParamGroup, list] = {}
         optimizer.register_state_dict_pre_hook(lambda _opt: self.wait())
         optimizer.register_load_state_dict_pre_hook(lambda _opt, _state: self.wait())
 
@@ -80,17 +107,20 @@ class OverlappedStep:
                 "fullshard.OverlappedStep.step: a closure re-runs forward and backward "
                 "inside the step, which leaves nothing to overlap; call optimizer.step("
                 "closure) instead.")
-        self.wait()
+        self._wait(self._groups)  # the last step's; this backward's run on
         opt = self.optimizer
         if not optim.local_step_enabled():
             opt.step()  # the DTensor path (set_local_step(False)) steps everything here
             return
         finish_all_pending_reduces()  # every gradient final and on the host
         on_host = _host_stepped(opt)
-        if not on_host:
+        moved = self._stepped_in_backward | {id(p) for work in on_host.values()
+                                             for _i, p in work}
+        self._groups, self._from_backward = self._from_backward, []
+        self._stepped_in_backward = set()
+        if not moved:
             opt.step()
             return
-        moved = {id(p) for work in on_host.values() for _i, p in work}
         kept = [group["params"] for group in opt.param_groups]
         try:  # the optimizer's own step, hooks and all, over what stays on the device
             for group in opt.param_groups:
@@ -99,31 +129,86 @@ class OverlappedStep:
         finally:
             for group, params in zip(opt.param_groups, kept):
                 group["params"] = params
-        hyper = [{k: _frozen(v) for k, v in group.items() if k != "params"}
-                 for group in opt.param_groups]
-        flags = {name: _frozen(getattr(opt, name)) for name in _STEP_FLAGS
-                 if getattr(opt, name, None) is not None}
+        hyper, flags = _as_step_sees_them(opt)
         for group, work in on_host.items():
-            items = []
-            for index, p in work:
-                grad = p.grad
-                p.grad = None  # handed to the host step: nothing may change it meanwhile
-                items.append((index, p, p._local_tensor, grad._local_tensor,
-                              opt.state.get(p)))
-            group.host_step = self._pool.submit(_step_unit, opt, items, hyper, flags,
-                                                group.unit_name)
-            self._groups.append(group)
-            _wait_in_state_dicts(group)
+            self._groups.append(self._hand_to_host(group, work, hyper, flags, None))
+
+    @contextlib.contextmanager
+    def stepping_in_backward(self):
+        """Step each CPU-offloaded unit on the host thread as soon as a backward run in this
+        block hands out its gradients, rather than at ``step()`` (Note [the host step
+        overlapped with backward]); ``step()`` afterwards steps the rest. For runs without
+        a clip or GradScaler only."""
+        opt = self.optimizer
+        flags = [name for name in _STEP_FLAGS if getattr(opt, name, None) is not None]
+        if flags:
+            raise ValueError(
+                f"fullshard.OverlappedStep.stepping_in_backward: the optimizer has "
+                f"{' and '.join(flags)} set, a clip or loss-scale coefficient known only "
+                "after the whole backward, which a unit stepped during backward cannot "
+                "apply. Clear them, or call step() after backward for clipped runs.")
+        if self._listening is not None:
+            raise RuntimeError("fullshard.OverlappedStep.stepping_in_backward: already "
+                               "inside stepping_in_backward(); the blocks do not nest.")
+        if not optim.local_step_enabled():
+            yield  # the DTensor path steps everything in step()
+            return
+        roots, self._listening, self._work_of = _listen_on_roots(opt, self._on_reduced)
+        try:
+            yield
+        finally:
+            for root in roots:
+                root.backward.on_reduced = None
+            self._listening, self._work_of = None, {}
+
+    def _on_reduced(self, params: list, all_present: bool) -> None:
+        """A reduction handed out gradients (core/state.py): step its unit now if it is
+        offloaded and every parameter got a gradient."""
+        group = self._listening.get(id(params[0])) if params else None
+        if group is None or not all_present:
+            return
+        opt = self.optimizer
+        work = [(index, p) for index, p in self._work_of.get(group, ())
+                if p.grad is not None and _local_view(p) is not None
+                and id(p) not in self._stepped_in_backward]
+        if not work:
+            return
+        if any(getattr(opt, name, None) is not None for name in _STEP_FLAGS):
+            raise ValueError("fullshard.OverlappedStep.stepping_in_backward: grad_scale or "
+                             "found_inf was set on the optimizer during backward; a unit "
+                             "stepped during backward cannot apply them.")
+        group.finish_host_step()  # a step of it still running from before
+        hyper, flags = _as_step_sees_them(opt)
+        self._stepped_in_backward.update(id(p) for _i, p in work)
+        self._from_backward.append(
+            self._hand_to_host(group, work, hyper, flags, group.copies.landed()))
+
+    def _hand_to_host(self, group: ParamGroup, work: list, hyper: list, flags: dict,
+                      ready) -> ParamGroup:
+        """Give ``work`` (the unit's (param group index, parameter) pairs) to the host
+        thread, their gradients with them."""
+        opt = self.optimizer
+        items = []
+        for index, p in work:
+            grad = p.grad
+            p.grad = None  # handed to the host step: nothing may change it meanwhile
+            items.append((index, p, p._local_tensor, grad._local_tensor, opt.state.get(p)))
+        group.host_step = self._pool.submit(_step_unit, opt, items, hyper, flags,
+                                            group.unit_name, ready)
+        _wait_in_state_dicts(group)
+        return group
 
     def wait(self) -> None:
         """Finish the host steps in flight; an error one of them raised is raised here."""
-        groups, self._groups = self._groups, []
-        for i, group in enumerate(groups):
-            try:
-                group.finish_host_step()
-            except BaseException:
-                self._groups = groups[i + 1:]
-                raise
+        self._wait(self._groups)
+        self._wait(self._from_backward)
+
+    @staticmethod
+    def _wait(groups: list[ParamGroup]) -> None:
+        """Finish the host steps of ``groups`` (emptied as they finish: an error leaves the
+        rest to the next wait)."""
+        while groups:
+            groups.pop(0).finish_host_step()
 
     def __getattr__(self, name: str):
         # zero_grad, param_groups, state, ...: the optimizer's own
@@ -132,9 +217,9 @@ class OverlappedStep:
         return getattr(self.optimizer, name)
 
 
-def _host_stepped(opt: torch.optim.Optimizer) -> dict[ParamGroup, list]:
-    """The parameters ``opt`` steps that a CPU-offloaded group holds, per group, groups in
-    the order forward gathers them (their units' order under each root)."""
+def _groups_in_order() -> tuple[dict[int, ParamGroup], dict[ParamGroup, int]]:
+    """Every live group by its ShardedParams' ids, and the groups' order: their units'
+    order under each root (the order forward gathers them)."""
     groups: dict[int, ParamGroup] = {}
     order: dict[ParamGroup, int] = {}
     for root in live_roots():
@@ -145,6 +230,44 @@ def _host_stepped(opt: torch.optim.Optimizer) -> dict[ParamGroup, list]:
             order[group] = len(order)
             for sharded in group.params:
                 groups[id(sharded)] = group
+    return groups, order
+
+
+def _listen_on_roots(opt: torch.optim.Optimizer, listener) -> tuple[list, dict, dict]:
+    """Tell every root holding a CPU-offloaded parameter of ``opt`` to call ``listener``
+    as reductions hand out gradients; the roots, the listened groups by ShardedParam id
+    and each listened group's parameters in ``opt`` as (param group index, parameter)."""
+    groups, _order = _groups_in_order()
+    listened: dict[int, ParamGroup] = {}
+    work_of: dict[ParamGroup, list] = {}
+    for index, param_group in enumerate(opt.param_groups):
+        for p in param_group["params"]:
+            owner = owner_of(p)
+            group = groups.get(id(owner)) if owner is not None else None
+            if group is not None and owner.offload is not None \
+                    and not isinstance(owner.offload, DiskOffloadPolicy):
+                work_of.setdefault(group, []).append((index, p))
+                for sharded in group.params:
+                    listened[id(sharded)] = group
+    roots = [root for root in live_roots() if any(group in root.members for group in work_of)]
+    for root in roots:
+        root.backward.on_reduced = listener
+    return roots, listened, work_of
+
+
+def _as_step_sees_them(opt: torch.optim.Optimizer) -> tuple[list[dict], dict]:
+    """The hyperparameters of each param group and the step flags, frozen as now."""
+    hyper = [{k: _frozen(v) for k, v in group.items() if k != "params"}
+             for group in opt.param_groups]
+    flags = {name: _frozen(getattr(opt, name)) for name in _STEP_FLAGS
+             if getattr(opt, name, None) is not None}
+    return hyper, flags
+
+
+def _host_stepped(opt: torch.optim.Optimizer) -> dict[ParamGroup, list]:
+    """The parameters ``opt`` steps that a CPU-offloaded group holds, per group, groups in
+    the order forward gathers them."""
+    groups, order = _groups_in_order()
     found: dict[ParamGroup, list] = {}
     for index, param_group in enumerate(opt.param_groups):
         for p in param_group["params"]:
@@ -170,10 +293,13 @@ def _frozen(value):
 
 
 def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags: dict,
-               unit_name: str) -> None:
+               unit_name: str, ready=None) -> None:
     """The host thread's work for one unit: ``opt``'s step over the unit's local shards,
-    as a copy of ``opt`` whose groups hold only them (no hooks: they ran in ``step()``)."""
+    as a copy of ``opt`` whose groups hold only them (no hooks: they ran in ``step()``),
+    once ``ready`` (the gradients' copy to the host, if in flight) has completed."""
     try:
+        if ready is not None:
+            ready.synchronize()
         shadow = object.__new__(type(opt))
         shadow.__dict__.update(opt.__dict__)
         shadow.state = defaultdict(dict)

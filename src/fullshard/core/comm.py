@@ -486,6 +486,12 @@ class HostCopies:
         """Whether copies to the host are still to land (``settle`` would wait)."""
         return bool(self._in_flight)
 
+    def landed(self):
+        """An event that completes when every copy to the host queued so far has landed
+        (they run in order on one stream); None when none is in flight or copies are
+        synchronous. Another thread may wait on it (``synchronize``)."""
+        return self._in_flight[-1][0] if self._in_flight else None
+
     def settle(self) -> None:
         """Wait until every copy to the host has landed, then let go of the sources."""
         if not self._in_flight:

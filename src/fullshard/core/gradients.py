@@ -126,6 +126,7 @@ class PendingReduce:
                  data_parallel_size: int = 1, measure_norms: bool = False):
         self.unit_name = unit_name
         self.params = params
+        self.handed_out = False  # the gradients became the parameters' .grad
         self.had_grad = had_grad
         self.pending = pending
         self._pool = pool
@@ -197,6 +198,7 @@ class PendingReduce:
             out = self._dest
         self._release_buffers()  # ``out`` may have been one of them: only after the copy
         unknown = self._hand_out(out)
+        self.handed_out = True
         if norms is not None:  # recorded after the last write into the gradients
             grad_norms.record([p.sharded_param.grad for p in self.params], norms)
         return unknown

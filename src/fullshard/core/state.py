@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -177,6 +178,10 @@ class BackwardState:
         self.pending_reduces: list[PendingReduce] = []
         self.replica_reduce: PendingReduce | None = None
         self.unknown_presence: list[UnknownPresence] = []  # Note [gradient presence flags]
+        # told of each reduction as its gradients are handed out: the parameters and
+        # whether every one of them got a gradient on some rank (Note [the host step
+        # overlapped with backward] in overlapped_step.py); None: nobody listens
+        self.on_reduced: Callable[[list, bool], None] | None = None
         self.handle = None  # finalize_backward(async_op=True)'s, until waited
         self.passes = 0  # backward passes ended (when late gradients are looked for)
         self.ended_since_settle = False  # a backward ended since the last settle
@@ -371,6 +376,9 @@ class RootState:
         unknown = reduction.finish(self.patience)
         if unknown is not None:
             self.backward.unknown_presence.append(unknown)
+        listener = self.backward.on_reduced
+        if listener is not None and reduction.handed_out:
+            listener(reduction.params, unknown is None)
 
     def use_copies(self, shared: SharedCopies) -> None:
         """Move every group's host<->device copies to ``shared``'s streams (after the
