@@ -1,7 +1,7 @@
 """The CPU-offloaded step overlapped with the next forward (fullshard.OverlappedStep) against
 stepping first (optimizer.step()), and torch FSDP2's CPUOffloadPolicy for scale.
 
-    OMP_NUM_THREADS=1 python benchmarks/overlapped_step.py [--rounds 4] [--block 5] [--shape w1|step-bound|tiny]
+    OMP_NUM_THREADS=1 python benchmarks/overlapped_step.py [--rounds 4] [--block 5] [--shape w1|step-bound|tiny] [--no-clip]
 
 One rank (gloo), W1's shape (GPT d=512, 8 layers, vocab 8192, batch 8 x 128), fused AdamW,
 clip to norm 1 as fullshard's trainer clips (the norm from the gradients' device-side
@@ -13,6 +13,8 @@ fullshard stepping first, fullshard with OverlappedStep, and FSDP2 (torch's
 clip_grad_norm_, fused AdamW). Prints the median step time of each (the time from one
 step's forward to the next's, which includes the host step either way), the ratios, and
 the largest loss difference between the two fullshard copies (0: the same bits).
+With ``--no-clip`` nothing is clipped and a fourth copy steps each offloaded unit during
+backward (``OverlappedStep.stepping_in_backward()``).
 
 On a CPU the "device" is the CPU too: the overlap can only use a core the forward leaves
 idle (one rank, the host thread beside the main one), which is what this measures; on a
@@ -47,7 +49,7 @@ SHAPES = {"w1": (W1, 8), "step-bound": (STEP_BOUND, 2), "tiny": (TINY, 2)}
 class Copy:
     """One model, its optimizer and how it steps."""
 
-    def __init__(self, cfg: GPTConfig, how: str):
+    def __init__(self, cfg: GPTConfig, how: str, clip: bool):
         torch.manual_seed(0)
         self.model = GPT(cfg)
         self.how = how
@@ -61,7 +63,9 @@ class Copy:
                 fully_shard(layer, offload_policy=policy)
             fully_shard(self.model, offload_policy=policy)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        self.stepper = OverlappedStep(self.optim) if how == "overlapped" else self.optim
+        self.stepper = OverlappedStep(self.optim) if how in ("overlapped", "in_backward") \
+            else self.optim
+        self.clip = clip
         self.times: list[float] = []
         self.losses: list[float] = []
         self._started: float | None = None
@@ -69,8 +73,14 @@ class Copy:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         started = time.perf_counter()
         loss = lm_loss(self.model(x), y)
-        loss.backward()
-        if self.how == "fsdp2":
+        if self.how == "in_backward":
+            with self.stepper.stepping_in_backward():
+                loss.backward()
+        else:
+            loss.backward()
+        if not self.clip:
+            self.stepper.step()
+        elif self.how == "fsdp2":
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optim.step()
         else:
@@ -88,8 +98,9 @@ class Copy:
         self._started = started
 
 
-def _measure(cfg: GPTConfig, rounds: int, block: int, batch: int) -> dict:
-    copies = [Copy(cfg, how) for how in ("first", "overlapped", "fsdp2")]
+def _measure(cfg: GPTConfig, rounds: int, block: int, batch: int, clip: bool) -> dict:
+    hows = ("first", "overlapped", "fsdp2") + (() if clip else ("in_backward",))
+    copies = [Copy(cfg, how, clip) for how in hows]
     step = 0
     for round_ in range(rounds + 1):  # the first round warms up
         # each copy trains a block of steps alone (another copy's work beside a host
@@ -100,7 +111,7 @@ def _measure(cfg: GPTConfig, rounds: int, block: int, batch: int) -> dict:
             for i in range(block):
                 x, y = token_batch(step + i, batch, cfg.vocab_size, cfg.seq_len)
                 copy.step(x, y)
-            if copy.how == "overlapped":
+            if copy.how in ("overlapped", "in_backward"):
                 copy.stepper.wait()
             if round_ == 0:
                 del copy.times[copy.times_before:]
@@ -117,20 +128,27 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="w1",
                         help="w1; step-bound (d=1024, 6 layers, vocab 16384, batch 2 x 64); "
                              "tiny (a smoke test)")
+    parser.add_argument("--no-clip", action="store_true",
+                        help="no clipping; adds a copy stepping during backward")
     args = parser.parse_args()
     cfg, batch = SHAPES[args.shape]
-    result = run_distributed(_measure, 1, cfg, args.rounds, args.block, batch)[0]
+    result = run_distributed(_measure, 1, cfg, args.rounds, args.block, batch,
+                             not args.no_clip)[0]
     first, overlapped, fsdp2 = result["first"], result["overlapped"], result["fsdp2"]
     print(f"torch {torch.__version__}, 1 rank (gloo), {args.rounds} rounds of {args.block} "
           f"steps per copy, "
-          f"shape {args.shape}")
+          f"shape {args.shape}, {'no clip' if args.no_clip else 'clip to norm 1'}")
     print("| step | median ms | range ms | / stepping first | / FSDP2 |")
     print("|---|---:|---:|---:|---:|")
-    for name, r in (("fullshard, step first", first), ("fullshard, OverlappedStep", overlapped),
-                    ("FSDP2 CPUOffloadPolicy", fsdp2)):
+    rows = [("fullshard, step first", first), ("fullshard, OverlappedStep", overlapped)]
+    if "in_backward" in result:
+        rows.append(("fullshard, OverlappedStep stepping in backward", result["in_backward"]))
+    for name, r in rows + [("FSDP2 CPUOffloadPolicy", fsdp2)]:
         print(f"| {name} | {r['ms']:.1f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
               f"{r['ms'] / first['ms']:.2f} | {r['ms'] / fsdp2['ms']:.2f} |")
-    worst = max(abs(a - b) for a, b in zip(first["losses"], overlapped["losses"]))
+    worst = max(abs(a - b) for other in [overlapped] + ([result["in_backward"]]
+                                                     if "in_backward" in result else [])
+                for a, b in zip(first["losses"], other["losses"]))
     print(f"largest loss difference, step first vs OverlappedStep: {worst:.3g}")
     assert worst == 0.0, "OverlappedStep must give the same bits as stepping first"
 

@@ -97,3 +97,7 @@ def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
     proc = _bench("overlapped_step.py", "--shape", "tiny", "--rounds", "1", "--block", "3")
     assert "| fullshard, OverlappedStep |" in proc.stdout
     assert "step first vs OverlappedStep: 0" in proc.stdout, proc.stdout
+    proc = _bench("overlapped_step.py", "--shape", "tiny", "--rounds", "1", "--block", "3",
+                  "--no-clip")
+    assert "| fullshard, OverlappedStep stepping in backward |" in proc.stdout, proc.stdout
+    assert "step first vs OverlappedStep: 0" in proc.stdout, proc.stdout
