@@ -295,7 +295,7 @@ def offload_mode(offload: bool | str) -> str:
         return offload
     if isinstance(offload, str) and offload.startswith("cpu:"):
         fraction = parse_fraction(offload[4:])  # ValueError: not in (0, 1]
-        return "cpu" if fraction == 1 else f"cpu:{fraction:g}"
+        return "cpu" if fraction == 1 else f"cpu:{fraction!r}"
     raise ValueError("estimate: offload must be none, cpu, cpu:FRACTION, disk or disk+params "
                      "(or a bool), "
                      f"got {offload!r}")
