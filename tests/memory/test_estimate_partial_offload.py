@@ -61,3 +61,4 @@ def test_a_fraction_keeps_its_digits():
     assert none.lines["optimizer states"] - two.lines["optimizer states"] == moved
     assert offload_mode(f"cpu:{2 / 3!r}") == f"cpu:{2 / 3!r}"
     assert offload_mode("cpu:0.50") == "cpu:0.5" and offload_mode("cpu:1") == "cpu"
+    assert f", offload cpu:{2 / 3!r}, " in two.table().splitlines()[0]
