@@ -162,3 +162,69 @@ def test_bisect_first_finds_the_threshold_and_never_answers_wrong():
     pattern = [False, True, False, False, True, True, False, True]
     first = bisect_first(len(pattern), pattern.__getitem__)
     assert pattern[first] and not pattern[first - 1]
+
+
+def _trainer_count(blocks: int, text: str) -> int:
+    """How many of ``blocks`` blocks the trainer offloads for ``--parallel.offload
+    text``: the flag's own parser, the config's check, then the count unit_offload
+    takes (parse_fraction, offloaded_blocks)."""
+    from fullshard.offload.fraction import offloaded_blocks, parse_fraction
+    from fullshard.train.config.schema import _check_offload_fraction, _offload_from_text
+
+    offload = _offload_from_text([text])
+    _check_offload_fraction(offload)
+    return len(offloaded_blocks(range(blocks), parse_fraction(offload[len("cpu:"):])))
+
+
+def _printed(k: int, blocks: int) -> str:
+    """What plan's command carries for the last k of ``blocks`` (all: cpu:1.0)."""
+    from fullshard.memory.plan import Candidate
+
+    if k == blocks:
+        return f"cpu:{1.0!r}"
+    return Candidate("full_shard", False, True, 1, 1, 1.0, offload_blocks=k,
+                     blocks=blocks).offload_mode
+
+
+def _ceil_alone_is_off() -> list[tuple[int, int]]:
+    import math
+
+    return [(k, n) for n in range(1, 97) for k in range(1, n + 1)
+            if math.ceil(float(_printed(k, n)[len("cpu:"):]) * n) != k]
+
+
+def test_the_printed_fraction_gives_the_trainer_k_blocks_for_every_k_up_to_96():
+    """plan prints ``cpu:repr(k / L)``; for every k <= L <= 96 the trainer reads it back
+    as exactly k of L blocks. A bare ceil(F x L) would not: repr(7 / 25) x 25 is
+    7.000000000000001, one of 108 such pairs, for which offloaded_blocks allows (one of
+    them goes through the whole command line here, all of them in the next test)."""
+    wrong = [(k, n) for n in range(1, 97) for k in range(1, n + 1)
+             if _trainer_count(n, _printed(k, n)) != k]
+    assert not wrong, wrong[:10]
+    off = _ceil_alone_is_off()
+    assert len(off) == 108 and (7, 25) in off
+    _through_the_command_line(7, 25)
+
+
+@pytest.mark.extended  # 11 s
+def test_the_printed_fraction_survives_the_trainers_command_line():
+    """The whole flag path for each pair k <= L <= 96 where ceil(F x L) alone is off."""
+    for k, blocks in _ceil_alone_is_off():
+        _through_the_command_line(k, blocks)
+
+
+def _through_the_command_line(k: int, blocks: int) -> None:
+    """``fullshard train``'s parser, resolve_config, then unit_offload on the model."""
+    import torch
+
+    from fullshard.cli.train import build_parser, resolve_config
+    from fullshard.gpt import GPT
+    from fullshard.train.model import unit_offload
+
+    argv = ["--preset", "debug", "--gpt.n_layers", str(blocks),
+            "--parallel.offload", _printed(k, blocks)]
+    cfg, _ = resolve_config(build_parser().parse_args(argv))
+    with torch.device("meta"):
+        model = GPT(cfg.gpt)
+    policy_of = unit_offload(model, cfg.parallel)
+    assert sum(policy_of(b) is not None for b in model.layers) == k, (k, blocks)
