@@ -1,5 +1,6 @@
 """``fullshard estimate`` on the command line (cli/memory.py): one estimate, a sweep over
-strategies, the ZeRO table, and the expert-parallel degree."""
+strategies, the ZeRO table, and the expert-parallel degree; and the partial offload
+``fullshard plan`` prints, as the trainer reads it."""
 
 import pytest
 
@@ -61,3 +62,32 @@ def test_a_fraction_estimate_cannot_take_is_a_usage_error(capsys, value):
     assert exit_.value.code == 2
     said = capsys.readouterr().err
     assert said.startswith("fullshard estimate: --offload: ") and len(said.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_plan_prints_a_partial_offload_the_trainer_runs_with_the_same_blocks(capsys):
+    """GPT-2 124M on two ranks of 2.1 GiB: the plan offloads 2 of its 12 blocks (with
+    checkpointing), and the command it prints, read by `fullshard train`'s own parser,
+    offloads exactly those 2."""
+    import re
+
+    import torch
+
+    from fullshard.cli.memory import plan_main
+    from fullshard.cli.train import build_parser, resolve_config
+    from fullshard.gpt import GPT
+    from fullshard.train.model import unit_offload
+
+    assert plan_main(["--preset", "gpt2-124m", "--world-size", "2", "--budget-gib", "2.1",
+                      "--allow-offload"]) == 0
+    out = capsys.readouterr().out
+    k, blocks = map(int, re.search(r"offload of the last (\d+) of (\d+) blocks", out).groups())
+    assert (k, blocks) == (2, 12), out
+    command = out.strip().splitlines()[-1]
+    assert f"--parallel.offload cpu:{2 / 12!r}" in command
+    cfg, _ = resolve_config(build_parser().parse_args(command.split()[2:]))
+    assert cfg.parallel.activation_checkpointing
+    with torch.device("meta"):
+        model = GPT(cfg.gpt)
+    policy_of = unit_offload(model, cfg.parallel)
+    assert [policy_of(b) is not None for b in model.layers] == [False] * 10 + [True] * 2

@@ -5,6 +5,9 @@ a meta-device GPT, shards it, materializes it and trains 2 steps under a
 MemoryTracker; the second step's peak must be within 10% of ``estimate``. The
 estimate for the CPU assumes ``tune_cpu_allocator()`` (Note [glibc's mmap threshold on
 CPU]), so each rank applies it first, as ``fullshard train`` does.
+
+A partial offload (cpu:FRACTION) cannot be told apart in a peak RSS, where device and
+host are one memory; for it the bytes each side holds are compared instead.
 """
 
 import pytest
@@ -173,3 +176,82 @@ def test_quantized_communication_estimate_within_10_percent_of_measured_peak():
         print(f"int8 communication, rank {rank}: measured {report['peak_bytes'] / MIB:.0f} "
               f"MiB, estimated {est.total / MIB:.0f} MiB ({error:+.1%})")
         assert abs(error) <= 0.10, (rank, report["peak_bytes"] / MIB, est.table())
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their local pieces)."""
+    storages = {}
+    for t in tensors:
+        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def train_partially_offloaded(cfg: GPTConfig, offload: str) -> dict:
+    """Shard ``cfg``'s GPT with the trainer's per-unit policies for ``--parallel.offload
+    offload`` and train 2 AdamW steps; after the second backward, with every gradient
+    and (from the first step) every state alive, the bytes of the sharded parameters,
+    gradients and optimizer states of the units kept on the device and of those
+    offloaded."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from fullshard.train.config.schema import get_preset
+    from fullshard.train.model import unit_offload
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    policy_of = unit_offload(model, dataclasses.replace(get_preset("debug").parallel,
+                                                        offload=offload))
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=policy_of(layer))
+    fully_shard(model, offload_policy=policy_of(model))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    held = {}
+    for step in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+        lm_loss(model(tokens), torch.roll(tokens, -1, 1)).backward()
+        if step == 1:
+            for side in ("device", "host"):
+                groups = [g for g in model._unit.root.members
+                          if (g.offload is not None) == (side == "host")]
+                params = [sp.sharded_param for g in groups for sp in g.params]
+                held[side] = {
+                    "sharded parameters": _storage_bytes(g.flat_shard for g in groups),
+                    "gradients": _storage_bytes(p.grad for p in params if p.grad is not None),
+                    "optimizer states": _storage_bytes(
+                        v for p in params for k, v in optim.state[p].items() if k != "step")}
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return held
+
+
+@pytest.mark.slow
+def test_a_fraction_offloaded_matches_the_bytes_each_side_holds():
+    """2 of 3 blocks (1.2M elements each, each a group of its own) offloaded as plan
+    prints it, cpu:0.6666666666666666, on 2 ranks: the
+    shards and AdamW states fullshard keeps on the device are the estimate's device
+    lines, byte for byte; what the offloaded units hold (shards, gradients, states) is
+    its host memory; and the gradients it moves off the device are the offloaded
+    units' (the device line itself is the backward peak's, which also holds the
+    gradients being reduced)."""
+    cfg = GPTConfig(vocab_size=256, seq_len=SEQ, d_model=320, n_layers=3, n_heads=4)
+    kwargs = dict(world_size=2, batch_size=BATCH, seq_len=SEQ, device="cpu",
+                  process_baseline=0)
+    fraction = f"cpu:{2 / 3!r}"
+    est, kept = (estimate(cfg, offload=o, **kwargs) for o in (fraction, "none"))
+    for rank, held in enumerate(run_distributed(train_partially_offloaded, 2, cfg, fraction,
+                                                timeout=300)):
+        device, host = held["device"], held["host"]
+        print(f"rank {rank}: measured device {device}, host {host}; estimated "
+              f"{ {c: est.lines[c] for c in device} }, host {est.host_bytes}")
+        for line in ("sharded parameters", "optimizer states"):
+            assert device[line] == est.lines[line], (rank, line, device, est.table())
+        assert sum(host.values()) == est.host_bytes, (rank, host, est.host_bytes)
+        moved = kept.lines["gradients"] - est.lines["gradients"]
+        assert host["gradients"] == moved, (rank, host, moved)
+        assert 0 < device["gradients"] <= est.lines["gradients"]

@@ -6,7 +6,7 @@ the byte accounting instead."""
 import pytest
 
 from fullshard.gpt import GPTConfig
-from fullshard.memory.estimate import estimate_traced, trace_workload
+from fullshard.memory.estimate import estimate_traced, offload_mode, trace_workload
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
 STATES = ("sharded parameters", "gradients", "optimizer states")
@@ -48,3 +48,17 @@ def test_impossible_fractions_are_refused(step):
     for bad in ("cpu:0", "cpu:1.5", "cpu:x"):
         with pytest.raises(ValueError, match="cpu:"):
             _run(step, bad)
+
+
+def test_a_fraction_keeps_its_digits():
+    """cpu:0.6666666666666666 is 2 of 3 blocks; six significant digits (0.666667) would
+    make it 3 of them, as ceil(0.666667 x 3) is."""
+    step3 = trace_workload(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=3,
+                                     n_heads=2), batch_size=1)
+    two = estimate_traced(step3, world_size=2, offload=f"cpu:{2 / 3!r}", process_baseline=0)
+    moved = sum(_state_bytes(b) for b in step3.model.layers[1:])
+    none = estimate_traced(step3, world_size=2, offload="none", process_baseline=0)
+    assert none.lines["optimizer states"] - two.lines["optimizer states"] == moved
+    assert offload_mode(f"cpu:{2 / 3!r}") == f"cpu:{2 / 3!r}"
+    assert offload_mode("cpu:0.50") == "cpu:0.5" and offload_mode("cpu:1") == "cpu"
+    assert f", offload cpu:{2 / 3!r}, " in two.table().splitlines()[0]

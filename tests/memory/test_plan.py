@@ -33,7 +33,8 @@ def test_plan_takes_the_cheapest_configuration_that_fits(capsys):
 def test_plan_keeps_the_batch_and_counts_what_accumulation_keeps():
     # Note [how plans are ranked]: micro-batches divide the batch, and one below it keeps
     # every unsharded gradient (fp32) until the last micro-batch reduces
-    from fullshard.memory.plan import _with_accumulators, candidates
+    from fullshard.memory.plan import candidates
+    from fullshard.memory.plan_search import with_accumulators as _with_accumulators
     assert {c.micro_batch for c in candidates(6, False)} == {6, 3, 1}
     assert {c.micro_batch for c in candidates(5, False)} == {5, 1}
     assert all(c.micro_batch * c.grad_accum == 5 for c in candidates(5, False))

@@ -96,22 +96,33 @@ def test_bad_quantization_options_are_one_line_errors():
 @pytest.mark.extended
 def test_70b_qlora_fits_two_24gb_gpus_with_offload_and_checkpointing(capsys):
     """The FSDP+QLoRA recipe's case: Llama 70B, NF4 base, LoRA rank 64, bf16, two 24 GB
-    GPUs. It needs CPU offload and activation checkpointing; the plan must find that."""
+    GPUs. It needs CPU offload and activation checkpointing; the plan must find that,
+    offloading the fewest of the 80 blocks that let it fit."""
     budget = 24 * GIB
-    result = plan(LLAMA_70B, world_size=2, budget_bytes=budget, batch_size=1, seq_len=2048,
-                  mp_policy=torch.bfloat16, quantize="nf4", lora_rank=64, allow_offload=True)
+    kw = dict(world_size=2, batch_size=1, seq_len=2048, mp_policy=torch.bfloat16,
+              quantize="nf4", lora_rank=64)
+    result = plan(LLAMA_70B, budget_bytes=budget, allow_offload=True, **kw)
     assert result.choice is not None, result.explain()
     assert result.choice.offload and result.choice.activation_checkpointing
     assert result.choice.strategy == "full_shard"
     assert result.estimate.total * 1.1 <= budget
-    # on each rank's host: half the NF4 blocks (16 GiB), half the fp32 embedding and
-    # output layer (4 GiB), the adapters' shards and AdamW states (5 GiB)
-    assert 22 * GIB < result.estimate.host_bytes < 28 * GIB
+    k = result.choice.offload_blocks
+    assert result.choice.blocks == 80 and 0 < k < 80, result.explain()
+    fewer = estimate(LLAMA_70B, offload=f"cpu:{(k - 1) / 80!r}", activation_checkpointing=True,
+                     **kw)
+    assert fewer.total * 1.1 > budget
+    # everything offloaded fits too, and holds on each rank's host half the NF4 blocks
+    # (16 GiB), half the fp32 embedding and output layer (4 GiB), the adapters' shards
+    # and AdamW states (5 GiB); the partial offload keeps the embedding and output layer
+    # and 80 - k blocks on the GPU
+    full = estimate(LLAMA_70B, offload="cpu", activation_checkpointing=True, **kw)
+    assert full.total * 1.1 <= budget
+    assert 22 * GIB < full.host_bytes < 28 * GIB
+    assert result.estimate.host_bytes < full.host_bytes - 4 * GIB
     # without offload the quantized shards alone take most of the GPU: nothing fits
-    assert plan(LLAMA_70B, world_size=2, budget_bytes=budget, batch_size=1, seq_len=2048,
-                mp_policy=torch.bfloat16, quantize="nf4", lora_rank=64).choice is None
+    assert plan(LLAMA_70B, budget_bytes=budget, **kw).choice is None
     assert "--lora.rank 64 --lora.base nf4" in result.train_flags("bf16")
-    assert "--parallel.offload cpu" in result.train_flags("bf16")
+    assert f"--parallel.offload cpu:{k / 80!r}" in result.train_flags("bf16")
 
 
 def test_cli_plan_prints_the_qlora_flags(tmp_path, capsys):

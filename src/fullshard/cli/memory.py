@@ -220,7 +220,9 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=MARGIN, default=0.10,
                         help="headroom over the estimate (default 0.10)")
     parser.add_argument("--allow-offload", action="store_true",
-                        help="consider CPU offload (fullshard train --parallel.offload cpu)")
+                        help="consider CPU offload: of the last k of the model's L blocks, "
+                        "the smallest k that fits (fullshard train --parallel.offload "
+                        "cpu:FRACTION), or of everything (cpu)")
     parser.add_argument("--host-budget-gib", type=BUDGET_GIB,
                         help="host memory per rank, GiB: offloaded plans must fit it too")
     parser.add_argument("--offload-dir", metavar="PATH", help="with --allow-offload, also "

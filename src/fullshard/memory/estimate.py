@@ -69,7 +69,8 @@ class MemoryEstimate:
                 + (", activation checkpointing" if s["activation_checkpointing"] else "")
                 + ({"cpu": ", offload", "disk": ", offload (states on disk)",
                     "disk+params": ", offload (states and parameters on disk)"}.get(
-                    s["offload"], ""))
+                    s["offload"], f", offload {s['offload']}" if s["offload"] != "none"
+                    else ""))
                 + (f", {s['quantize']} weights" if s.get("quantize") else "")
                 + (f", LoRA rank {s['lora_rank']} ({self.trainable_params / 1e6:,.1f}M "
                    "trainable)" if s.get("lora_rank") else "") + f", {s['device']}")
@@ -287,11 +288,17 @@ def offloaded_units(units: list[nn.Module], offload: str) -> frozenset[int]:
     last blocks and the units inside them (Note [which blocks a fraction offloads])."""
     if not offload.startswith("cpu:"):
         return frozenset()
-    root = units[-1]
-    blocks = [u for u in units[:-1] if type(u) in repeated_block_classes(root)]
+    blocks = [units[i] for i in block_units(units)]
     inside = {id(m) for b in offloaded_blocks(blocks, float(offload[4:]))
               for m in b.modules()}
     return frozenset(i for i, u in enumerate(units[:-1]) if id(u) in inside)
+
+
+def block_units(units: list[nn.Module]) -> list[int]:
+    """Indices, in model order, of the units that are the root's repeated blocks: the L
+    blocks a ``cpu:FRACTION`` counts (the root is ``units[-1]``)."""
+    classes = repeated_block_classes(units[-1])
+    return [i for i, u in enumerate(units[:-1]) if type(u) in classes]
 
 
 def offload_mode(offload: bool | str) -> str:
@@ -305,7 +312,7 @@ def offload_mode(offload: bool | str) -> str:
         return offload
     if isinstance(offload, str) and offload.startswith("cpu:"):
         fraction = parse_fraction(offload[4:])  # ValueError: not in (0, 1]
-        return "cpu" if fraction == 1 else f"cpu:{fraction:g}"
+        return "cpu" if fraction == 1 else f"cpu:{fraction!r}"
     raise ValueError("estimate: offload must be none, cpu, cpu:FRACTION, disk or disk+params "
                      "(or a bool), "
                      f"got {offload!r}")

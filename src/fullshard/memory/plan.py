@@ -9,6 +9,9 @@ fits wins:
                keeps it gathered; no_shard gathers nothing and all-reduces)
     + activation checkpointing   x 1.33  (forward runs twice for the blocks)
     + offload (only if allowed)  x 2.00  (host-device copies and a CPU optimizer)
+    + offload of k of L blocks   x (1 + 1.00 k/L)  (the offload factor's excess scaled
+                                 by the fraction: k = 1 .. L-1, every distinct
+                                 fraction of the model's L blocks; full_shard only)
     + states on disk             x 1.30 more (only with a states directory, and then
                                  only when a host budget rules CPU offload out)
     + parameters on disk too     x 1.30 more again (likewise, when states on disk
@@ -20,6 +23,13 @@ fits wins:
     expert parallelism x 1.00  (a model with grouped experts, full_shard or
                                shard_grad_op: each degree N dividing both the experts
                                and the world size, the smallest first at equal cost)
+
+A partial offload (``--parallel.offload cpu:FRACTION``, Note [which blocks a fraction
+offloads]) moves the last k blocks' shards, gradients and states to the host and pays
+for their copies and host steps only, so its cost lies between no offload and full
+offload, and a fitting one ranks ahead of full offload. Of each family of partial
+offloads (one strategy, checkpointing, micro-batch and expert-parallel degree) the plan
+takes the smallest k that fits (Note [finding the smallest k]).
 
 Expert parallelism is not charged: it trades a block's expert all-gathers and
 reduce-scatters over every rank for the same over world / N ranks of 1/N of the experts,
@@ -50,13 +60,15 @@ offload choice and expert-parallel degree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
 
 from ..gpt import GroupedExperts, MoE
-from .estimate import MemoryEstimate, TracedStep, estimate_traced, trace_workload
+from ..core.state import DEFAULT_BUCKET_NUMEL
+from .estimate import MemoryEstimate, block_units
+from .plan_search import Judge, blocks_stay_apart
 
 STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
 CHECKPOINTING_COST = 1.33
@@ -76,6 +88,31 @@ class Candidate:
     states_on_disk: bool = False  # offload with DiskOffloadPolicy
     params_on_disk: bool = False  # ... and params=True
     ep: int = 1                   # experts split over this many ranks
+    offload_blocks: int = 0       # offload only the last k ...
+    blocks: int = 0               # ... of the model's L blocks (cpu:k/L)
+
+    @property
+    def offload_mode(self) -> str:
+        """estimate's ``offload`` and the trainer's ``--parallel.offload`` value. A
+        fraction is written as ``repr(k / L)``: the shortest text that reads back as
+        the same float, which the trainer's parser turns into exactly k blocks (tested
+        for every k <= L <= 96, Note [which blocks a fraction offloads])."""
+        if self.states_on_disk:
+            return "disk+params" if self.params_on_disk else "disk"
+        if self.offload_blocks:
+            return f"cpu:{self.offload_blocks / self.blocks!r}"
+        return "cpu" if self.offload else "none"
+
+    @property
+    def family(self) -> tuple[str, bool, int, int]:
+        """What the partial offloads that differ only in k share."""
+        return (self.strategy, self.activation_checkpointing, self.micro_batch, self.ep)
+
+    @property
+    def rank(self) -> tuple[float, int, int]:
+        """The order of preference: cheapest, then the larger micro-batch, then fewer
+        ranks per expert."""
+        return (self.cost, -self.micro_batch, self.ep)
 
 
 @dataclass(frozen=True)
@@ -117,7 +154,7 @@ class Plan:
             if c.params_on_disk:
                 flags.append("--parallel.offload_params true")
         elif c.offload:
-            flags.append("--parallel.offload cpu")
+            flags.append(f"--parallel.offload {c.offload_mode}")
         if c.ep > 1:
             flags.append(f"--parallel.ep {c.ep}")
         if precision:
@@ -136,7 +173,9 @@ class Plan:
 def _describe(c: Candidate) -> str:
     parts = [c.strategy] + ([f"experts split over {c.ep} ranks"] if c.ep > 1 else []) \
         + (["activation checkpointing"] if c.activation_checkpointing else []) \
-        + ([_OFFLOADS[(c.states_on_disk, c.params_on_disk)]] if c.offload else [])
+        + ([f"offload of the last {c.offload_blocks} of {c.blocks} blocks"]
+           if c.offload_blocks else
+           [_OFFLOADS[(c.states_on_disk, c.params_on_disk)]] if c.offload else [])
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
 
 
@@ -155,9 +194,10 @@ def expert_degrees(model: nn.Module, world_size: int) -> tuple[int, ...]:
 
 def candidates(batch_size: int, allow_offload: bool,
                strategies: tuple[str, ...] = tuple(STRATEGY_COST),
-               allow_disk: bool = False, ep_degrees: tuple[int, ...] = (1,)
-               ) -> list[Candidate]:
-    """Every configuration considered, cheapest first (Note [how plans are ranked])."""
+               allow_disk: bool = False, ep_degrees: tuple[int, ...] = (1,),
+               blocks: int = 0) -> list[Candidate]:
+    """Every configuration considered, cheapest first (Note [how plans are ranked]);
+    with ``allow_offload``, the offload of the last k of ``blocks`` for k = 1 .. L-1."""
     micro_batches, mb, halvings = [], batch_size, 0
     while mb >= 1:
         if batch_size % mb == 0:  # accumulation reaches exactly the batch asked for
@@ -167,33 +207,32 @@ def candidates(batch_size: int, allow_offload: bool,
     for strategy in strategies:
         base = STRATEGY_COST[strategy]
         for ac in (False, True):
-            offloads = [(False, 0)] + ([(True, 0)] if allow_offload else []) \
-                + ([(True, 1), (True, 2)] if allow_offload and allow_disk else [])
-            for offload, disk in offloads:  # disk: 1 states, 2 states and parameters
+            # (offload, the last k blocks only or 0: all, disk: 1 states, 2 and parameters)
+            offloads = [(False, 0, 0)] + ([(True, k, 0) for k in range(1, blocks)]
+                                          + [(True, 0, 0)] if allow_offload else []) \
+                + ([(True, 0, 1), (True, 0, 2)] if allow_offload and allow_disk else [])
+            for offload, k, disk in offloads:
                 if offload and strategy != "full_shard":
                     continue
                 for halvings, mb in micro_batches:
                     cost = base * (CHECKPOINTING_COST if ac else 1) \
-                        * (OFFLOAD_COST if offload else 1) * DISK_COST ** disk \
+                        * _offload_cost(offload, k, blocks) * DISK_COST ** disk \
                         * HALVING_COST ** halvings
                     for ep in ep_degrees:
                         if ep > 1 and strategy not in ("full_shard", "shard_grad_op"):
                             continue
                         out.append(Candidate(strategy, ac, offload, mb, batch_size // mb,
-                                             round(cost, 4), disk >= 1, disk == 2, ep))
-    return sorted(out, key=lambda c: (c.cost, -c.micro_batch, c.ep))
+                                             round(cost, 4), disk >= 1, disk == 2, ep,
+                                             k, blocks if k else 0))
+    return sorted(out, key=lambda c: c.rank)
 
 
-ACCUMULATOR_BYTES = 4  # fp32, the trainer's reduce dtype
-
-
-def _with_accumulators(est: MemoryEstimate, cand: Candidate) -> MemoryEstimate:
-    """Note [how plans are ranked]: the unsharded gradients accumulation keeps."""
-    if cand.grad_accum == 1 or (cand.strategy == "no_shard"
-                                and est.settings["dtype"] == "float32"):
-        return est
-    extra = ACCUMULATOR_BYTES * est.trainable_params
-    return replace(est, lines={**est.lines, "accumulated gradients": extra})
+def _offload_cost(offload: bool, k: int, blocks: int) -> float:
+    """Note [how plans are ranked]: 1 without offload, OFFLOAD_COST with all of it (k
+    0), its excess scaled by k / L for the last k of L blocks."""
+    if not offload:
+        return 1.0
+    return 1 + (OFFLOAD_COST - 1) * k / blocks if k else OFFLOAD_COST
 
 
 def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size: int,
@@ -202,8 +241,9 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
          **estimate_kwargs: Any) -> Plan:
     """The cheapest candidate whose estimate x (1 + margin) fits ``budget_bytes`` (and,
     offloaded, whose host memory x (1 + margin) fits ``host_budget_bytes`` if given).
-    With ``offload_dir`` (and ``allow_offload``) offload with the optimizer states in
-    that directory is a candidate too.
+    With ``allow_offload``, offloading the last k of the model's L blocks is a candidate
+    for each k < L, the smallest k that fits taken (Note [finding the smallest k]); with
+    ``offload_dir`` too, offload with the optimizer states in that directory.
 
     ``batch_size`` is the per-rank batch wanted per optimizer step; smaller micro-batches
     reach it by gradient accumulation. Other keywords go to ``estimate``."""
@@ -213,32 +253,32 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
     quantized_comm = replay_kwargs.get("quantize_comm", "none") != "none"
     strategies = tuple(s for s in STRATEGY_COST if not (
         s == "no_shard" and world_size > 1 and (trace_kwargs.get("quantize") or quantized_comm)))
-    rejected: list[tuple[Candidate, int]] = []
+    judge = Judge(model_or_config, world_size, seq_len, trace_kwargs, replay_kwargs,
+                   budget_bytes, host_budget_bytes, margin)
     # the cheapest candidate is always the whole micro-batch without recomputation or
     # split experts: its trace, needed anyway, also says which degrees the model can run
-    whole = (False, batch_size, False)
-    traces: dict[tuple[bool, int, bool], TracedStep] = {whole: trace_workload(
-        model_or_config, batch_size=batch_size, seq_len=seq_len, **trace_kwargs)}
-    degrees = expert_degrees(traces[whole].model, world_size)
-    found = lambda cand, est: Plan(cand, est, budget_bytes, rejected,  # noqa: E731
-                                   host_budget_bytes, offload_dir)
-    for cand in candidates(batch_size, allow_offload, strategies, offload_dir is not None,
-                           degrees):
-        key = (cand.activation_checkpointing, cand.micro_batch, cand.ep > 1)
-        if key not in traces:
-            traces[key] = trace_workload(
-                model_or_config, activation_checkpointing=cand.activation_checkpointing,
-                batch_size=cand.micro_batch, seq_len=seq_len, split_experts=cand.ep > 1,
-                **trace_kwargs)
-        offload = ("disk+params" if cand.params_on_disk else "disk") if cand.states_on_disk \
-            else cand.offload
-        est = _with_accumulators(estimate_traced(
-            traces[key], world_size=world_size, strategy=cand.strategy, offload=offload,
-            ep=cand.ep, **replay_kwargs), cand)
-        if est.total * (1 + margin) > budget_bytes:
-            rejected.append((cand, est.total))
-        elif host_budget_bytes is not None and est.host_bytes * (1 + margin) > host_budget_bytes:
-            rejected.append((cand, -est.host_bytes))  # negative: the host is what is over
-        else:
-            return found(cand, est)
-    return found(None, None)
+    # and how many blocks a fraction counts
+    whole = judge.trace(False, batch_size, False)
+    listed = candidates(batch_size, allow_offload, strategies, offload_dir is not None,
+                        expert_degrees(whole.model, world_size), len(block_units(whole.units)))
+    scan = not blocks_stay_apart(whole, replay_kwargs.get("bucket_numel",
+                                                           DEFAULT_BUCKET_NUMEL))
+    best: tuple[Candidate, MemoryEstimate] | None = None
+    searched: set[tuple] = set()
+    for cand in listed:
+        if best is not None and cand.rank >= best[0].rank:
+            break  # nothing from here on is cheaper than the partial offload found
+        if cand.offload_blocks:
+            if cand.family not in searched:
+                searched.add(cand.family)
+                family = [c for c in listed if c.offload_blocks and c.family == cand.family
+                          and (best is None or c.rank < best[0].rank)]
+                best = judge.smallest_fitting(family, scan) or best
+            continue
+        est = judge.fits(cand)
+        if est is not None:
+            best = (cand, est)
+            break
+    judge.rejected.sort(key=lambda entry: entry[0].rank)
+    return Plan(best and best[0], best and best[1], budget_bytes, judge.rejected,
+                host_budget_bytes, offload_dir)

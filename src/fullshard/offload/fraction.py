@@ -8,7 +8,10 @@ blocks because both ends of a step favour them: backward reduces their gradients
 so their device-to-host copies and host work start while the device-resident earlier
 blocks still run backward; and the next forward gathers the first blocks first, so it
 starts without a host-to-device copy, giving the copies of the later, offloaded blocks
-time to arrive. Rounding up means any f > 0 offloads at least one block.
+time to arrive. Rounding up means any f > 0 offloads at least one block. It allows 1e-9
+below an integer because a fraction written as the shortest text of k / L (what
+``fullshard plan`` prints) can read back a hair above it: 0.28 x 25 is
+7.000000000000001, and a bare ceil would offload 8 of 25 blocks for cpu:0.28.
 """
 
 from __future__ import annotations
