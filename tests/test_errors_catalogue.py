@@ -815,6 +815,8 @@ _TESTED_ELSEWHERE = {
     "E169": "tests/checkpoint/test_verify.py::"
             "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
     "E260": "tests/core/test_structure.py::test_different_models_are_named_on_every_rank",
+    "E304": "tests/train/test_loop.py::"
+            "test_symmetric_memory_where_it_cannot_work_names_the_flag",
     "E29": "tests/core/test_divergence.py::test_divergence_raises_on_every_rank",
     "E30": "tests/core/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
     "E130": "tests/core/test_arrival.py::"

@@ -11,6 +11,7 @@ from fullshard.train.config.schema import ConfigError, OptimConfig, get_preset
 from fullshard.train.config.flags import apply_overrides
 from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer, learning_rate, on_device, step_or_skip
+from support.catalogue import matches_documented
 from support.train_runs import QUIET, train_losses
 
 def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
@@ -80,6 +81,15 @@ def test_data_dependent_errors_name_the_field():
     errors = run_distributed(_config_error, 2, {"parallel.strategy": "hybrid_shard",
                                                 "parallel.replicas": 3})
     assert "parallel.replicas: 3 does not divide the world size 2" in errors[0]
+
+
+def test_symmetric_memory_where_it_cannot_work_names_the_flag():
+    """--parallel.symm_mem true on CPU (gloo, a CPU torch): every rank refuses before any
+    collective, naming the flag, instead of training without it."""
+    errors = run_distributed(_config_error, 2, {"parallel.symm_mem": True})
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("parallel.symm_mem: true cannot work here ("), errors[0]
+    assert matches_documented("E304", f"ConfigError: {errors[0]}"), errors[0]
 
 
 

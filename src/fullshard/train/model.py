@@ -361,7 +361,24 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, meshes: Meshes) -> n
                     isinstance(unit, GroupedExperts) and meshes.experts["efsdp"].size() == 1):
                 unit.set_quantized_communication(weights="weights" in words,
                                                  grads="grads" in words, recurse=False)
+    if parallel.symm_mem:  # Note [staging buffers from the process group]
+        _use_symmetric_memory(sharded)
     return sharded
+
+
+def _use_symmetric_memory(sharded: nn.Module) -> None:
+    """``--parallel.symm_mem``: every unit's all-gathers into symmetric memory, or the
+    flag named where it cannot work (every rank checks alone, before any collective)."""
+    for unit in sharded.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        try:
+            unit.set_symm_mem_for_comm()
+        except (RuntimeError, ValueError) as err:
+            why = str(err).splitlines()[0]
+            raise ConfigError(f"parallel.symm_mem: true cannot work here ({why}); it needs "
+                              "CUDA devices, NCCL and a torch built with symmetric memory. "
+                              "Leave it false.") from None
 
 
 def unit_offload(model: nn.Module, parallel: ParallelConfig

@@ -201,6 +201,10 @@ class ParallelConfig:
     """Communicate in int8 with one fp32 scale per 256 elements (ZeRO++): weights (the
     all-gathers), grads (the reduce-scatters, summed in fp32), or weights,grads. For
     bandwidth-bound links; the shards, optimizer and checkpoints stay exact."""
+    symm_mem: bool = False
+    """Gather every unit's parameters into NCCL symmetric memory (set_symm_mem_for_comm:
+    NCCL's copy-engine or symmetric-kernel all-gathers). Needs CUDA, NCCL and a torch
+    built with symmetric memory; refused otherwise."""
     overlap_step: bool = True
     """With --parallel.offload cpu or cpu:FRACTION, step the offloaded blocks on a host
     thread while the next forward runs, each block's forward waiting for its own step
