@@ -3,6 +3,7 @@
     python benchmarks/gpu.py                          # G1-G4, every implementation
     python benchmarks/gpu.py --workloads G2 --impls fullshard,fsdp2
     python benchmarks/gpu.py --tiny --device cpu      # the same code on CPU, tiny shapes
+    python benchmarks/gpu.py --workloads G2 --impls fullshard,fullshard-symm  # symmetric memory on/off
 
 Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused AdamW):
   G1 compute-bound: d=1536, 24 layers, 12 heads, vocab 32000, batch 8 x 1024
@@ -49,6 +50,9 @@ from llama import Llama, LlamaConfig  # noqa: E402
 from fullshard.testing import free_port  # noqa: E402
 
 IMPLS = ("plain", "fsdp2", "fullshard", "megatron")
+# on request only (--impls): fullshard with its all-gathers into NCCL symmetric memory
+# (set_symm_mem_for_comm), to measure against "fullshard"
+EXTRA_IMPLS = ("fullshard-symm",)
 H100_BF16_DENSE_TFLOPS = 989.0
 
 
@@ -104,7 +108,7 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
         return model.to(device)
     if impl == "megatron":
         return model  # sharded with its optimizer: _megatron
-    if impl == "fullshard":
+    if impl in ("fullshard", "fullshard-symm"):
         from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from fullshard.testing import collectives_at_one_rank
         # one GPU: gather and reduce as FSDP2 does at world size 1 (its collectives run on
@@ -123,6 +127,10 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if impl == "fullshard-symm":
+        for module in model.modules():
+            if hasattr(module, "set_symm_mem_for_comm"):
+                module.set_symm_mem_for_comm()
     return model
 
 
@@ -377,7 +385,8 @@ def _ratio(r: dict, base: dict | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="G1,G2,G3,G4")
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"of {', '.join(IMPLS + EXTRA_IMPLS)}; {EXTRA_IMPLS[0]} on request only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"])
     parser.add_argument("--nproc", type=int, help="processes (default: every visible GPU)")
@@ -403,6 +412,10 @@ def main() -> None:
         for impl in args.impls.split(","):
             if impl == "plain" and WORKLOADS[workload].offload:
                 continue  # a plain loop does not offload
+            if impl == "fullshard-symm" and args.device != "cuda":
+                print(f"fullshard-symm on {workload}: skipped (symmetric memory needs CUDA "
+                      "and NCCL)", file=sys.stderr, flush=True)
+                continue
             if impl == "megatron" and (why := _megatron_skipped(WORKLOADS[workload], args.device)):
                 print(f"megatron on {workload}: skipped ({why})", file=sys.stderr, flush=True)
                 continue
