@@ -114,7 +114,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,20 @@ def outside_inference_mode(transition: Callable) -> Callable:
     return run
 
 
+class _Gather(NamedTuple):
+    """A group's gather in flight (its state GATHERING): what to wait on; ``direct``: it
+    writes the unsharded buffer itself (else a rank-major buffer copied out after);
+    ``pooled``: that buffer is the pool's (a custom or staged one belongs to its allocator)."""
+    pending: Pending
+    direct: bool
+    pooled: bool = True
+
+    def give_back(self, gathered: torch.Tensor, pool: BufferPool) -> None:
+        """Return the rank-major buffer once copied out (or dropped)."""
+        if self.pooled:
+            pool.give(gathered)
+
+
 class ParamGroup:
     """The parameters of one unit and the collectives that move them."""
 
@@ -192,8 +206,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         # the gathered parameters (core/storage.py)
         self.unsharded = UnshardedBuffer(self.storage, self.world_size)
-        self._gather: Pending | None = None
-        self._gather_is_direct = False  # the gather in flight writes the unsharded buffer
+        self._in_flight: _Gather | None = None  # while GATHERING
         # the shard's version counter when the gather in flight or done read it (Note
         # [parameters kept gathered across backward]); None while sharded
         self._gathered_version: int | None = None
@@ -219,7 +232,6 @@ class ParamGroup:
         # torch's communication setters: a reduce-scatter group of its own, reductions in
         # flight, staging buffers not from the pool (core/comm_groups.py)
         self.comm_options: CommOptions = DEFAULT_COMM
-        self._gather_pooled = True  # the gather in flight writes a pooled buffer
         self.grads = GradReduction(self)  # the gradient side (core/gradients.py)
 
     @property
@@ -325,27 +337,41 @@ class ParamGroup:
     # -- unshard / reshard --------------------------------------------------------------
     @outside_inference_mode
     def unshard(self, async_op: bool = False) -> None:
-        """Start gathering the parameters (no-op when already gathering or unsharded)."""
+        """Start gathering the parameters. The transitions: SHARDED -> GATHERING (the
+        shards' all-gather, or a copy where one rank holds everything); POST_FORWARD ->
+        GATHERING (from the 1/N chunk kept after forward); KEPT -> UNSHARDED with no
+        collective, or, when the shard was written since, KEPT -> SHARDED -> GATHERING;
+        GATHERING and UNSHARDED stay as they are. ``wait_unshard`` then ends GATHERING
+        in UNSHARDED."""
         self._check_live("unshard")
         self.finish_host_step()  # the shard a gather reads is the stepped one
-        if self.state is GroupState.POST_FORWARD:
-            self.unsharded.allocate()
-            writer = self.unsharded.writer
-            self._record("all-gather (post-forward subgroup)", writer.numel())
-            self._gather = self.post_forward.gather_into(writer, async_op=async_op,
-                                                         patience=self.patience)
-            self._gather_is_direct = True
-            self.state = GroupState.GATHERING
-            if not async_op:
-                self.wait_unshard()
-            return
         if self.state is GroupState.KEPT:
             if not self.shard_written_since_gathered():
                 self._register_unsharded()  # as gathered: no collective
                 return
             self.reshard_stale()
-        if self.state is not GroupState.SHARDED:
+        if self.state is GroupState.POST_FORWARD:
+            gather = self._gather_post_forward_chunk(async_op)
+        elif self.state is GroupState.SHARDED:
+            gather = self._gather_shards(async_op)
+        else:
             return
+        self._in_flight = gather
+        self.state = GroupState.GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    def _gather_post_forward_chunk(self, async_op: bool) -> "_Gather":
+        """POST_FORWARD -> GATHERING: the parameters from the chunk kept after forward."""
+        self.unsharded.allocate()
+        writer = self.unsharded.writer
+        self._record("all-gather (post-forward subgroup)", writer.numel())
+        return _Gather(self.post_forward.gather_into(writer, async_op=async_op,
+                                                     patience=self.patience), direct=True)
+
+    def _gather_shards(self, async_op: bool) -> "_Gather":
+        """SHARDED -> GATHERING: the tensor-subclass parameters' own gathers, then the flat
+        shards': a collective, or the copy a shard group of one rank makes."""
         self._gathered_version = self._shard_version()
         if not self.unsharded.built:
             self.unsharded.build(self.aliases_shard, self.compute_dtype, self.compute_device)
@@ -353,24 +379,20 @@ class ParamGroup:
             self._record("all-gather (tensor-subclass parameters)", len(self.subclass.params))
             self.subclass.start(self.mp_policy, self.pool, async_op, self.compute_device)
             if not self.flat_params:
-                self._gather, self._gather_is_direct = Pending(self.unsharded.tensor, None), True
-                self.state = GroupState.GATHERING
-                if not async_op:
-                    self.wait_unshard()
-                return
+                return _Gather(Pending(self.unsharded.tensor, None), direct=True)
         if skips_collectives(self.world_size):  # Note [shard groups of one rank]
-            self._gather = Pending(self.unsharded.tensor, None)
+            pending = Pending(self.unsharded.tensor, None)
             if not self.unsharded.is_shard:  # cast / to the device: the copy
                 self.unsharded.allocate()     # stream, so a prefetch overlaps compute
                 with self.copies.to_device() as ordered, traced("copy_in", self.unit_name):
                     self.unsharded.writer.copy_(self.flat_shard, non_blocking=True)
-                    self._gather = ordered(self._gather)
-            self._gather_is_direct = True
-            self.state = GroupState.GATHERING
-            if not async_op:
-                self.wait_unshard()
-            return
-        self._gather_is_direct = False
+                    pending = ordered(pending)
+            return _Gather(pending, direct=True)
+        return self._all_gather(async_op)
+
+    def _all_gather(self, async_op: bool) -> "_Gather":
+        """The flat shards' all-gather into a rank-major buffer (copied out, param-major,
+        by ``wait_unshard``)."""
         dtype, device = self.compute_dtype, self.compute_device
         send = self.flat_shard
         comm = self.all_gather_comm
@@ -406,26 +428,22 @@ class ParamGroup:
             else:  # Note [custom collectives]
                 pending = Pending(out, comm(output_tensor=out, input_tensor=send,
                                             group=self.pg, async_op=async_op))
-            self._gather = ordered(pending)
-        self._gather_pooled = pooled
-        self.state = GroupState.GATHERING
-        if not async_op:
-            self.wait_unshard()
+            return _Gather(ordered(pending), direct=False, pooled=pooled)
 
     @outside_inference_mode
     def wait_unshard(self) -> None:
         """Finish a pending gather: copy out and register the unsharded params."""
         if self.state is not GroupState.GATHERING:
             return
-        gathered = self._gather.wait(f"all-gather of {self.unit_name}", self.patience)
-        self._gather = None
+        gather, self._in_flight = self._in_flight, None
+        gathered = gather.pending.wait(f"all-gather of {self.unit_name}", self.patience)
         if self.storage.on_disk:  # the collective read the shard itself (no copy-in)
             page_out(self.flat_shard)
-        if not self._gather_is_direct:  # gathered rank-major: copy out, param-major
+        if not gather.direct:  # gathered rank-major: copy out, param-major
             self.unsharded.allocate()
             with traced("copy_out", self.unit_name):
                 self.unsharded.copy_out(gathered.view(self.world_size, -1))
-            self._give_gathered(gathered)
+            gather.give_back(gathered, self.pool)
             self.copies.reads_done()  # the copy stream's blocks: Note [streams and events]
         if self.subclass is not None:
             self.subclass.finish(self.param_dtype)
@@ -479,10 +497,10 @@ class ParamGroup:
             self.post_forward.drop()
         elif self.state is GroupState.GATHERING:
             # never drop a buffer under a live collective
-            gathered = self._gather.wait(f"all-gather of {self.unit_name}", self.patience)
-            self._gather = None
-            if not self._gather_is_direct:
-                self._give_gathered(gathered)
+            gather, self._in_flight = self._in_flight, None
+            gathered = gather.pending.wait(f"all-gather of {self.unit_name}", self.patience)
+            if not gather.direct:
+                gather.give_back(gathered, self.pool)
             if self.subclass is not None:
                 self.subclass.drop()
         else:
@@ -517,10 +535,6 @@ class ParamGroup:
         for p in self.params:
             version += p.sharded_param._local_tensor._version
         return version
-
-    def _give_gathered(self, gathered: torch.Tensor) -> None:
-        if self._gather_pooled:  # a custom or staged buffer belongs to its allocator
-            self.pool.give(gathered)
 
     def _own_chunk(self, gathered: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a rank-major all-gather output: its send buffer when the
