@@ -75,8 +75,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .containers import flatten, unflatten
 from .divergence import DivergenceError, Guard, debug_enabled, guarded
 from .group import GroupState, ParamGroup
 from .init import lazy_init
@@ -215,7 +215,7 @@ def _prepare_inputs(unit: UnitState, watched: BackwardSignals | None, args: Any,
     if not kwargs and all(type(a) is torch.Tensor for a in args):
         leaves, spec = list(args), None
     else:
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
     changed = False
     if dtype is not None:
         for i, t in enumerate(leaves):
@@ -225,7 +225,7 @@ def _prepare_inputs(unit: UnitState, watched: BackwardSignals | None, args: Any,
         changed = _watch(watched, leaves) or changed
     if not changed:
         return None
-    return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
+    return (tuple(leaves), kwargs) if spec is None else unflatten(leaves, spec)
 
 
 def _watch(signals: BackwardSignals, leaves: list) -> bool:
@@ -275,7 +275,7 @@ def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
     tensors on the CPU for a model computing elsewhere (integer CPU tensors such as
     sequence lengths are legitimate inputs to CUDA models)."""
     device_type = unit.mesh.device_type
-    leaves, _ = tree_flatten((args, kwargs))
+    leaves, _ = flatten((args, kwargs))
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor) or t.device.type == device_type:
             continue
@@ -309,18 +309,16 @@ def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
     the graph is freed first. The memory estimator's trace (memory/activations.py)
     watches with a stand-in of its own (anything with those three and
     ``unwatched_calls``), so its events come in the runtime's order."""
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = flatten((args, kwargs))
     if not _watch(signals, leaves):
         return args, kwargs
-    return tree_unflatten(leaves, spec)
+    return unflatten(leaves, spec)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-            return t.to(dtype)
-        return t
-    return tree_map(cast, tree)
+    leaves, spec = flatten(tree)
+    return unflatten([t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      else t for t in leaves], spec)
 
 
 def _groups_of(units: list[UnitState]) -> list[ParamGroup | None]:
@@ -389,7 +387,7 @@ def _check_forward(root: RootState) -> None:
 
 
 def _hook_outputs(unit: UnitState, output: Any) -> None:
-    leaves, _ = tree_flatten(output)
+    leaves, _ = flatten(output)  # Note [dataclasses between units]
     for t in leaves:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(unit.pre_backward_hook)
