@@ -288,17 +288,26 @@ def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
 
 class _InputGradsReady(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward runs once their gradients are
-    computed, i.e. once the unit's backward no longer needs its parameters."""
+    computed, i.e. once the unit's backward no longer needs its parameters. Written in
+    the form torch.func accepts (``setup_context``, ``jvp``), so a unit runs inside
+    ``torch.func.jvp``: forward-mode passes the tangents through, as the identity does."""
 
     @staticmethod
-    def forward(ctx, watch, *tensors):
-        ctx.watch = watch
+    def forward(watch, *tensors):
         return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.watch = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.watch.fire()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, _watch_tangent, *tangents):
+        return tuple(t.view_as(t) for t in tangents)
 
 
 def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
