@@ -56,10 +56,11 @@ def reduction_dtypes():
 
 
 def _reduced(grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """The ranks' average of ``grad``, summed in ``reduce_dtype`` (gathered in fp32, which
-    holds every bf16 and fp16 value exactly, so only the sum rounds)."""
-    parts = [torch.empty_like(grad, dtype=torch.float32) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, grad.float().contiguous())
+    """The ranks' average of ``grad``, summed in ``reduce_dtype`` (gathered in fp32 or
+    wider, which holds every bf16 and fp16 value exactly, so only the sum rounds)."""
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    parts = [torch.empty_like(grad, dtype=wide) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, grad.to(wide).contiguous())
     total = parts[0].to(reduce_dtype)
     for part in parts[1:]:
         total = total + part.to(reduce_dtype)
@@ -67,7 +68,7 @@ def _reduced(grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
 
 
 class CastReference:
-    """fp32 ``master`` weights stepped by ``optim``; forward and backward in a
+    """``master`` weights (fp32, or the model's dtype) stepped by Adam; forward and backward in a
     ``param_dtype`` copy (the master itself when None); gradients reduced in
     ``reduce_dtype`` (default, as the installed torch's FSDP2: the compute dtype before
     torch 2.15, the parameters' fp32 from it, Note [torch versions])."""
@@ -76,8 +77,9 @@ class CastReference:
                  reduce_dtype: torch.dtype | None, lr: float = 1e-2):
         self.master = master
         self.compute = master if param_dtype is None else copy.deepcopy(master).to(param_dtype)
-        self.param_dtype = param_dtype or torch.float32
-        self.reduce_dtype = reduce_dtype or (torch.float32 if REDUCE_IN_GRAD_DTYPE
+        master_dtype = next(master.parameters()).dtype
+        self.param_dtype = param_dtype or master_dtype
+        self.reduce_dtype = reduce_dtype or (master_dtype if REDUCE_IN_GRAD_DTYPE
                                              else self.param_dtype)
         self.optim = torch.optim.Adam(master.parameters(), lr=lr, foreach=False)
 
@@ -89,13 +91,15 @@ class CastReference:
         for p, c in zip(self.master.parameters(), self.compute.parameters()):
             if c is p:
                 continue
-            p.grad = c.grad.float() if p.grad is None else p.grad + c.grad.float()
+            grad = c.grad.to(p.dtype)
+            p.grad = grad if p.grad is None else p.grad + grad
             c.grad = None
         return loss.detach()
 
     def reduce(self) -> None:
         for p in self.master.parameters():
-            p.grad = _reduced(p.grad, self.reduce_dtype).float()
+            if p.grad is not None:  # the same on every rank: the same modules ran
+                p.grad = _reduced(p.grad, self.reduce_dtype).to(p.dtype)
 
     def step(self, set_to_none: bool) -> None:
         self.optim.step()
@@ -107,13 +111,14 @@ class CastReference:
 
 
 def assert_same_shards(model: nn.Module, master: nn.Module, what: str, *,
-                       grads: bool = True) -> None:
-    """Every sharded parameter (and its gradient) equals the reference's, bit for bit."""
+                       grads: bool = True, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Every sharded parameter (and its gradient) equals the reference's: bit for bit
+    unless given a tolerance (where the two sum in different orders)."""
     for (name, p), ref in zip(model.named_parameters(), master.parameters()):
         assert p.dtype == ref.dtype, f"{what}: {name} is {p.dtype}, not {ref.dtype}"
-        torch.testing.assert_close(p.full_tensor(), ref, rtol=0, atol=0,
+        torch.testing.assert_close(p.full_tensor(), ref, rtol=rtol, atol=atol,
                                    msg=lambda m, n=name: f"{what}: parameter {n}: {m}")
         if grads and ref.grad is not None:
             assert p.grad.dtype == ref.grad.dtype, f"{what}: {name}.grad is {p.grad.dtype}"
-            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=0, atol=0,
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, rtol=rtol, atol=atol,
                                        msg=lambda m, n=name: f"{what}: gradient {n}: {m}")
