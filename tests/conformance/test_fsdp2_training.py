@@ -13,7 +13,10 @@ behaviours not yet covered elsewhere in tests/conformance), in our own words:
 - gradient accumulation: reduction switched off for every unit, for the root's own
   parameters only, or for some units (``set_requires_gradient_sync`` with ``recurse``),
   with and without ``set_reshard_after_backward(False)``, gradients zeroed or set to
-  None between steps.
+  None between steps;
+- micro-batches as a 1F1B pipeline stage runs them: units kept gathered after forward,
+  optionally all gathered up front (``unshard(async_op=True)``), reduction and
+  ``set_is_last_backward`` on the last micro-batch only.
 
 Each case trains beside a single-process copy fed every rank's rows, its gradients
 averaged over the ranks (tests/support/cast_reference.py): bit for bit where both sum
@@ -32,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from support.cast_reference import CastReference, assert_same_shards
-from fullshard import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from fullshard import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from fullshard.testing import run_distributed
 
 DIM = 16
@@ -222,6 +225,37 @@ def _accumulate(reshard_after_forward, mode: str, keep_gathered: bool,
         reference.step(set_to_none=step % 2 == 1)
 
 
+def _one_f_one_b(gather_up_front: bool, keep_gathered: bool) -> None:
+    what = f"1F1B, gathered up front {gather_up_front}, kept gathered {keep_gathered}"
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(DIM, DIM), *[_MLP() for _ in range(3)])
+    master = copy.deepcopy(model)
+    for block in model[1:]:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    reference = CastReference(master, None, None)
+    if gather_up_front:  # no memory cost: nothing is resharded after forward anyway
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard(async_op=True)
+    for micro, x in enumerate(_rows(6, DIM).chunk(3)):
+        last = micro == 2
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+        if keep_gathered:
+            model.set_reshard_after_backward(last)
+        loss = model(x).sum()
+        loss.backward()
+        assert torch.equal(loss.detach(), reference.forward_backward(lambda m: m(x).sum())), \
+            f"{what}: micro-batch {micro}"
+    reference.reduce()
+    assert_same_shards(model, master, what)
+    optim.step()
+    reference.step(set_to_none=True)
+    assert_same_shards(model, master, f"{what}, after the step", grads=False)
+
+
 def _basics() -> None:
     _roots_without_parameters_or_inputs()
     _to_float64_after_sharding()
@@ -250,6 +284,9 @@ def _accumulation_cases() -> None:
                 _accumulate(reshard, mode, keep_gathered, OffloadPolicy())
     for mode in ("all", "root_only", "some_mlps"):
         _accumulate(True, mode, False, CPUOffloadPolicy(pin_memory=False))
+    for gather_up_front in (False, True):
+        for keep_gathered in (False, True):
+            _one_f_one_b(gather_up_front, keep_gathered)
 
 
 @pytest.mark.slow
