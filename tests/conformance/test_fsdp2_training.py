@@ -10,6 +10,8 @@ behaviours not yet covered elsewhere in tests/conformance), in our own words:
 - several units, ``reshard_after_forward`` True, False and 2, and CPU offload;
 - a forward and backward through the root, then one through a child unit alone;
 - a unit called twice in one forward;
+- an embedding tied to the output head (one parameter, two uses in the root unit),
+  blocks as units, with and without activation checkpointing on the blocks;
 - gradient accumulation: reduction switched off for every unit, for the root's own
   parameters only, or for some units (``set_requires_gradient_sync`` with ``recurse``),
   with and without ``set_reshard_after_backward(False)``, gradients zeroed or set to
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 from support.cast_reference import CastReference, assert_same_shards
 from fullshard import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
@@ -179,6 +182,37 @@ def _unit_called_twice(reshard_after_forward) -> None:
     _train(model, master, f"called twice, reshard {reshard_after_forward}", _rows(32, 4), 4)
 
 
+class _Tied(nn.Module):
+    """An embedding whose weight is also the output head's, around blocks that may be
+    checkpointed."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.embed = nn.Embedding(32, DIM)
+        self.blocks = nn.ModuleList(_MLP() for _ in range(2))
+        self.head = nn.Linear(DIM, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.checkpointed = checkpointed
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
+        return self.head(h)
+
+
+def _tied_parameters(checkpointed: bool) -> None:
+    torch.manual_seed(42)
+    model = _Tied(checkpointed)
+    master = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    assert model.head.weight is model.embed.weight
+    tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(dist.get_rank()))
+    _train(model, master, f"tied embedding, checkpointed {checkpointed}", tokens, 4)
+
+
 def _accumulation_flags(model: nn.Sequential, mode: str, last: bool, keep_gathered: bool):
     """Which units reduce this micro-batch: none but on the last (``all``), all but the
     root's own parameters (``root_only``), or all but the first two blocks."""
@@ -267,6 +301,8 @@ def _basics() -> None:
         _unit_called_twice(reshard)
     _several_units(True, CPUOffloadPolicy(pin_memory=False))
     _root_then_child()
+    for checkpointed in (False, True):
+        _tied_parameters(checkpointed)
 
 
 @pytest.mark.slow
