@@ -82,6 +82,15 @@ run with inference mode off (and autograd off, which turning it off would enable
 their buffers stay ordinary tensors, the unsharded parameters views of them, and only
 what the module computes under inference mode is an inference tensor.
 
+Note [gathering inside torch.func transforms]
+A forward inside ``torch.func.jvp`` (or ``vmap``, ``grad``) may be the first to gather a
+unit. Under a transform every tensor a factory function makes is wrapped for that
+transform's level: the unsharded buffer built then was a wrapper with no storage to
+resize, and the gather failed ("Cannot access storage of TensorWrapper"). The group's
+transitions therefore run with the transforms switched off, as FSDP2's do: buffers and
+unsharded parameters are plain tensors, and only the module's own computation is
+transformed (it wraps the parameters it reads, as for any module).
+
 Note [parameters kept gathered across backward]
 ``set_reshard_after_backward(False)`` keeps a unit's parameters gathered for the next
 forward (no all-gather there). Between the backward and that forward the module shows the
@@ -112,6 +121,7 @@ the ledger enters that gather as "the all-gather again", so the divergence guard
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 from typing import TYPE_CHECKING, Callable, NamedTuple
@@ -145,13 +155,21 @@ class GroupState(enum.Enum):
     MERGED = "merged"          # retired: its parameters now belong to a bucket's group
 
 
-def outside_inference_mode(transition: Callable) -> Callable:
-    """Run a group transition with inference mode off (Note [inference mode])."""
+def outside_special_modes(transition: Callable) -> Callable:
+    """Run a group transition with inference mode off (Note [inference mode]) and
+    outside torch.func's transforms (Note [gathering inside torch.func transforms])."""
     @functools.wraps(transition)
     def run(*args, **kwargs):
-        if not torch.is_inference_mode_enabled():
+        inference = torch.is_inference_mode_enabled()
+        transformed = torch._C._are_functorch_transforms_active()
+        if not inference and not transformed:
             return transition(*args, **kwargs)
-        with torch.inference_mode(False), torch.no_grad():
+        with contextlib.ExitStack() as modes:
+            if inference:
+                modes.enter_context(torch.inference_mode(False))
+                modes.enter_context(torch.no_grad())
+            if transformed:
+                modes.enter_context(torch._C._DisableFuncTorch())
             return transition(*args, **kwargs)
     return run
 
@@ -335,7 +353,7 @@ class ParamGroup:
         return self.param_dtype or self.flat_shard.dtype
 
     # -- unshard / reshard --------------------------------------------------------------
-    @outside_inference_mode
+    @outside_special_modes
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters. The transitions: SHARDED -> GATHERING (the
         shards' all-gather, or a copy where one rank holds everything); POST_FORWARD ->
@@ -430,7 +448,7 @@ class ParamGroup:
                                             group=self.pg, async_op=async_op))
             return _Gather(ordered(pending), direct=False, pooled=pooled)
 
-    @outside_inference_mode
+    @outside_special_modes
     def wait_unshard(self) -> None:
         """Finish a pending gather: copy out and register the unsharded params."""
         if self.state is not GroupState.GATHERING:
@@ -474,7 +492,7 @@ class ParamGroup:
             p.register(p.sharded_param)
         self.state = GroupState.KEPT
 
-    @outside_inference_mode
+    @outside_special_modes
     def reshard_after_forward(self) -> None:
         """Free the parameters after forward; with a post-forward group (hpZ, Note
         [resharding after forward to a smaller group]) keep this rank's chunk first."""
@@ -487,7 +505,7 @@ class ParamGroup:
         else:
             self.reshard()
 
-    @outside_inference_mode
+    @outside_special_modes
     def reshard(self) -> None:
         """Register the sharded params again and free the unsharded storage."""
         if self.state is GroupState.SHARDED:

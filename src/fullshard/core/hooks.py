@@ -75,8 +75,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .containers import flatten, unflatten
 from .divergence import DivergenceError, Guard, debug_enabled, guarded
 from .structure import describe
 from .group import GroupState, ParamGroup
@@ -217,7 +217,7 @@ def _prepare_inputs(unit: UnitState, watched: BackwardSignals | None, args: Any,
     if not kwargs and all(type(a) is torch.Tensor for a in args):
         leaves, spec = list(args), None
     else:
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
     changed = False
     if dtype is not None:
         for i, t in enumerate(leaves):
@@ -227,7 +227,7 @@ def _prepare_inputs(unit: UnitState, watched: BackwardSignals | None, args: Any,
         changed = _watch(watched, leaves) or changed
     if not changed:
         return None
-    return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
+    return (tuple(leaves), kwargs) if spec is None else unflatten(leaves, spec)
 
 
 def _watch(signals: BackwardSignals, leaves: list) -> bool:
@@ -277,7 +277,7 @@ def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
     tensors on the CPU for a model computing elsewhere (integer CPU tensors such as
     sequence lengths are legitimate inputs to CUDA models)."""
     device_type = unit.mesh.device_type
-    leaves, _ = tree_flatten((args, kwargs))
+    leaves, _ = flatten((args, kwargs))
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor) or t.device.type == device_type:
             continue
@@ -290,17 +290,26 @@ def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
 
 class _InputGradsReady(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward runs once their gradients are
-    computed, i.e. once the unit's backward no longer needs its parameters."""
+    computed, i.e. once the unit's backward no longer needs its parameters. Written in
+    the form torch.func accepts (``setup_context``, ``jvp``), so a unit runs inside
+    ``torch.func.jvp``: forward-mode passes the tangents through, as the identity does."""
 
     @staticmethod
-    def forward(ctx, watch, *tensors):
-        ctx.watch = watch
+    def forward(watch, *tensors):
         return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.watch = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.watch.fire()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, _watch_tangent, *tangents):
+        return tuple(t.view_as(t) for t in tangents)
 
 
 def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
@@ -311,18 +320,16 @@ def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
     the graph is freed first. The memory estimator's trace (memory/activations.py)
     watches with a stand-in of its own (anything with those three and
     ``unwatched_calls``), so its events come in the runtime's order."""
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = flatten((args, kwargs))
     if not _watch(signals, leaves):
         return args, kwargs
-    return tree_unflatten(leaves, spec)
+    return unflatten(leaves, spec)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-            return t.to(dtype)
-        return t
-    return tree_map(cast, tree)
+    leaves, spec = flatten(tree)
+    return unflatten([t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      else t for t in leaves], spec)
 
 
 def _groups_of(units: list[UnitState]) -> list[ParamGroup | None]:
@@ -391,7 +398,7 @@ def _check_forward(root: RootState) -> None:
 
 
 def _hook_outputs(unit: UnitState, output: Any) -> None:
-    leaves, _ = tree_flatten(output)
+    leaves, _ = flatten(output)  # Note [dataclasses between units]
     for t in leaves:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(unit.pre_backward_hook)

@@ -24,7 +24,7 @@ from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, a
                         as_offload_policy)
 from . import arrival, divergence
 from .buckets import merge_small_units
-from .group import GroupState, ParamGroup, outside_inference_mode
+from .group import GroupState, ParamGroup, outside_special_modes
 from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve_mesh
 from .torch_errors import FullyShardArgumentError, torch_first
 from .param import SHARDED_ORIGINALS, ParamRef, ShardedParam, is_sharded_param
@@ -340,7 +340,7 @@ def _class_name(module: nn.Module) -> str:
     return unit.label if unit is not None else type(module).__name__
 
 
-@outside_inference_mode  # merged groups' new flat shards are what the optimizer updates
+@outside_special_modes  # merged groups' new flat shards are what the optimizer updates
 def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
     """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
     merge small adjacent units into shared groups (core/buckets.py)."""
