@@ -21,12 +21,13 @@ No hook sees the exception; only code around the call does. So the first step of
 optimizer over fullshard parameters installs a guard as its ``step`` (an instance
 attribute, as torch's LR schedulers install theirs; it calls whatever ``step`` was there),
 and the guard undoes the swap and closes the record before an exception leaves ``step()``.
-On entry it also clears a record a raising call left outside it: the very first step, which
-runs before the guard exists (if it raises, the optimizer holds local tensors until its next
-step), or a call through the class (``type(opt).step(opt)``). Weighed and rejected: a generation count
-bumped by forward and backward (a step retried at once, after a hook's error, sees the
-same count) and a token that lives as long as the call's frame (a traceback the caller
-keeps, as ``pytest.raises`` or a logger does, keeps the frame and the token alive).
+On entry it also clears a record a raising call left outside it: the very first step,
+which runs before the guard exists (if it raises, the optimizer holds local tensors until
+its next step), or a call through the class (``type(opt).step(opt)``). Weighed and
+rejected: a generation count bumped by forward and backward (a step retried at once, after
+a hook's error, sees the same count) and a token that lives as long as the call's frame (a
+traceback the caller keeps, as ``pytest.raises`` or a logger does, keeps the frame and the
+token alive).
 
 The step alone. A whole-matrix step in rounds, a disk step in chunks and the host thread's
 step of a unit each run the optimizer's own step several times within one ``step()``; the
