@@ -20,11 +20,14 @@ whole parameter (LAMB/LARS trust ratios, any subclass) are left alone: they keep
 DTensor path. torch optimizers whose implementation fails on DTensor shards (SparseAdam,
 LBFGS over an unevenly sharded parameter) are refused at their first step, naming the
 ones that work.
+
+Which call of ``step()`` swaps (the outermost, not a subclass's ``super().step()``), how a
+step that raises is undone, and how a step runs several times within one ``step()`` with
+the hooks around the whole: Note [the calls of an optimizer step] in step_calls.py.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
@@ -37,7 +40,7 @@ from .core.mapped import page_out
 from .core.state import finish_all_pending_reduces, finish_host_steps
 from .offload import step_on_disk
 from .policies import DiskOffloadPolicy
-from . import whole_matrix
+from . import step_calls, whole_matrix
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -59,11 +62,6 @@ _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.Wea
 # What a whole-matrix step swapped in (whole_matrix.before), per optimizer, until after it.
 _WHOLE: "weakref.WeakKeyDictionary[torch.optim.Optimizer, whole_matrix.WholeStep]" = \
     weakref.WeakKeyDictionary()
-# Per optimizer, the step calls running inside its step (an override's super().step()):
-# their hooks leave the outer step's swap alone.
-_NESTED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
-# The code of the wrapper torch puts around each optimizer class's step, hooks and all.
-_HOOKED_STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda self: None).__code__
 # Optimizers already checked against SHARDED_ORIGINALS (the check runs at a first step).
 _CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -112,13 +110,11 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
 
 
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
-    if not any_tracked():
-        return None  # no fullshard parameter at all
-    if (opt in _WHOLE or opt in _SWAPPED) and _inside_its_own_step(opt):
-        _NESTED[opt] = _NESTED.get(opt, 0) + 1
+    if not any_tracked() or step_calls.is_alone(opt):
+        return None  # no fullshard parameter at all, or a step inside fullshard's own
+    if not step_calls.enter(opt):
         return None  # an override's super().step(): the outer step's hooks do the work
-    _NESTED.pop(opt, None)
-    _restore(opt)  # a previous step that raised left its swap behind
+    _restore(opt)  # a step that raised on another thread left its swap behind
     if opt not in _CHECKED:
         _check_not_built_before_sharding(opt)
         _check_can_step_shards(opt)
@@ -126,13 +122,15 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
                for j, p in enumerate(group["params"])]
               for i, group in enumerate(opt.param_groups)]
+    if any(o is not None for group in owners for o in group):
+        step_calls.guard(opt, _restore)  # undoes the swap of a step that raises
     # a step of these parameters overlapped with the forward (overlapped_step.py) ends first
     finish_host_steps(o for group in owners for o in group if o is not None)
     if whole_matrix.needs_whole_matrices(opt) and any(o is not None for g in owners for o in g):
         replaced = _run_closure_first(args, kwargs)
         finish_all_pending_reduces()
         _WHOLE[opt] = whole_matrix.before(
-            opt, owners, _step_unhooked if whole_matrix.steps_each_alone(opt) else None)
+            opt, owners, step_calls.step_alone if whole_matrix.steps_each_alone(opt) else None)
         return replaced
     swapping = (_enabled and type(opt) in ELEMENTWISE_OPTIMIZERS
                 and any(o is not None for group in owners for o in group))
@@ -147,7 +145,8 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if not swapping:
         return replaced
     if on_disk:  # Note [optimizer states on disk]: these step first, a chunk at a time
-        step_on_disk(opt, [(p, o.offload) for p, o in on_disk], lambda: _step_unhooked(opt))
+        step_on_disk(opt, [(p, o.offload) for p, o in on_disk],
+                     lambda: step_calls.step_alone(opt))
     swaps = []
     for group, group_owners in zip(opt.param_groups, owners):
         params = group["params"]
@@ -256,26 +255,9 @@ def _local_view(p: DTensor) -> torch.Tensor | None:
     return p._local_tensor
 
 
-def _inside_its_own_step(opt: torch.optim.Optimizer) -> bool:
-    """Whether this step call runs inside another step of ``opt`` (a subclass's step that
-    calls ``super().step()``, whose class torch wrapped with the hooks too), rather than
-    after a step that raised and left its swap behind: two hooked step frames of ``opt``
-    on this thread's stack."""
-    frames, frame = 0, sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _HOOKED_STEP_CODE and frame.f_locals.get("self") is opt:
-            frames += 1
-            if frames == 2:
-                return True
-        frame = frame.f_back
-    return False
-
-
 def _post_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    nested = _NESTED.get(opt, 0)
-    if nested:
-        _NESTED[opt] = nested - 1
-        return
+    if step_calls.is_alone(opt) or not step_calls.leave(opt):
+        return  # a step inside fullshard's own, or the end of a nested call
     whole = _WHOLE.pop(opt, None)
     if whole is not None:
         whole_matrix.after(opt, whole)
@@ -300,15 +282,6 @@ def _mark_stepped(opt: torch.optim.Optimizer) -> None:
                 increment_version(p._local_tensor)
             if getattr(owner.offload, "params", False):
                 page_out(p._local_tensor)
-
-
-def _step_unhooked(opt: torch.optim.Optimizer) -> None:
-    """The optimizer's own step over what its ``param_groups`` hold now (a round of a
-    whole-matrix step, a chunk of a disk step), without the step hooks: the user's hooks
-    and fullshard's run once around the whole ``step()``, not once per round or chunk."""
-    step = type(opt).step
-    # torch wraps each optimizer class's step once with the hooks (profile_hook_step)
-    (step.__wrapped__ if getattr(step, "hooked", False) else step)(opt)
 
 
 def _refuse_disk_states(opt: torch.optim.Optimizer, owner) -> None:

@@ -59,8 +59,8 @@ from torch.autograd.graph import increment_version
 from .core.group import ParamGroup
 from .core.param import owner_of
 from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots
-from .optim import (ELEMENTWISE_OPTIMIZERS, _local_view, _step_unhooked, local_states,
-                    state_after_step)
+from .optim import ELEMENTWISE_OPTIMIZERS, _local_view, local_states, state_after_step
+from .step_calls import step_alone
 from . import optim
 from .policies import DiskOffloadPolicy
 
@@ -317,7 +317,7 @@ def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags
         for name in _STEP_FLAGS:
             value = flags.get(name)
             setattr(shadow, name, None if value is None else value.cpu())
-        _step_unhooked(shadow)
+        step_alone(shadow)
         for (_index, p, local, _grad, state), values in zip(items, before):
             local.grad = None
             after = state_after_step(p, shadow.state.get(local), state, values)

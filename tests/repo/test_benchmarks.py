@@ -101,3 +101,12 @@ def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
                   "--no-clip")
     assert "| fullshard, OverlappedStep stepping in backward |" in proc.stdout, proc.stdout
     assert "step first vs OverlappedStep: 0" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_step_hooks_benchmark_times_both_steps_and_their_difference():
+    proc = _bench("step_hooks.py", "--params", "20", "--steps", "3", one_thread=True)
+    lines = proc.stdout.splitlines()
+    times = [float(line.rsplit(":", 1)[1].split()[0]) for line in lines if line.endswith(" us")]
+    assert len(times) == 3 and times[0] > 0 and times[1] > 0, proc.stdout
+    assert abs(times[0] - times[1] - times[2]) <= 1, proc.stdout  # rounded to a microsecond
