@@ -57,14 +57,21 @@ def reduction_dtypes():
 
 def _reduced(grad: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
     """The ranks' average of ``grad``, summed in ``reduce_dtype`` (gathered in fp32 or
-    wider, which holds every bf16 and fp16 value exactly, so only the sum rounds)."""
+    wider, which holds every bf16 and fp16 value exactly, so only the sum rounds). In
+    fp16 each part is divided by a power of two near the square root of the world size
+    before the sum and the sum by the rest after, as torch's FSDP2 reduces fp16."""
+    world = dist.get_world_size()
     wide = torch.promote_types(grad.dtype, torch.float32)
-    parts = [torch.empty_like(grad, dtype=wide) for _ in range(dist.get_world_size())]
+    parts = [torch.empty_like(grad, dtype=wide) for _ in range(world)]
     dist.all_gather(parts, grad.to(wide).contiguous())
-    total = parts[0].to(reduce_dtype)
+    before = 1
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        while world % before == 0 and world / before > before:
+            before *= 2
+    total = parts[0].to(reduce_dtype) / before
     for part in parts[1:]:
-        total = total + part.to(reduce_dtype)
-    return total / dist.get_world_size()
+        total = total + part.to(reduce_dtype) / before
+    return total / (world / before)
 
 
 class CastReference:

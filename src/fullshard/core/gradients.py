@@ -69,6 +69,30 @@ def received_digests(rows: torch.Tensor, chunk: int) -> torch.Tensor:
     return rows[:, chunk - DIGEST_NUMEL:chunk]
 
 
+# Note [dividing fp16 gradients before and after the sum]
+# The mean gradient is the sum over the data-parallel ranks divided by their number N.
+# In fp32 and bf16 the sum cannot overflow (bf16 has fp32's range), so the division comes
+# after it, once, on the smaller reduced shard. fp16 tops out at 65,504: 1,024 ranks'
+# gradients of 64 each (a GradScaler scales them up by 2**16 and more) sum to inf, and the
+# scaler then skips every step while halving its scale. So in fp16 (any dtype but those
+# two) each rank divides its gradients by a power of two near sqrt(N) before the sum and
+# the sum by the rest after it, as torch's FSDP2 does: the gradients stay within range and
+# above the subnormals on both sides. Only the gradients are divided before the sum; the
+# presence flags and the digest in the chunk's tail must arrive exact.
+def divide_factors(reduce_dtype: torch.dtype, divide_factor: float | None,
+                   data_parallel_size: int) -> tuple[float, float]:
+    """(before, after): what the gradients are divided by before and after the sum
+    (Note [dividing fp16 gradients before and after the sum]); before * after is
+    ``divide_factor`` (``set_gradient_divide_factor``), else the data-parallel size."""
+    factor = divide_factor or data_parallel_size
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return 1.0, factor
+    before = 1
+    while factor % before == 0 and factor / before > before:
+        before *= 2
+    return float(before), factor / before
+
+
 def take_unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
     """This backward's unsharded gradient plus any accumulated without sync, or None."""
     grad, acc = p.local_grad(p.unsharded_param.grad), p.accumulated_grad
@@ -178,7 +202,8 @@ class PendingReduce:
             self._partial.add_into(out)
             all_reduce_sum(out, self._replicate_pg,
                            what=f"gradient all-reduce across replicas of {self.unit_name}")
-        divisor = options.divide_factor or self._data_parallel_size
+        _before, divisor = divide_factors(out.dtype, options.divide_factor,
+                                          self._data_parallel_size)
         grads = chunk_gradients(out, len(self.params))  # Note [a reduction's chunk]
         if options.hook is not None and options.force_sum:
             options.hook(grads)
@@ -531,6 +556,11 @@ class GradReduction:
             full, pooled = g.pool.take(w * numel, reduce_dtype, ref.device), True
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
         torch._chunk_cat(grads + [flags, digest], dim=0, num_chunks=w, out=full.view(w, numel))
+        before, _after = divide_factors(
+            reduce_dtype, options.divide_factor,
+            w * (g.replicate_pg.size() if g.replicate_pg is not None else 1))
+        if before != 1:  # Note [dividing fp16 gradients before and after the sum]
+            full.view(w, numel)[:, :numel - chunk_tail_numel(len(trainable))].div_(before)
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
