@@ -331,6 +331,12 @@ class ParamGroup:
         current = first.module._parameters[first.name]
         if self.storage.readopt(getattr(current, "_local_tensor", current), copy_values):
             self.unsharded.forget()  # built again, for the new shard's device and dtype
+            policy = self.mp_policy
+            if policy is not None and policy.reduce_dtype is None and self.subclass is None \
+                    and not any(p.extension is not None for p in self.params):
+                # a default reduction follows the parameters' new dtype (module.to(float64)
+                # after fully_shard), as torch's FSDP2 reads it at lazy init
+                self.reduce_dtype = policy.reduce_dtype_for(self.flat_shard.dtype)
         for p in self.subclass.params if self.subclass is not None else ():
             p.readopt(None)
 

@@ -362,13 +362,17 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, meshes: Meshes) -> n
                 unit.set_quantized_communication(weights="weights" in words,
                                                  grads="grads" in words, recurse=False)
     if parallel.symm_mem:  # Note [staging buffers from the process group]
-        _use_symmetric_memory(sharded)
+        _use_symmetric_memory(sharded, meshes.dense.device_type)
     return sharded
 
 
-def _use_symmetric_memory(sharded: nn.Module) -> None:
+def _use_symmetric_memory(sharded: nn.Module, device_type: str) -> None:
     """``--parallel.symm_mem``: every unit's all-gathers into symmetric memory, or the
     flag named where it cannot work (every rank checks alone, before any collective)."""
+    if device_type != "cuda":
+        raise ConfigError(f"parallel.symm_mem: true cannot work here (this run computes on "
+                          f"{device_type}); it needs CUDA devices, NCCL and a torch built "
+                          "with symmetric memory. Leave it false.")
     for unit in sharded.modules():
         if not isinstance(unit, FSDPModule):
             continue
