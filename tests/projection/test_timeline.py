@@ -30,3 +30,25 @@ def test_timeline_is_bound_by_communication_longer_than_compute():
     units = _units(8, compute=0.1, comm=1.0)
     t = step_time(units, 1, optimizer=0.0, overlaps=True)
     assert t.seconds >= t.communication and t.seconds < t.communication + t.compute
+
+
+def test_exposed_time_is_told_apart_by_what_the_compute_waited_for():
+    # the first gather and the last unit's re-gather hold compute back; the last
+    # reduction holds the step's end
+    t = step_time(_units(8, compute=1.0, comm=0.3), 1, optimizer=0.0, overlaps=True)
+    assert t.exposed_gather == pytest.approx(0.6)
+    assert t.exposed_reduce == pytest.approx(0.3)
+    assert sum(t.terms().values()) == pytest.approx(t.seconds)
+    serial = step_time(_units(8, compute=1.0, comm=0.3), 1, 0.0, overlaps=False)
+    assert (serial.exposed_gather, serial.exposed_reduce) == pytest.approx((4.8, 2.4))
+    assert sum(serial.terms().values()) == pytest.approx(serial.seconds)
+
+
+def test_host_overhead_is_carried_apart_from_the_compute_it_is_part_of():
+    units = [UnitCost(forward=1.0, backward=2.0, gather=0.0, regather=0.0, reduce=0.0,
+                      overhead=2.5) for _ in range(4)]
+    t = step_time(units, 3, optimizer=0.5, overlaps=True)
+    assert t.compute == pytest.approx(3 * 4 * 3.0 + 0.5)
+    assert t.overhead == pytest.approx(3 * 4 * 2.5)
+    assert t.terms()["compute"] == pytest.approx(t.compute - t.overhead)
+    assert t.dominant() == "host overhead"

@@ -82,6 +82,9 @@ class PassSeconds:
     forward: float
     backward: float
     recompute: float  # what activation checkpointing adds to its backward
+    # host overhead (launches, hooks) included in the three above: carried apart so that a
+    # projection can say when it, not the device's work, sets the step
+    overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
         / rates.bandwidth
     forward = mm_fwd + attn_fwd + elem_fwd + rates.overhead
     backward = mm_bwd + 2.5 * attn_fwd + 2 * elem_fwd + 2 * rates.overhead
-    return PassSeconds(forward, backward, 0.0), forward, mm_fwd / 2 + elem_fwd
+    return PassSeconds(forward, backward, 0.0, 3 * rates.overhead), forward, \
+        mm_fwd / 2 + elem_fwd
 
 
 def head_seconds(shape: ModelShape, tokens: int, rates: Rates, c: KernelConstants) -> PassSeconds:
@@ -150,7 +154,7 @@ def head_seconds(shape: ModelShape, tokens: int, rates: Rates, c: KernelConstant
     norm = tokens * BF16 * c.elementwise[block_kind(shape)] / 4 * d / rates.bandwidth
     return PassSeconds(rates.gemm(tokens, d, v) + loss / 2 + norm + rates.overhead,
                        rates.gemm_backward(tokens, d, v) + loss / 2 + 2 * norm
-                       + 2 * rates.overhead, 0.0)
+                       + 2 * rates.overhead, 0.0, 3 * rates.overhead)
 
 
 def embedding_seconds(shape: ModelShape, tokens: int, rates: Rates) -> PassSeconds:
@@ -158,7 +162,8 @@ def embedding_seconds(shape: ModelShape, tokens: int, rates: Rates) -> PassSecon
     table = shape.embedding_params * 4
     rows = tokens * shape.d_model * BF16
     return PassSeconds(rows / rates.bandwidth + rates.overhead,
-                       (table + 2 * rows) / rates.bandwidth + 2 * rates.overhead, 0.0)
+                       (table + 2 * rows) / rates.bandwidth + 2 * rates.overhead, 0.0,
+                       3 * rates.overhead)
 
 
 # Fitted by ``projection.fit.fit_constants`` on the fit half of published_runs.csv
