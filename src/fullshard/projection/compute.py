@@ -34,7 +34,9 @@ in big matrix multiplies. Each kind is modelled for what it is:
 The constants differ by architecture where the kernels do (the matrix-multiply and
 attention fractions of peak on Ampere and Hopper); the byte counts and overheads are shared.
 Each was fitted by ``projection.fit`` to the fit half of ``published_runs.csv`` (see
-docs/projection.md for the values and the error on the held-out half), searched from PRIOR.
+docs/projection.md for the values and the error on the held-out half). Refitted from PRIOR
+(``python -m fullshard.projection.fit``) they move by 3% at most (the GPT-style block's
+elementwise passes to 1.69; the rest by under 0.3%), so FITTED stays the fit's minimum.
 
 Note [the prior]
 A fit judged on a source it never saw must not start from, or fall back to, constants that
