@@ -178,14 +178,14 @@ def _table(rows: list, band: ErrorBand) -> str:
         s = p.settings
         int8 = {"none": "-", "weights": "w", "grads": "g", "weights,grads": "w,g"}[s.quantize]
         tokens = p.tokens_per_second_per_device
-        lines.append(f"{p.world_size:>6} {s.strategy:<14} {s.checkpointing:<9} {int8:<5} "
-                     f"{s.batch:>5} "
-                     f"{s.grad_accum:>5} {p.time.seconds:>8.3f} "
-                     f"{_range(*band.seconds(p.time.seconds), '.3f'):>13} "
-                     f"{tokens:>13,.0f} {_range(*band.tokens_per_second(tokens), ',.0f'):>15} "
-                     f"{p.mfu:>6.1%} "
-                     f"{p.time.exposed:>15.3f} {p.memory_bytes / GiB:>9.1f}  "
-                     f"{p.time.dominant():<22}" + _memory_note(p)).rstrip()
+        lines.append((f"{p.world_size:>6} {s.strategy:<14} {s.checkpointing:<9} {int8:<5} "
+                      f"{s.batch:>5} "
+                      f"{s.grad_accum:>5} {p.time.seconds:>8.3f} "
+                      f"{_range(*band.seconds(p.time.seconds), '.3f'):>13} "
+                      f"{tokens:>13,.0f} {_range(*band.tokens_per_second(tokens), ',.0f'):>15} "
+                      f"{p.mfu:>6.1%} "
+                      f"{p.time.exposed:>15.3f} {p.memory_bytes / GiB:>9.1f}  "
+                      f"{p.time.dominant():<22}" + _memory_note(p)).rstrip())
     return "\n".join(lines)
 
 
