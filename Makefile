@@ -126,8 +126,9 @@ test-torchtitan: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/compare_fsdp2.py
 
-# The projection against the published FSDP runs it was fitted to and judged on (fails when
-# the held-out figures fall below docs/projection.md's), then against fullshard runs on
+# The projection against the published FSDP runs: leave-one-source-out first (four fits,
+# several minutes; reported, not checked), then the split (fails when its held-out figures
+# fall below docs/projection.md's), then against fullshard runs on
 # this machine at world sizes 1, 2 and 4: fails when one is off by more than 15% (a
 # measurement: run it on a quiet machine).
 bench-projection: $(STAMP)

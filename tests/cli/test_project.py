@@ -23,6 +23,28 @@ def test_project_prints_each_strategy_and_world_size(capsys):
     assert "llama3-8b (8,030.3M parameters) on h100," in out
 
 
+def test_every_projection_prints_its_range_and_what_dominates_it(capsys):
+    # the range: where the validation's runs from unseen sources fell; it brackets the
+    # point estimate. A tiny model at 1,024 GPUs waits on its gathers
+    from fullshard.projection.validation import error_band
+
+    band = error_band()
+    assert main(["project", "--layers", "4", "--dim", "256", "--heads", "4", "--kv-heads", "4",
+                 "--ffn", "1024", "--vocab", "32000", "--gpus", "1,1024", "--batch", "1",
+                 "--seq", "2048", "--strategy", "full_shard"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("1 ", "1024 "))]
+    assert len(rows) == 2
+    for row in rows:
+        step, (low, high) = float(row[6]), map(float, row[7].split("-"))
+        tokens = float(row[8].replace(",", ""))
+        t_low, t_high = (float(v.replace(",", "")) for v in row[9].split("-"))
+        assert low <= step <= high and t_low <= tokens <= t_high
+        assert (t_low, t_high) == pytest.approx(band.tokens_per_second(tokens), rel=1e-3)
+    assert " ".join(rows[1][13:]) == "exposed all-gather"
+    assert f"within {band.error:.1%}" in out and "left out of the fit" in out
+
+
 def test_plan_ranks_by_throughput_prints_flags_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "plan.png"
@@ -76,12 +98,12 @@ def test_project_reads_a_hugging_face_config_and_shape_flags(tmp_path, capsys):
 def test_project_splits_the_batch_and_reduces_in_bf16_when_asked(capsys):
     base = ["project", "--gpus", "8", "--strategy", "full_shard", "--reduce-dtype", "bf16"]
     assert main(base + ["--batch", "2"]) == 0
-    micro = capsys.readouterr().out.splitlines()[-1].split()
+    micro = capsys.readouterr().out.splitlines()[-2].split()  # the last: what ranges mean
     assert main(base + ["--batch", "8", "--grad-accum", "4"]) == 0
-    split = capsys.readouterr().out.splitlines()[-1].split()
+    split = capsys.readouterr().out.splitlines()[-2].split()
     assert (micro[4], micro[5]) == ("2", "1") and (split[4], split[5]) == ("2", "4")
     # the same micro-batch, plus a bf16 accumulator for each of the 8.03B parameters
-    assert float(split[10]) - float(micro[10]) == pytest.approx(2 * 8.03e9 / 2**30, abs=0.2)
+    assert float(split[12]) - float(micro[12]) == pytest.approx(2 * 8.03e9 / 2**30, abs=0.2)
 
 
 def test_plan_never_recommends_what_the_trainer_cannot_run(tmp_path, capsys):

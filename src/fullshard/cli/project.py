@@ -25,6 +25,7 @@ from ..projection.calibrate import (achieved_flops, calibrated_cpu, fit_link,
 from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
 from ..projection.shapes import hf_shape_fields
+from ..projection.validation import ErrorBand, error_band
 from ..bounds import Bounds, flag_type
 from ..errors import ConfigError
 from ..train.config.paths import check_hf_model
@@ -158,20 +159,33 @@ def _device(args: argparse.Namespace) -> Device:
                                                         dev.inter.latency))
 
 
-def _table(rows: list) -> str:
+def _band_note(band: ErrorBand) -> str:
+    """What the ranges in the table mean (Note [leave one source out])."""
+    return (f"ranges: where {band.quantile:.0%} of {band.runs} published runs fell when their "
+            f"source was left out of the fit (within {band.error:.1%}; docs/projection.md)")
+
+
+def _range(low: float, high: float, digits: str) -> str:
+    return f"{low:{digits}}-{high:{digits}}"
+
+
+def _table(rows: list, band: ErrorBand) -> str:
     head = (f"{'GPUs':>6} {'strategy':<14} {'AC':<9} {'int8':<5} {'micro':>5} {'accum':>5} "
-            f"{'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'exposed comm s':>15} "
-            f"{'GiB/rank':>9}")
+            f"{'step s':>8} {'range':>13} {'tokens/s/GPU':>13} {'range':>15} {'MFU':>6} "
+            f"{'exposed comm s':>15} {'GiB/rank':>9}  dominant")
     lines = [head]
     for p in rows:
         s = p.settings
         int8 = {"none": "-", "weights": "w", "grads": "g", "weights,grads": "w,g"}[s.quantize]
-        lines.append(f"{p.world_size:>6} {s.strategy:<14} {s.checkpointing:<9} {int8:<5} "
-                     f"{s.batch:>5} "
-                     f"{s.grad_accum:>5} {p.time.seconds:>8.3f} "
-                     f"{p.tokens_per_second_per_device:>13,.0f} {p.mfu:>6.1%} "
-                     f"{p.time.exposed:>15.3f} {p.memory_bytes / GiB:>9.1f}"
-                     + _memory_note(p))
+        tokens = p.tokens_per_second_per_device
+        lines.append((f"{p.world_size:>6} {s.strategy:<14} {s.checkpointing:<9} {int8:<5} "
+                      f"{s.batch:>5} "
+                      f"{s.grad_accum:>5} {p.time.seconds:>8.3f} "
+                      f"{_range(*band.seconds(p.time.seconds), '.3f'):>13} "
+                      f"{tokens:>13,.0f} {_range(*band.tokens_per_second(tokens), ',.0f'):>15} "
+                      f"{p.mfu:>6.1%} "
+                      f"{p.time.exposed:>15.3f} {p.memory_bytes / GiB:>9.1f}  "
+                      f"{p.time.dominant():<22}" + _memory_note(p)).rstrip())
     return "\n".join(lines)
 
 
@@ -263,6 +277,7 @@ def project_main(argv: list[str]) -> int:
                     strategy, args.batch // args.grad_accum, args.seq, args.grad_accum,
                     args.ac, width, reduce, checkpoint_every=args.ac_every,
                     fused_loss=args.fused_loss, ep=args.ep)))
+        band = error_band()
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard project: {err}", file=sys.stderr)
         return 2
@@ -274,7 +289,10 @@ def project_main(argv: list[str]) -> int:
         experts += f"; split over {args.ep} ranks, tokens sent by all-to-all"
     print(f"{shape.name} ({shape.num_params / 1e6:,.1f}M parameters{experts}) on {device.name}, "
           f"batch {args.batch} x {args.seq} per GPU{micro}, {device.source}")
-    print(_table(rows))
+    print(_table(rows, band))
+    print(_band_note(band) + (
+        "; measured on GPUs: this machine's own check is benchmarks/projection_cpu.py"
+        if args.calibrate else ""))
     return 0
 
 
@@ -301,6 +319,7 @@ def plan_main(argv: list[str]) -> int:
         fits, over = rank_configurations(
             shape, cluster, batch=args.batch, seq=args.seq,
             quantize=("none", "weights,grads") if args.allow_quantize else ("none",))
+        band = error_band()
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard plan: {err}", file=sys.stderr)
         return 2
@@ -310,7 +329,8 @@ def plan_main(argv: list[str]) -> int:
         print("nothing fits in {:,.0f} GiB per GPU; smallest: {:,.1f} GiB".format(
             device.memory_bytes / GiB, over[0].memory_bytes / GiB))
         return 1
-    print(_table(fits[:8]))
+    print(_table(fits[:8], band))
+    print(_band_note(band))
     print()
     print(f"fullshard train {train_flags(fits[0], model or 'hf:PATH')}")
     if not model:

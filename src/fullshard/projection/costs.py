@@ -98,7 +98,10 @@ def compute_seconds(shape: ModelShape, cluster: Cluster, s: Settings,
     for i in range(shape.n_layers):
         again = full if s.checkpointed(i) else (
             selective if s.checkpointing == "selective" else 0.0)
-        blocks.append(PassSeconds(block.forward, block.backward, again))
+        # a fully checkpointed block launches its forward's kernels again
+        blocks.append(PassSeconds(block.forward, block.backward, again,
+                                  block.overhead + (rates.overhead if s.checkpointed(i)
+                                                    else 0.0)))
     return [embedding_seconds(shape, tokens, rates)] + blocks \
         + [head_seconds(shape, tokens, rates, constants)]
 
@@ -160,7 +163,8 @@ def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,
             if block and ep > 1 else 0.0
         costs.append(UnitCost(forward=work.forward, backward=work.backward + work.recompute,
                               gather=gather, regather=0.0 if keeps else gather,
-                              reduce=reduce, replica_reduce=replica, dispatch=dispatch))
+                              reduce=reduce, replica_reduce=replica, dispatch=dispatch,
+                              overhead=work.overhead))
     if s.sync_micro_batches or s.grad_accum == 1:
         return costs, costs
     # the gradient (param dtype) read, the accumulator (reduce dtype) read and written

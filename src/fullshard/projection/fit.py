@@ -2,7 +2,10 @@
 
 ``fit_constants(runs)`` minimizes the mean absolute log error of projected tokens/s per GPU
 over ``runs`` (the fit half of published_runs.csv: ``published.load()`` rows whose split is
-"fit"), by Nelder-Mead over the constants' logarithms. How compute.FITTED was made:
+"fit"), by Nelder-Mead over the constants' logarithms, from compute.PRIOR; a constant whose
+term takes too small a share of the steps of ``runs`` to be pinned by them keeps its prior
+value (``pinned``, Note [the prior]). How
+compute.FITTED was made:
 
     python -m fullshard.projection.fit        # prints the constants and both halves' errors
 
@@ -16,8 +19,9 @@ import math
 import statistics
 from typing import Callable
 
-from .compute import FITTED, KernelConstants
+from .compute import FITTED, PRIOR, KernelConstants
 from .published import PublishedRun, load
+
 
 def loss(runs: list[PublishedRun], constants: KernelConstants) -> float:
     """Mean |log(projected / published)| of tokens/s per GPU over ``runs``."""
@@ -69,16 +73,59 @@ def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float 
     return simplex[min(range(n + 1), key=values.__getitem__)]
 
 
-def fit_constants(runs: list[PublishedRun], start: KernelConstants = FITTED,
+# Note [the prior]: a constant is pinned by the runs fitted when its term takes at least
+# PIN_SHARE of the step in at least PIN_RUNS of them. The published figures scatter by about
+# 3% around any smooth model (the median error on runs of sources the fit knows), so a term
+# must take about a tenth of a step before a 30% change of its constant stands out of that
+# scatter; and three runs, so that one odd run cannot set a constant alone.
+PIN_SHARE, PIN_RUNS = 0.10, 3
+
+
+def term_shares(run: PublishedRun, constants: KernelConstants = PRIOR) -> list[float]:
+    """For each of ``constants.as_vector()``: the share of ``run``'s projected step its
+    term takes, |d log step / d log constant| (a 1% nudge)."""
+    base = constants.as_vector()
+    step = run.projection(constants).time.seconds
+    shares = []
+    for i in range(len(base)):
+        nudged = constants.from_vector([v * (1.01 if j == i else 1) for j, v in enumerate(base)])
+        shares.append(abs(math.log(run.projection(nudged).time.seconds / step)
+                          / math.log(1.01)))
+    return shares
+
+
+def pinned(runs: list[PublishedRun], constants: KernelConstants = PRIOR) -> list[bool]:
+    """For each of ``constants.as_vector()``: whether ``runs`` can pin it, i.e. its term
+    takes PIN_SHARE of the step (at ``constants``) in PIN_RUNS of them. One they cannot pin
+    keeps its prior (Note [the prior]): e.g. the GPT-style block's elementwise passes
+    when only Llama-style runs are fitted, or the loss when their vocabularies are small."""
+    counts = [0] * len(constants.as_vector())
+    for r in runs:
+        counts = [n + (share >= PIN_SHARE) for n, share in zip(counts, term_shares(r, constants))]
+    return [n >= PIN_RUNS for n in counts]
+
+
+def fit_constants(runs: list[PublishedRun], start: KernelConstants = PRIOR,
                   iterations: int = 4000) -> KernelConstants:
-    """The constants minimizing ``loss`` over ``runs``, searched from ``start``."""
+    """The constants minimizing ``loss`` over ``runs``, searched from ``start``; those that
+    ``runs`` cannot pin (``pinned``) stay at ``start``'s values."""
+    base = start.as_vector()
+    free = [i for i, ok in enumerate(pinned(runs, start)) if ok]
+
+    def constants(logs: list[float]) -> KernelConstants:
+        values = list(base)
+        for i, v in zip(free, logs):
+            values[i] = math.exp(v)
+        return start.from_vector(values)
+
     def objective(logs: list[float]) -> float:
-        c = start.from_vector([math.exp(v) for v in logs])
+        c = constants(logs)
         return loss(runs, c) if _bounded(c) else math.inf
 
-    best = nelder_mead(objective, [math.log(v) for v in start.as_vector()],
-                       iterations=iterations)
-    return start.from_vector([math.exp(v) for v in best])
+    if not free:
+        return start
+    return constants(nelder_mead(objective, [math.log(base[i]) for i in free],
+                                 iterations=iterations))
 
 
 def report(runs: list[PublishedRun], constants: KernelConstants = FITTED) -> dict[str, dict]:
