@@ -11,7 +11,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from fullshard import CPUOffloadPolicy, fully_shard
+from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fullshard.core.group import GroupState
 from fullshard.core.state import unit_of
 from fullshard.core.comm import HostCopies, SharedCopies
@@ -104,7 +104,11 @@ def test_the_copy_stream_waits_for_reads_on_every_compute_stream():
 
 def _model_with_recorded_streams(offload: bool):
     model = GPT(CFG)
-    options = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    # offloaded, computing in bf16: the one-rank gather copies (casts) the host shard as
+    # it would copy it to an accelerator; an fp32 shard computed on the host it already
+    # is needs no copy at all (Note [shard groups of one rank])
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=False),
+               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if offload else {}
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=True, **options)
     fully_shard(model, **options)

@@ -350,7 +350,7 @@ class ParamGroup:
         """What an unshard allocates (core/schedule.py)."""
         return gather_plan(shard_size=self.world_size, shard_dtype=self.flat_shard.dtype,
                            shard_device=self.flat_shard.device, compute_dtype=self.compute_dtype,
-                           compute_device=self.compute_device, offload=self.offload is not None,
+                           compute_device=self.compute_device,
                            post_forward=self.post_forward is not None)
 
     @property

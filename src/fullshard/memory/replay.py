@@ -253,7 +253,6 @@ class Replay:
         return gather_plan(shard_size=group.layout.shard_size, shard_dtype=s.param_dtype,
                            shard_device=s.shard_device_of(group.layout),
                            compute_dtype=s.compute_dtype, compute_device=s.device,
-                           offload=s.offloads(group.layout),
                            post_forward=group.post_forward_size is not None)
 
     def _unshard(self, group: ReplayGroup) -> None:
