@@ -161,6 +161,7 @@ def _state_dicts_wait():
             [k for k in a0 if not torch.equal(a0[k], a1[k])])
 
 
+@pytest.mark.slow
 def test_state_dicts_wait_and_a_resume_trains_on_exactly():
     for differ in run_distributed(_state_dicts_wait, 2):
         assert differ == ([], [], []), differ

@@ -68,6 +68,7 @@ def _unshard_on_rank0(debug):
 
 
 def _write_kept_shard_on_rank0(debug):
+    os.environ["FULLSHARD_ARRIVAL_TIMEOUT"] = "10"  # stalls are compared after 1 s, not 30
     model = _model(debug)
     x, y = token_batch(0, 2, CFG.vocab_size, CFG.seq_len)
     model.set_reshard_after_backward(False)  # kept gathered into the next forward

@@ -133,6 +133,7 @@ def test_a_host_budget_that_rules_the_fraction_out_moves_to_the_next_candidate()
     assert all(c.rank < held.choice.rank for c, _ in held.rejected)
 
 
+@pytest.mark.slow
 def test_plan_bisects_k_on_a_deep_model(monkeypatch):
     """64 blocks: the partial offloads of a family take about log2(63) replays, not 63."""
     deep = GPTConfig(vocab_size=256, seq_len=32, d_model=320, n_layers=64, n_heads=4)

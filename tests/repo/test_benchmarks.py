@@ -93,6 +93,7 @@ def test_scale_benchmark_prints_a_row_per_world_size_with_shards_summing_to_the_
     assert rows[0][2] == rows[1][2]  # N x rank 0's shard bytes: the model, at both sizes
 
 
+@pytest.mark.slow
 def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
     proc = _bench("overlapped_step.py", "--shape", "tiny", "--rounds", "1", "--block", "3")
     assert "| fullshard, OverlappedStep |" in proc.stdout

@@ -61,6 +61,7 @@ def _resume(out: str) -> dict[str, list[float]]:
     return runs
 
 
+@pytest.mark.slow
 def test_partial_offload_resumes_exactly(tmp_path):
     runs = run_distributed(_resume, 2, str(tmp_path))[0]
     straight, resumed = runs["straight"], runs["resumed"]
@@ -74,6 +75,7 @@ def _overlap_on_and_off(offload: str) -> dict[str, list[float]]:
             for name, on in {"off": False, "on": True}.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["cpu", "cpu:0.5"])
 def test_the_step_overlapped_with_forward_trains_bit_for_bit_as_stepping_first(offload):
     losses = run_distributed(_overlap_on_and_off, 2, offload)[0]
