@@ -390,6 +390,13 @@ class GradReduction:
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
 
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks this group's gradients are summed over: its shard group times its
+        replicas (the default divisor; a unit on a sub-mesh counts its own mesh)."""
+        g = self.group
+        return g.world_size * (g.replicate_pg.size() if g.replicate_pg is not None else 1)
+
     def forget(self) -> None:
         """Drop the gradients not yet reduced (``reset_iter_state``)."""
         self.partial_sum.total = None
@@ -479,7 +486,7 @@ class GradReduction:
         pending_reduce = functools.partial(
             PendingReduce, g.unit_name, trainable, had_grad, pool=g.pool, views=views,
             dest=dest, options=options, copies=g.copies, measure_norms=g.offload is not None,
-            data_parallel_size=w * (g.replicate_pg.size() if g.replicate_pg is not None else 1))
+            data_parallel_size=self.data_parallel_size)
         across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
         if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
@@ -556,9 +563,8 @@ class GradReduction:
             full, pooled = g.pool.take(w * numel, reduce_dtype, ref.device), True
         # _chunk_cat casts into ``full``: gradients leave in reduce_dtype
         torch._chunk_cat(grads + [flags, digest], dim=0, num_chunks=w, out=full.view(w, numel))
-        before, _after = divide_factors(
-            reduce_dtype, options.divide_factor,
-            w * (g.replicate_pg.size() if g.replicate_pg is not None else 1))
+        before, _after = divide_factors(reduce_dtype, options.divide_factor,
+                                        self.data_parallel_size)
         if before != 1:  # Note [dividing fp16 gradients before and after the sum]
             full.view(w, numel)[:, :numel - chunk_tail_numel(len(trainable))].div_(before)
         del grads  # the unsharded gradients die here, before the receive buffers exist
