@@ -36,31 +36,59 @@ def _package_of(dotted: str) -> str:
     return parts[1]
 
 
+def _imported(path: pathlib.Path) -> tuple[list[str], list[str]]:
+    """The dotted name of the module at ``path``'s package, and every ``fullshard.*`` name
+    it imports (relative imports resolved)."""
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    here = parts[:-1] if is_package else parts
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            package = here if is_package else here[:-1]
+            base = package[:len(package) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        targets += [t for t in names if t == "fullshard" or t.startswith("fullshard.")]
+    return here, targets
+
+
 def _imports() -> dict[tuple[str, str], list[str]]:
     """(importer package, imported package) -> the files where it happens."""
     found: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
     for path in sorted(SRC.rglob("*.py")):
-        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        here = parts[:-1] if is_package else parts
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level:
-                package = here if is_package else here[:-1]
-                base = package[:len(package) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-                targets = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                targets = [node.module or ""]
-            else:
-                continue
-            for target in targets:
-                if target == "fullshard" or target.startswith("fullshard."):
-                    a, b = _package_of(".".join(here)), _package_of(target)
-                    if a != b:
-                        found[(a, b)].append(str(path.relative_to(SRC)))
+        here, targets = _imported(path)
+        for target in targets:
+            a, b = _package_of(".".join(here)), _package_of(target)
+            if a != b:
+                found[(a, b)].append(str(path.relative_to(SRC)))
     return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its nodes in order, the first repeated last), or None."""
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [])):
+            return cycle[cycle.index(cycle[-1]):]
+    return None
 
 
 def test_every_package_has_a_layer():
@@ -80,21 +108,26 @@ def test_no_import_cycle_between_packages():
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for a, b in _imports():
         graph[a].add(b)
-    state: dict[str, int] = {}  # 1 visiting, 2 done
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return path + [node, nxt]
-            if nxt not in state and (cycle := visit(nxt, path + [node])):
-                return cycle
-        state[node] = 2
-        return None
 
-    for start in sorted(graph):
-        if start not in state and (cycle := visit(start, [])):
-            raise AssertionError("import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):]))
+def test_no_import_cycle_between_files():
+    """Inside a package too, no two files import each other, not even for type hints
+    only (an ``if TYPE_CHECKING:`` import still says each needs the other: the shared
+    name belongs in a third file). A package's ``__init__`` gathers its files and is
+    left out."""
+    files = {".".join(p.relative_to(SRC.parent).with_suffix("").parts): p
+             for p in SRC.rglob("*.py") if p.name != "__init__.py"}
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for name, path in files.items():
+        for target in _imported(path)[1]:
+            # ``from .pkg import name`` may name a module or something a module defines
+            module = target if target in files else target.rpartition(".")[0]
+            if module in files and module != name:
+                graph[name].add(module)
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle between files: " + " -> ".join(cycle)
 
 
 def test_every_note_is_defined_once_and_indexed():

@@ -68,6 +68,7 @@ import torch.nn as nn
 from ..gpt import GroupedExperts, MoE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from .estimate import MemoryEstimate, block_units
+from .candidate import Candidate
 from .plan_search import Judge, blocks_stay_apart
 
 STRATEGY_COST = {"no_shard": 1.00, "shard_grad_op": 1.05, "full_shard": 1.10}
@@ -75,44 +76,6 @@ CHECKPOINTING_COST = 1.33
 OFFLOAD_COST = 2.00
 DISK_COST = 1.30  # over OFFLOAD_COST: the step waits on the disk (docs/benchmarks.md)
 HALVING_COST = 1.15
-
-
-@dataclass(frozen=True)
-class Candidate:
-    strategy: str
-    activation_checkpointing: bool
-    offload: bool
-    micro_batch: int
-    grad_accum: int
-    cost: float
-    states_on_disk: bool = False  # offload with DiskOffloadPolicy
-    params_on_disk: bool = False  # ... and params=True
-    ep: int = 1                   # experts split over this many ranks
-    offload_blocks: int = 0       # offload only the last k ...
-    blocks: int = 0               # ... of the model's L blocks (cpu:k/L)
-
-    @property
-    def offload_mode(self) -> str:
-        """estimate's ``offload`` and the trainer's ``--parallel.offload`` value. A
-        fraction is written as ``repr(k / L)``: the shortest text that reads back as
-        the same float, which the trainer's parser turns into exactly k blocks (tested
-        for every k <= L <= 96, Note [which blocks a fraction offloads])."""
-        if self.states_on_disk:
-            return "disk+params" if self.params_on_disk else "disk"
-        if self.offload_blocks:
-            return f"cpu:{self.offload_blocks / self.blocks!r}"
-        return "cpu" if self.offload else "none"
-
-    @property
-    def family(self) -> tuple[str, bool, int, int]:
-        """What the partial offloads that differ only in k share."""
-        return (self.strategy, self.activation_checkpointing, self.micro_batch, self.ep)
-
-    @property
-    def rank(self) -> tuple[float, int, int]:
-        """The order of preference: cheapest, then the larger micro-batch, then fewer
-        ranks per expert."""
-        return (self.cost, -self.micro_batch, self.ep)
 
 
 @dataclass(frozen=True)

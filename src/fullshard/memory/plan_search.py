@@ -21,14 +21,12 @@ replay. tests/memory/test_plan_fraction.py checks both.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .estimate import (MemoryEstimate, TracedStep, block_units, estimate_traced,
                        trace_workload)
+from .candidate import Candidate
 from .units import unit_params
-
-if TYPE_CHECKING:
-    from .plan import Candidate
 
 ACCUMULATOR_BYTES = 4  # fp32, the trainer's reduce dtype
 
