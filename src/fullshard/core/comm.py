@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import re
 import time
+import weakref
 from typing import Callable, Generic, Hashable, NamedTuple, TypeVar
 
 import torch
@@ -84,8 +86,43 @@ def observing(observer: Callable[[str, dist.ProcessGroup, bool], None]):
 def issued(kind: str, group: dist.ProcessGroup, async_op: bool) -> None:
     """Tell the observers a collective is being issued (Note [one seam for observing
     collectives])."""
+    _COMMUNICATED.add(group)
     for observer in _OBSERVERS:
         observer(kind, group, async_op)
+
+
+# Note [groups left with a collective that cannot finish]
+# After ranks diverged (DivergenceError) or a collective failed between them
+# (CollectiveError), a collective this rank issued may wait for a peer that issued another
+# one and never will. A program may catch the error and end; but gloo's process group,
+# when destroyed, joins its worker threads, and the worker waits for that collective until
+# the group's timeout (30 minutes by default). The group is destroyed at the interpreter's
+# very end (DTensor's caches hold it), so the program would hang there, with no Python
+# frame, with or without ``destroy_process_group()``. From the moment such an error is
+# made, fullshard keeps every process group it communicated on (and the default one)
+# alive for the rest of the process: one reference that is never released, so no
+# destructor waits and the process ends with its own exit status (the operating system
+# closes the sockets). Nothing else changes: a collective the program issues on those
+# groups afterwards meets the unfinished ones, as it would have without fullshard.
+_COMMUNICATED: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
+_KEPT: set[int] = set()
+
+
+def communicates_on(group: dist.ProcessGroup) -> None:
+    """Count ``group`` among those fullshard communicates on (one made for fullshard's own
+    messages; the data collectives are counted as they are issued)."""
+    _COMMUNICATED.add(group)
+
+
+def keep_groups_past_exit() -> None:
+    """Note [groups left with a collective that cannot finish]."""
+    groups = list(_COMMUNICATED)
+    if dist.is_initialized():
+        groups.append(dist.group.WORLD)
+    for group in groups:
+        if id(group) not in _KEPT:
+            _KEPT.add(id(group))
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never released
 
 
 def note_collective() -> None:
@@ -137,6 +174,10 @@ def set_one_rank_shortcuts(enabled: bool) -> bool:
 
 class CollectiveError(RuntimeError):
     """A fullshard collective failed or timed out; the message names the unit."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        keep_groups_past_exit()  # Note [groups left with a collective that cannot finish]
 
 
 # What a collective's failure says when the ranks, not this one, are the cause: a timeout,

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from .comm import communicates_on
+
 TIMEOUT_VARIABLE = "FULLSHARD_ARRIVAL_TIMEOUT"
 GROUP_DESC = "fullshard_control"  # what tools that count collectives tell it apart by
 
@@ -106,6 +108,7 @@ class Channel:
             self.group = dist.new_group(
                 list(ranks), backend="gloo", use_local_synchronization=True,
                 timeout=datetime.timedelta(seconds=self.limit_s), group_desc=GROUP_DESC)
+        communicates_on(self.group)  # Note [groups left with a collective that cannot finish]
         self._in_flight: Callable[[], None] | None = None
 
     def hold(self, finish: Callable[[], None]) -> None:

@@ -93,7 +93,7 @@ import torch
 import torch.distributed as dist
 
 from . import control, structure
-from .comm import note_collective
+from .comm import keep_groups_past_exit, note_collective
 from .difference import CHECK, ELSEWHERE, STALLED, Difference, Record, first_difference
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
                      PHASE_NAMES, Ledger, digest_elements)
@@ -104,6 +104,10 @@ STALL_SLICE_MAX_S = 30.0
 
 class DivergenceError(RuntimeError):
     """Ranks issued different collectives (or some never arrived to compare)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        keep_groups_past_exit()  # Note [groups left with a collective that cannot finish]
 
 
 def debug_enabled(requested: bool) -> bool:
