@@ -865,6 +865,9 @@ _TESTED_ELSEWHERE = {
            "test_misuse_names_the_parameter_and_what_to_do",
     "E47": "tests/core/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
+    # refused from torch 2.15 only; accepted (as torch does) before it
+    "E338": "tests/core/test_grad_dtype.py::"
+            "test_a_grad_dtype_torch_would_follow_is_refused_naming_the_parameter",
     **{code: "tests/core/test_subclass_params.py::"
               "test_misuse_is_one_line_naming_the_parameter_on_every_rank"
        for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},

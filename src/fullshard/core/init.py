@@ -24,6 +24,7 @@ from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, a
                         as_offload_policy)
 from . import arrival, divergence
 from .buckets import merge_small_units
+from .grad_dtype import refuse_grad_dtype_override
 from .group import GroupState, ParamGroup, outside_special_modes
 from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve_mesh
 from .torch_errors import FullyShardArgumentError, torch_first
@@ -302,6 +303,7 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
                     "the modules that share it together: apply fully_shard to their common "
                     "parent only (e.g. leave tied embeddings to the root).")
             check_subclass_param(label, fqn, p)
+            refuse_grad_dtype_override(label, fqn, p)
             if not (p.is_floating_point() or p.is_complex()):
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "
@@ -360,6 +362,8 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
         _check_not_meta(u.group)
         u.group.reshard()
         _readopt_if_replaced(u.group)
+        for p in u.group.params:  # set on the sharded parameter after fully_shard
+            refuse_grad_dtype_override(u.name, p.fqn, p.sharded_param)
     merge_small_units(all_units, bucket_numel, root=unit)
     root = RootState(unit, all_units)
     root.start_iteration()
