@@ -7,6 +7,7 @@ gives the gradients torch does (in the parameter's dtype), and fails where torch
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -45,6 +46,7 @@ def _cases() -> dict:
             "after": _after_sharding()}
 
 
+@pytest.mark.slow  # a launch of its own; make test-fast has no time left for it
 def test_a_grad_dtype_torch_would_follow_is_refused_naming_the_parameter():
     seen = run_distributed(_cases, 1)[0]
     assert seen["own"] == seen["unset"] == "NO ERROR RAISED", seen
