@@ -7,6 +7,10 @@ to 2.15 have), in our own words:
   bf16 DTensors with the same values; the forward, the gradients after backward and an
   SGD and an Adam step then equal the plain module's, twice (gradients set to None
   between); a conversion to the dtype the model has already keeps every parameter object;
+- bf16 compute with gradients summed (divide factor 1, sum reductions forced) in a
+  bf16 or fp32 ``reduce_dtype``: the fp32 sharded gradient is the ranks' sum in that
+  dtype, and an unused parameter reduced anyway (``set_reduce_scatter_unused_params``)
+  gets a zero fp32 gradient;
 - ``MixedPrecisionPolicy`` keeps its four positional fields (param, reduce, output
   dtype, cast_forward_inputs), and a ``grad_dtype=`` field (torch after 2.15) is not
   taken on 2.13-2.15, by either implementation.
@@ -21,6 +25,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -87,9 +92,50 @@ def _policy_fields() -> None:
         MixedPrecisionPolicy(grad_dtype=torch.float32)
 
 
+class _Projection(nn.Module):
+    """One fp32 weight used (in bf16 compute) and one never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((32, 32), 0.125))
+        self.unused = nn.Parameter(torch.zeros(32, 32))
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def _summed_in(reduce_dtype: torch.dtype) -> None:
+    """bf16 compute, gradients summed (not averaged) in ``reduce_dtype``, the unused
+    parameter's gradient reduced too: a zero fp32 gradient, not None."""
+    model = _Projection()
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=reduce_dtype))
+    model.set_reduce_scatter_unused_params(True)
+    model.set_gradient_divide_factor(1.0)
+    model.set_force_sum_reduction_for_comms(True)
+    x = torch.full((2, 32), 1.0078125, dtype=torch.bfloat16)
+    out = model(x)
+    grad_out = torch.full_like(out, 1.0078125 * (dist.get_rank() + 1))
+    out.backward(grad_out)
+    local = (grad_out.T @ x).to(reduce_dtype)  # backward's bf16 product, then the cast
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    grad = model.weight.grad
+    assert grad.dtype == torch.float32, grad.dtype
+    assert torch.equal(grad.full_tensor(), total.float()), reduce_dtype
+    unused = model.unused.grad
+    assert unused is not None and unused.dtype == torch.float32
+    assert torch.count_nonzero(unused.full_tensor()) == 0
+
+
 def _all_cases() -> None:
     for existing_grad in (False, True):
         _to_bfloat16(existing_grad)
+    for reduce_dtype in (torch.bfloat16, torch.float32):
+        _summed_in(reduce_dtype)
     _same_dtype_keeps_parameters()
     _policy_fields()
 
