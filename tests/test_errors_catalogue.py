@@ -167,7 +167,7 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E38"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).load_state_dict(
         {"weight": torch.zeros(3, 4), "bias": torch.zeros(4)}))
 
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from fullshard import DataParallelMeshDims
     out["E40"] = message_of(lambda: fully_shard(nn.Linear(5, 4),
@@ -180,6 +180,20 @@ def _library_cases(tmp: str) -> dict[str, str]:
                                                   shard=("dp", "tp"))))
     out["E48"] = message_of(lambda: fully_shard(nn.Linear(4, 4), mesh=dp_tp,
                                               dp_mesh_dims=DataParallelMeshDims(shard="dp")))
+
+    def on_dp_tp(*placements) -> nn.Linear:
+        linear = nn.Linear(4, 4)
+        for name, p in list(linear.named_parameters()):
+            setattr(linear, name, nn.Parameter(distribute_tensor(p.detach(), dp_tp, placements)))
+        return linear
+    out["E335"] = message_of(lambda: fully_shard(on_dp_tp(Shard(0), Replicate()), mesh=dp_tp,
+                                               dp_mesh_dims=DataParallelMeshDims(shard="dp")))
+    out["E336"] = message_of(lambda: fully_shard(
+        on_dp_tp(Replicate(), Replicate()), mesh=dp_tp,
+        dp_mesh_dims=DataParallelMeshDims(shard="nonexistent")))
+    out["E337"] = message_of(lambda: fully_shard(
+        on_dp_tp(Replicate(), Replicate()), mesh=dp_tp, reshard_after_forward=2,
+        dp_mesh_dims=DataParallelMeshDims(shard="dp")))
 
     def setting_after_merge():
         model = _Pair()
@@ -851,6 +865,9 @@ _TESTED_ELSEWHERE = {
            "test_misuse_names_the_parameter_and_what_to_do",
     "E47": "tests/core/test_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
+    # refused from torch 2.15 only; accepted (as torch does) before it
+    "E338": "tests/core/test_grad_dtype.py::"
+            "test_a_grad_dtype_torch_would_follow_is_refused_naming_the_parameter",
     **{code: "tests/core/test_subclass_params.py::"
               "test_misuse_is_one_line_naming_the_parameter_on_every_rank"
        for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},

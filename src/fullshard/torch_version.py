@@ -10,7 +10,9 @@ refused at import. The differences handled, each named by a constant below:
   gradients in the parameter's own dtype (fp32 for fp32 parameters), no longer in
   ``param_dtype``; gradients accumulated without sync (``set_requires_gradient_sync(
   False)``) are accumulated in that dtype too. Before 2.15 both happen in ``param_dtype``.
-  (A parameter's ``grad_dtype`` override, which torch 2.15 also follows, is not read.)
+* ``FOLLOWS_PARAM_GRAD_DTYPE`` (2.15): torch's FSDP2 follows a parameter's own
+  ``grad_dtype``; fullshard refuses one that differs from the parameter's dtype (Note
+  [a parameter's grad_dtype]).
 * Names added in 2.15 exist in fullshard on every supported version, with 2.15's
   behaviour: ``MixedPrecisionPolicy.param_dtype_override_fn``,
   ``FSDPModule.finalize_backward`` and ``GradientReductionHandle``,
@@ -71,3 +73,4 @@ if VERSION < OLDEST:
         f"is installed. Upgrade it: pip install 'torch>={OLDEST[0]}.{OLDEST[1]}'")
 
 REDUCE_IN_GRAD_DTYPE = VERSION >= (2, 15)
+FOLLOWS_PARAM_GRAD_DTYPE = VERSION >= (2, 15)

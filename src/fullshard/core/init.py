@@ -24,6 +24,7 @@ from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, a
                         as_offload_policy)
 from . import arrival, divergence
 from .buckets import merge_small_units
+from .grad_dtype import refuse_grad_dtype_override
 from .group import GroupState, ParamGroup, outside_special_modes
 from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve_mesh
 from .torch_errors import FullyShardArgumentError, torch_first
@@ -48,6 +49,12 @@ def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | No
         _check_shardable(label, m)
         refuse_torch_fsdp2(label, m)
     spmd = data_parallel_mesh(label, mesh, dp_mesh_dims)
+    if spmd is not None and type(reshard_after_forward) is int:
+        # torch's words first: callers match them (docs/errors.md E337)
+        raise NotImplementedError(torch_first(
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)",
+            f"fully_shard({label}): reshard_after_forward={reshard_after_forward} with "
+            "dp_mesh_dims; pass True or False."))
     mesh = resolve_mesh(label, spmd.dp_mesh if spmd else mesh)
     arrival.prepare(spmd.mesh if spmd else mesh)  # Note [every rank arrives]
     divergence.prepare(mesh)  # Note [ranks agree on every collective]
@@ -296,6 +303,7 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
                     "the modules that share it together: apply fully_shard to their common "
                     "parent only (e.g. leave tied embeddings to the root).")
             check_subclass_param(label, fqn, p)
+            refuse_grad_dtype_override(label, fqn, p)
             if not (p.is_floating_point() or p.is_complex()):
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "
@@ -306,15 +314,18 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
 
 
 def _check_spmd_param(label: str, fqn: str, p: nn.Parameter, spmd: SpmdDims) -> None:
-    """With ``dp_mesh_dims`` naming only some dimensions of the mesh, the others are model
-    parallel: a plain parameter there has no layout on them (torch raises too)."""
-    covered = {spmd.shard, spmd.replicate} >= set(spmd.mesh.mesh_dim_names)
-    if not isinstance(p, DTensor) and not covered:
-        raise ValueError(
-            f"fully_shard({label}): parameter '{fqn}' is a plain tensor, but dp_mesh_dims "
-            f"names only some dimensions of the mesh {spmd.mesh.mesh_dim_names}; every "
-            "parameter must then be a DTensor on that mesh (distribute_module or "
-            "parallelize_module with it first).")
+    """With ``dp_mesh_dims`` every parameter is a DTensor on the mesh given, even where
+    every dimension is data parallel: torch refuses a plain one, so fullshard does too
+    (code that shards on torch must not pass here only)."""
+    if not isinstance(p, DTensor):
+        # torch's words first: callers match them (docs/errors.md E48)
+        raise ValueError(torch_first(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+            f"mesh (e.g. via distribute_module). Got plain tensor for parameter '{fqn}'.",
+            f"fully_shard({label}): parameter '{fqn}' is a plain tensor; with dp_mesh_dims "
+            f"every parameter must be a DTensor on the mesh {spmd.mesh.mesh_dim_names} "
+            "(distribute_module or parallelize_module with it first), or leave out "
+            "dp_mesh_dims and pass the data-parallel mesh alone."))
 
 
 def managed_modules(module: nn.Module, prefix: str = ""):
@@ -351,6 +362,8 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
         _check_not_meta(u.group)
         u.group.reshard()
         _readopt_if_replaced(u.group)
+        for p in u.group.params:  # set on the sharded parameter after fully_shard
+            refuse_grad_dtype_override(u.name, p.fqn, p.sharded_param)
     merge_small_units(all_units, bucket_numel, root=unit)
     root = RootState(unit, all_units)
     root.start_iteration()

@@ -78,11 +78,17 @@ def data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
     replicate = _dim_names(dp_mesh_dims.replicate)
     shard = _dim_names(dp_mesh_dims.shard)
     names = mesh.mesh_dim_names or ()
-    if len(replicate) > 1 or len(shard) != 1 or not set(replicate + shard) <= set(names):
+    for name in shard + replicate:
+        if name not in names:  # torch's words first: callers match them (docs/errors.md E336)
+            raise ValueError(torch_first(
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}",
+                f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names a dimension the "
+                "mesh does not have; name dimensions of the mesh passed as mesh= (the one "
+                "the parameters are DTensors on)."))
+    if len(replicate) > 1 or len(shard) != 1:
         raise NotImplementedError(
             f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}; "
-            "fullshard takes one shard dimension and at most one replicate dimension, both "
-            "named in the mesh. Flatten several data-parallel dimensions into one first "
+            "fullshard takes one shard dimension and at most one replicate dimension. Flatten several data-parallel dimensions into one first "
             "(mesh['a', 'b']._flatten('dp')).")
     return SpmdDims(mesh, shard[0], replicate[0] if replicate else None)
 

@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .torch_errors import torch_first
+
 
 def is_foreign_dtensor(p: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
     """Whether ``p`` is a DTensor on a mesh disjoint from the data-parallel one (tensor
@@ -132,8 +134,13 @@ def _spmd_layout(spmd: SpmdDims, tp_spec: DTensorSpec, where: str, dim: int
     names = spmd.mesh.mesh_dim_names
     for i in spmd.indices():
         if not isinstance(placements[i], Replicate):
-            raise ValueError(f"{where} with {placements[i]} on data-parallel dimension "
-                             f"'{names[i]}'; it must be Replicate() there.")
+            kind = "shard" if names[i] == spmd.shard else "replicate"
+            # torch's words first: callers match them (docs/errors.md E335)
+            raise ValueError(torch_first(
+                f"Expected Replicate() on DP {kind} dim '{names[i]}' (index {i}) but got "
+                f"{placements[i]}", f"{where} with {placements[i]} on data-parallel "
+                f"dimension '{names[i]}'; it must be Replicate() there (distribute it "
+                "with Replicate() on the data-parallel dimensions)."))
     shard = names.index(spmd.shard)
     split = math.prod(spmd.mesh.size(j) for j in range(shard + 1, spmd.mesh.ndim)
                       if isinstance(placements[j], (Shard, _StridedShard))
