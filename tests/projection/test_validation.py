@@ -75,6 +75,16 @@ def test_the_stored_folds_are_what_their_constants_give_on_the_source_left_out()
     assert STORED["command"].startswith("python benchmarks/projection_published.py --write")
 
 
+def test_one_fold_alone_leaves_out_its_source_only():
+    # benchmarks/projection_published.py --fold: the same fold as in the whole run
+    runs = [r for r in RUNS if r.team in ("IBM (fms-fsdp)", "Meta (torchtitan)")]
+    (fold,) = validation.leave_one_source_out(runs, iterations=20, teams=["IBM (fms-fsdp)"])
+    assert fold.team == "IBM (fms-fsdp)"
+    assert set(fold.errors) == {r.id for r in runs if r.team == "IBM (fms-fsdp)"}
+    assert fold.constants == fit.fit_constants(
+        [r for r in runs if r.team == "Meta (torchtitan)"], iterations=20)
+
+
 def test_quantiles_interpolate_between_the_nearest_values():
     assert validation.quantile([3.0, 1.0, 2.0, 4.0, 5.0], 0.5) == 3.0
     assert validation.quantile([0.0, 10.0], 0.8) == pytest.approx(8.0)
