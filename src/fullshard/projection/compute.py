@@ -56,25 +56,6 @@ published run:
   instructions and reaches about a third of peak: 0.35.
 - ``flash1``: the same paper's abstract puts FlashAttention 1 at 25-40% of the A100's peak
   and FlashAttention-2 at about twice its speed: 0.5.
-
-Note [attention by kernel, not by sequence length]
-Fitted on the Llama-style sources (SDPA, 4k-8k tokens), attention came out at 0.59 of the
-A100's peak, and MosaicML's runs at 16k-65k tokens were projected 41-44% too fast: their
-attention implies 0.31. Sequence length is not what separates them. The attention fraction
-each MosaicML run implies (every other constant held) is flat from 4k to 65k tokens: 0.32,
-0.31, 0.32, 0.34, 0.34 on A100s with 128-wide heads, 0.22-0.18 on H100s, 0.36-0.30 with
-64-wide heads, where attention takes 15-80% of a step (docs/projection.md); so a rate that
-rises with length (the causal mask's half-filled diagonal tiles, a short sequence's softmax
-at memory bandwidth: both fade by 4k tokens) or falls with it would not move those runs.
-What separates them is the kernel: those runs used llm-foundry's Triton port of
-FlashAttention 1 (its ``attn_impl: triton``), whose backward splits the work over batch
-and heads only and whose warps split K and V and so exchange partial results through
-shared memory; FlashAttention-2 (SDPA, flash-attn 2) splits over the sequence too and
-keeps each warp on its own queries, which its paper measures at about twice the speed. So
-the kernel is a setting of the run (``Settings.attention``, ``--attention``), and
-``flash1`` is its rate relative to FlashAttention-2's: fitted where runs of a first
-generation kernel are fitted, else the paper's one half (Note [the prior]).
-
 - ``elementwise``: one read and one write per elementwise kernel over its tensors. A
   GPT-style block: two LayerNorms (2d each), GELU over f (2f), two residual adds (3d each):
   10d + 2f, with f = 4d, 3.6 passes over d + f. A Llama-style block in eager kernels: two
@@ -86,6 +67,25 @@ generation kernel are fitted, else the paper's one half (Note [the prior]).
   (read 4 + 4, write 4), the cast of the gradient back (read 4, write 2): 36 bytes.
 - ``unit_overhead``: about 50 kernels per block forward at about 10 us of eager host
   dispatch each, with the unit's hooks: 0.5 ms.
+
+Note [attention by kernel, not by sequence length]
+Fitted on the Llama-style sources (SDPA, 4k-8k tokens), attention came out at 0.59 of the
+A100's peak, and MosaicML's runs at 16k-65k tokens were projected 41-44% too fast: their
+attention implies 0.31. Sequence length is not what separates them. The attention fraction
+each MosaicML run implies (every other constant held) is flat from 4k to 65k tokens: 0.32,
+0.31, 0.32, 0.34, 0.34 on A100s with 128-wide heads, 0.22-0.18 on H100s, 0.36-0.30 with
+64-wide heads, where attention takes 15-80% of a step (docs/projection.md); so a rate that
+rises with length (the causal mask's half-filled diagonal tiles, a short sequence's softmax
+at memory bandwidth: both fade by 4k tokens) or falls with it would not move those runs.
+What separates them is the kernel: those runs used llm-foundry's Triton port of
+FlashAttention 1 (its ``attn_impl: triton``). FlashAttention-2 (SDPA, flash-attn 2) does
+fewer non-matrix-multiply FLOPs in its online softmax, splits the work over the sequence
+as well as batch and heads, and keeps each warp on its own queries instead of splitting
+K and V across warps that then exchange partial results through shared memory; its paper
+measures it at about twice FlashAttention 1's speed. So the kernel is a setting of the
+run (``Settings.attention``, ``--attention``), and ``flash1`` is its rate relative to
+FlashAttention-2's: fitted where runs of a first-generation kernel are fitted, else the
+paper's one half (Note [the prior]).
 """
 
 from __future__ import annotations
