@@ -14,6 +14,7 @@ every source), per split and per (team, GPU), the runs beyond 20%, and the memor
 
     python benchmarks/projection_published.py [--runs] [--check] [--write] [--no-loso]
 
+``--fold TEAM`` runs that fold alone (a pooled figure over it only; nothing stored).
 ``--runs`` prints every run; ``--check`` exits 1 when the split's held-out median exceeds
 5%, a held-out run other than those in KNOWN_MISSES is off by more than 20%, or a run is
 projected not to fit (the leave-one-source-out goal is reported, not checked: it is not
@@ -60,10 +61,10 @@ def summary(runs: list[published.PublishedRun], constants=FITTED) -> dict:
 
 
 def leave_one_source_out(runs: list[published.PublishedRun], iterations: int,
-                         write: bool) -> None:
+                         write: bool, teams: list[str] | None = None) -> None:
     """Print the folds and the pooled figures; with ``write``, store them."""
     started = time.perf_counter()
-    folds = validation.leave_one_source_out(runs, iterations)
+    folds = validation.leave_one_source_out(runs, iterations, teams)
     print(f"leave-one-source-out ({iterations} Nelder-Mead iterations per fold, "
           f"{time.perf_counter() - started:,.0f} s)")
     print(f"{'held-out source':<26} {'runs':>4} {'median':>7} {'worst':>7}  worst run")
@@ -96,10 +97,17 @@ def main() -> None:
                         help="Nelder-Mead iterations per leave-one-source-out fit")
     parser.add_argument("--write", action="store_true",
                         help="store the leave-one-source-out figures and error band")
+    parser.add_argument("--fold", action="append", metavar="TEAM",
+                        help="only the fold leaving out TEAM (a team of the CSV; repeatable): "
+                             "for trying a change on one source, never with --write")
     args = parser.parse_args()
     runs = published.load()
+    teams = sorted({r.team for r in runs})
+    if args.fold and (args.write or set(args.fold) - set(teams)):
+        parser.error("--fold takes teams of the CSV (" + "; ".join(teams) + ") and stores "
+                     "nothing: --write needs every fold")
     if not args.no_loso:
-        leave_one_source_out(runs, args.iterations, args.write)
+        leave_one_source_out(runs, args.iterations, args.write, args.fold)
     constants = FITTED
     if args.refit:
         constants = fit.fit_constants([r for r in runs if r.split == "fit"])

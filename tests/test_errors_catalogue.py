@@ -887,6 +887,8 @@ _TESTED_ELSEWHERE = {
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
                     "E213", "E226", "E227", "E242")},
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
+    "E355": "tests/projection/test_settings.py::"
+            "test_an_unknown_attention_kernel_is_refused_by_name",
     "E310": "tests/projection/test_validation.py::"
             "test_a_missing_band_is_one_line_saying_how_to_make_it",
     "E234": "tests/checkpoint/test_hf_load_tied_apart.py::"

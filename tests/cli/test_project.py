@@ -95,6 +95,16 @@ def test_project_reads_a_hugging_face_config_and_shape_flags(tmp_path, capsys):
     assert "gpt2 (124.3M parameters)" in capsys.readouterr().out  # biases not counted
 
 
+def test_project_takes_the_attention_kernel_and_a_first_generation_one_is_slower(capsys):
+    base = ["project", "--model", "llama2-7b", "--gpus", "8", "--strategy", "full_shard",
+            "--batch", "1", "--seq", "32768"]
+    steps = []
+    for kernel in ("flash2", "flash1"):
+        assert main(base + ["--attention", kernel]) == 0
+        steps.append(float(capsys.readouterr().out.splitlines()[-2].split()[6]))
+    assert steps[1] > 1.2 * steps[0]  # at 32k tokens attention is much of the step
+
+
 def test_project_splits_the_batch_and_reduces_in_bf16_when_asked(capsys):
     base = ["project", "--gpus", "8", "--strategy", "full_shard", "--reduce-dtype", "bf16"]
     assert main(base + ["--batch", "2"]) == 0

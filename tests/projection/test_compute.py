@@ -37,6 +37,22 @@ def test_attention_is_its_own_cost_and_grows_with_the_sequence():
     assert long.forward > 1.3 * short.forward
 
 
+def test_a_first_generation_flash_attention_kernel_runs_attention_at_its_own_rate():
+    # Note [attention by kernel, not by sequence length]: only attention's time changes,
+    # by 1 / flash1, whatever the sequence
+    shape, dev = SHAPES["llama2-7b"], DEVICES["a100"]
+    rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch)
+    for seq in (2048, 32768):
+        flash2, _, _ = block_seconds(shape, 32768, seq, rates, FITTED, "flash2")
+        flash1, _, _ = block_seconds(shape, 32768, seq, rates, FITTED, "flash1")
+        attention = rates.attention_seconds(2 * 32768 * seq * shape.q_width)
+        assert flash1.forward - flash2.forward == pytest.approx(
+            attention * (1 / FITTED.flash1 - 1), rel=1e-9)
+        assert flash1.backward - flash2.backward == pytest.approx(
+            2.5 * attention * (1 / FITTED.flash1 - 1), rel=1e-9)
+    assert 0 < FITTED.flash1 < 1
+
+
 def test_the_moe_preset_is_projected_with_its_experts():
     from fullshard.gpt import PRESET_SHAPES
     from fullshard.projection import shape_of

@@ -15,7 +15,7 @@ import pytest
 
 from fullshard.projection import published
 
-# src/fullshard/projection/published_runs.csv: 230 published FSDP runs (docs/projection.md
+# src/fullshard/projection/published_runs.csv: 231 published FSDP runs (docs/projection.md
 # names the sources), half of them fitted by projection.fit, half only judging the fit.
 
 RUNS = published.load()
@@ -28,8 +28,9 @@ def test_the_split_is_the_stated_rule_and_the_data_is_whole():
     assert len({r["id"] for r in rows}) == len(rows) == len(RUNS)
     teams = {r.team for r in RUNS}
     assert len(teams) >= 3 and all(r["source"] and r["date"] for r in rows)
-    for team in teams:  # every team judges the fit as well as feeding it
-        assert {r.split for r in RUNS if r.team == team} == {"fit", "held-out"}
+    for team in teams:  # every team of two runs or more judges the fit as well as feeding it
+        splits = [r.split for r in RUNS if r.team == team]
+        assert set(splits) == ({"fit", "held-out"} if len(splits) > 1 else {"fit"}), team
 
 
 def test_the_held_out_half_of_known_sources_is_projected_within_the_goal():

@@ -19,6 +19,14 @@ def test_library_sizes_must_be_positive():
     assert matches_documented("E127", f"ProjectionError: {err.value}")
 
 
+def test_an_unknown_attention_kernel_is_refused_by_name():
+    with pytest.raises(ProjectionError) as err:
+        Settings(attention="flash3")
+    message = f"ProjectionError: {err.value}"
+    assert matches_documented("E355", message) and "'flash3'" in message, message
+    assert Settings(attention="flash1").attention == "flash1"
+
+
 def test_library_errors():
     with pytest.raises(ProjectionError):
         device_named("tpu")

@@ -14,8 +14,10 @@ in big matrix multiplies. Each kind is modelled for what it is:
   same shape runs further from peak on an H100 (ridge 295 FLOP/byte) than on an A100 (153).
 - **Attention** (flash attention, causal): its real FLOPs, 2·s·d per token forward (half of
   the 4·s·d that MFU counts) and 2.5 times that backward (the backward recomputes the
-  scores), at ``attention`` of peak. (A factor for the head dimension, 64 against 128, was
-  tried and fitted to no effect.)
+  scores), at ``attention`` of peak for a second-generation kernel (FlashAttention-2, which
+  SDPA runs) and ``flash1`` times that for a first-generation one (FlashAttention 1 and its
+  Triton port, ``Settings.attention``): Note [attention by kernel, not by sequence length].
+  (A factor for the head dimension, 64 against 128, was tried and fitted to no effect.)
 - **Elementwise work** (norms, activation, residual adds, rotary embedding, casts):
   ``elementwise`` bf16 passes over each token's d- and f-wide activations per block forward
   (d + f elements: the published shapes have f = 2.7d to 4d, so passes over the two cannot
@@ -34,9 +36,9 @@ in big matrix multiplies. Each kind is modelled for what it is:
 The constants differ by architecture where the kernels do (the matrix-multiply and
 attention fractions of peak on Ampere and Hopper); the byte counts and overheads are shared.
 Each was fitted by ``projection.fit`` to the fit half of ``published_runs.csv`` (see
-docs/projection.md for the values and the error on the held-out half). Refitted from PRIOR
-(``python -m fullshard.projection.fit``) they move by 3% at most (the GPT-style block's
-elementwise passes to 1.69; the rest by under 0.3%), so FITTED stays the fit's minimum.
+docs/projection.md for the values and the error on the held-out half): FITTED is the output
+of ``python -m fullshard.projection.fit``, rounded to four digits, with the unit overhead
+at the prior's value because the fit half cannot pin it (Note [the prior]).
 
 Note [the prior]
 A fit judged on a source it never saw must not start from, or fall back to, constants that
@@ -52,6 +54,8 @@ published run:
 - ``attention``: FlashAttention-2 reports 50-73% of the A100's peak forward and less
   backward (its paper, Dao 2023): 0.5; on the H100 it was not written for Hopper's
   instructions and reaches about a third of peak: 0.35.
+- ``flash1``: the same paper's abstract puts FlashAttention 1 at 25-40% of the A100's peak
+  and FlashAttention-2 at about twice its speed: 0.5.
 - ``elementwise``: one read and one write per elementwise kernel over its tensors. A
   GPT-style block: two LayerNorms (2d each), GELU over f (2f), two residual adds (3d each):
   10d + 2f, with f = 4d, 3.6 passes over d + f. A Llama-style block in eager kernels: two
@@ -63,6 +67,25 @@ published run:
   (read 4 + 4, write 4), the cast of the gradient back (read 4, write 2): 36 bytes.
 - ``unit_overhead``: about 50 kernels per block forward at about 10 us of eager host
   dispatch each, with the unit's hooks: 0.5 ms.
+
+Note [attention by kernel, not by sequence length]
+Fitted on the Llama-style sources (SDPA, 4k-8k tokens), attention came out at 0.59 of the
+A100's peak, and MosaicML's runs at 16k-65k tokens were projected 41-44% too fast: their
+attention implies 0.31. Sequence length is not what separates them. The attention fraction
+each MosaicML run implies (every other constant held) is flat from 4k to 65k tokens: 0.32,
+0.31, 0.32, 0.34, 0.34 on A100s with 128-wide heads, 0.22-0.18 on H100s, 0.36-0.30 with
+64-wide heads, where attention takes 15-80% of a step (docs/projection.md); so a rate that
+rises with length (the causal mask's half-filled diagonal tiles, a short sequence's softmax
+at memory bandwidth: both fade by 4k tokens) or falls with it would not move those runs.
+What separates them is the kernel: those runs used llm-foundry's Triton port of
+FlashAttention 1 (its ``attn_impl: triton``). FlashAttention-2 (SDPA, flash-attn 2) does
+fewer non-matrix-multiply FLOPs in its online softmax, splits the work over the sequence
+as well as batch and heads, and keeps each warp on its own queries instead of splitting
+K and V across warps that then exchange partial results through shared memory; its paper
+measures it at about twice FlashAttention 1's speed. So the kernel is a setting of the
+run (``Settings.attention``, ``--attention``), and ``flash1`` is its rate relative to
+FlashAttention-2's: fitted where runs of a first-generation kernel are fitted, else the
+paper's one half (Note [the prior]).
 """
 
 from __future__ import annotations
@@ -84,6 +107,9 @@ class KernelConstants:
     elementwise: dict[str, float]
     loss_bytes: float               # bytes per token and vocabulary entry, whole step
     unit_overhead: float            # seconds per unit per forward (twice per backward)
+    # a first-generation flash attention kernel's rate over a second-generation one's
+    # (Note [attention by kernel, not by sequence length])
+    flash1: float = 0.5
     # achieved fraction of the datasheet memory bandwidth: assumed, not fitted (the fit
     # cannot tell it from elementwise: both scale bytes per token over bandwidth)
     memory: float = 0.9
@@ -91,14 +117,14 @@ class KernelConstants:
     def as_vector(self) -> list[float]:
         """The fitted constants, in order (``memory`` is not one)."""
         return [*self.matmul.values(), *self.attention.values(), *self.elementwise.values(),
-                self.loss_bytes, self.unit_overhead]
+                self.loss_bytes, self.unit_overhead, self.flash1]
 
     def from_vector(self, values: list[float]) -> "KernelConstants":
         values = list(values)
         take = lambda keys: dict(zip(keys, [values.pop(0) for _ in keys]))  # noqa: E731
         matmul, attention = take(list(self.matmul)), take(list(self.attention))
         elementwise = take(list(self.elementwise))
-        rest = dict(zip(("loss_bytes", "unit_overhead"), values, strict=True))
+        rest = dict(zip(("loss_bytes", "unit_overhead", "flash1"), values, strict=True))
         return replace(self, matmul=matmul, attention=attention, elementwise=elementwise,
                        **rest)
 
@@ -157,13 +183,14 @@ def _block_gemms(shape: ModelShape, tokens: int) -> list[tuple[float, int, int]]
 
 
 def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
-                  c: KernelConstants) -> tuple[PassSeconds, float, float]:
+                  c: KernelConstants, kernel: str = "flash2") -> tuple[PassSeconds, float, float]:
     """(forward/backward of one block, the recomputation of a fully checkpointed block,
-    that of torchtitan's selective op policy)."""
+    that of torchtitan's selective op policy), attention run by ``kernel``."""
     gemms = _block_gemms(shape, tokens)
     mm_fwd = sum(rates.gemm(m, k, n) for m, k, n in gemms)
     mm_bwd = sum(rates.gemm_backward(m, k, n) for m, k, n in gemms)
-    attn_fwd = rates.attention_seconds(2 * tokens * seq * shape.q_width)
+    attn_fwd = rates.attention_seconds(2 * tokens * seq * shape.q_width) \
+        / (c.flash1 if kernel == "flash1" else 1.0)
     kind = block_kind(shape)
     elem_fwd = tokens * BF16 * c.elementwise[kind] \
         * (shape.d_model + shape.mlps_per_token * shape.mlp_width) \
@@ -203,10 +230,10 @@ PRIOR = KernelConstants(matmul={"ampere": 0.80, "hopper": 0.70},
 # Fitted by ``projection.fit.fit_constants`` on the fit half of published_runs.csv
 # (docs/projection.md); tests/projection/test_fit.py checks that no constant moved alone lowers
 # the fit half's error, i.e. that these are the fit's minimum.
-FITTED = KernelConstants(matmul={"ampere": 0.7594, "hopper": 0.6499},
-                         attention={"ampere": 0.3116, "hopper": 0.1850},
-                         elementwise={"gpt": 1.632, "llama": 16.99}, loss_bytes=35.80,
-                         unit_overhead=1.029e-3)
+FITTED = KernelConstants(matmul={"ampere": 0.7714, "hopper": 0.6417},
+                         attention={"ampere": 0.4240, "hopper": 0.2523},
+                         elementwise={"gpt": 4.149, "llama": 23.12}, loss_bytes=36.04,
+                         unit_overhead=0.5e-3, flash1=0.7343)
 
 
 def rates_for(peak: float, bandwidth: float, arch: str, c: KernelConstants = FITTED) -> Rates:

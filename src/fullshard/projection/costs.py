@@ -93,7 +93,7 @@ def compute_seconds(shape: ModelShape, cluster: Cluster, s: Settings,
         return _flat(shape, cluster, s)
     rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch, constants)
     tokens = s.batch * s.seq
-    block, full, selective = block_seconds(shape, tokens, s.seq, rates, constants)
+    block, full, selective = block_seconds(shape, tokens, s.seq, rates, constants, s.attention)
     blocks = []
     for i in range(shape.n_layers):
         again = full if s.checkpointed(i) else (

@@ -3,7 +3,9 @@
 
 Each row is one run as its source reports it: the model's shape, the GPUs (variant, count,
 network), the strategy, micro-batch, accumulation, sequence length, activation
-checkpointing, reduction dtype, and the tokens/s per GPU measured. ``split`` says whether
+checkpointing, the attention kernel's generation (``flash1``: FlashAttention 1 or its Triton
+port; ``flash2``: FlashAttention-2, SDPA), reduction dtype, and the tokens/s per GPU
+measured. ``split`` says whether
 the row fits the compute model's constants or only judges them; the rule, applied before
 any fitting: within each (team, GPU) group, rows ordered by the SHA-256 of their ``id``
 alternate fit, held-out, fit, ... (``split_of``).
@@ -56,7 +58,7 @@ def _settings(row: dict) -> Settings:
                     int(row["grad_accum"]), ac, param_bytes=2,
                     reduce_bytes=2 if row["reduce_dtype"] == "bf16" else 4,
                     checkpoint_every=every, sync_micro_batches=True,
-                    fused_loss=row["loss"] == "fused")
+                    fused_loss=row["loss"] == "fused", attention=row["attention"])
 
 
 def _run(row: dict) -> PublishedRun:

@@ -10,6 +10,7 @@ from .hardware import ProjectionError
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
 QUANTIZE = ("none", "weights", "grads", "weights,grads")
+ATTENTION_KERNELS = ("flash2", "flash1")  # flash attention's generation (compute.py)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Settings:
     # consecutive ranks of its shard group, each expert sharded over the group's other
     # dimension (shard ranks / ep); tokens reach their experts by all-to-all
     ep: int = 1
+    # flash attention's generation: "flash2" (SDPA, flash-attn 2) or "flash1" (FlashAttention
+    # 1, its Triton port): Note [attention by kernel, not by sequence length] (compute.py)
+    attention: str = "flash2"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -45,6 +49,9 @@ class Settings:
         if self.quantize != "none" and self.strategy == "no_shard":
             raise ProjectionError("quantize applies to all-gathers and reduce-scatters, "
                                   "which no_shard does not issue")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ProjectionError(f"attention must be one of {', '.join(ATTENTION_KERNELS)} "
+                                  f"(flash attention's generation), got {self.attention!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ProjectionError(f"activation checkpointing must be one of "
                                   f"{', '.join(CHECKPOINTING)}, got {self.checkpointing!r}")

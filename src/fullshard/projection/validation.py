@@ -47,10 +47,12 @@ class Fold:
         return max((abs(e), i) for i, e in self.errors.items())
 
 
-def leave_one_source_out(runs: list[PublishedRun], iterations: int = 4000) -> list[Fold]:
-    """One fold per team of ``runs`` (Note [leave one source out])."""
+def leave_one_source_out(runs: list[PublishedRun], iterations: int = 4000,
+                         teams: list[str] | None = None) -> list[Fold]:
+    """One fold per team of ``runs`` (Note [leave one source out]), or per team of
+    ``teams`` only."""
     folds = []
-    for team in sorted({r.team for r in runs}):
+    for team in sorted(teams or {r.team for r in runs}):
         seen = [r for r in runs if r.team != team]
         constants = fit_constants(seen, iterations=iterations)
         folds.append(Fold(team, constants,
