@@ -100,6 +100,17 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     return modules if isinstance(module, (list, tuple)) else module
 
 
+def _state(module: nn.Module):
+    """``fully_shard.state(module)``, torch's accessor: the state object of the unit
+    ``fully_shard(module)`` made (one distinct object per call), or None for a module it
+    was never applied to. fullshard's object is its ``UnitState``; torch's private
+    attributes (``_fsdp_param_group``, ``_lazy_init``) are not on it."""
+    return unit_of(module)
+
+
+fully_shard.state = _state
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` (e.g. ``generate``) gather the unit's parameters
     before it runs and free them after, as ``forward`` does. A no-op on modules that

@@ -125,14 +125,17 @@ def unit_label(modules: list) -> str:
 def _check_shardable(label: str, module: nn.Module) -> None:
     name = _class_name(module)
     if unit_of(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {name}; apply it once per "
-                         "module (submodules first, then the root).")
+        raise FullyShardArgumentError(torch_first(
+            "Each distinct composable distributed API can only be applied to a module once.",
+            f"fully_shard was already applied to this {name}; apply it once per module "
+            "(submodules first, then the root)."))
     # torch.compile's OptimizedModule sets its forward on the instance
     if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
-        raise ValueError(
+        raise ValueError(torch_first(
+            f"fully_shard does not support containers that do not implement forward: {name}.",
             f"fully_shard({label}): this module has no forward() of its own (a container such "
             "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
-            "Apply fully_shard to its children, or to the parent module that runs them.")
+            "Apply fully_shard to its children, or to the parent module that runs them."))
 
 
 def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
