@@ -195,6 +195,9 @@ def _library_cases(tmp: str) -> dict[str, str]:
         copy.deepcopy(fully_shard(nn.Linear(4, 4)))
     out["E43"] = message_of(deepcopy_sharded)
     out["E44"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None))
+    from fullshard import share_comm_ctx
+    out["E330"] = message_of(lambda: share_comm_ctx([fully_shard(nn.Linear(4, 4)),
+                                                     nn.Linear(4, 4)]))
 
     from torch.distributed.device_mesh import DeviceMesh
     rank0_only_mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; rank 1 is outside

@@ -13,6 +13,7 @@ from .core import hooks
 from .core.init import shard_modules, unit_label
 from .core.placement_meshes import split_by_mesh
 from .core.state import unit_of
+from .core.torch_errors import torch_first
 from .core.comm import SharedCopies
 from .fsdp_module import FSDPModule
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -155,8 +156,11 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
     streams in any case (Note [streams and events])."""
     for module in modules:
         if not isinstance(module, FSDPModule):
-            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules but got "
-                             f"{type(module).__name__}")
+            name = type(module).__name__
+            raise ValueError(torch_first(
+                f"Expects list of FSDPModules but got {name}.",
+                f"share_comm_ctx: {name} is not sharded; pass the modules fully_shard "
+                "returned (each pipeline stage's root)."))
     shared = SharedCopies()
     for module in modules:
         unit = module._unit
