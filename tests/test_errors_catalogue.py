@@ -195,6 +195,13 @@ def _library_cases(tmp: str) -> dict[str, str]:
         copy.deepcopy(fully_shard(nn.Linear(4, 4)))
     out["E43"] = message_of(deepcopy_sharded)
     out["E44"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None))
+    def hooks_set_after_sharding():
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4)))
+        local = model[0].weight._local_tensor
+        local.fsdp_pre_all_gather = lambda *args: ((local,), None)
+        local.fsdp_post_all_gather = lambda outputs, *args, **kwargs: (outputs[0], ())
+        model(torch.randn(2, 4))
+    out["E331"] = message_of(hooks_set_after_sharding)
     from fullshard import share_comm_ctx
     out["E330"] = message_of(lambda: share_comm_ctx([fully_shard(nn.Linear(4, 4)),
                                                      nn.Linear(4, 4)]))

@@ -352,6 +352,7 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
         if u.group is None:
             continue
         _check_not_meta(u.group)
+        _check_no_hooks_set_after_sharding(u.group)
         u.group.reshard()
         _readopt_if_replaced(u.group)
     merge_small_units(all_units, bucket_numel, root=unit)
@@ -376,6 +377,22 @@ def _check_not_meta(group: ParamGroup) -> None:
             f"fullshard: parameter '{on_meta[0]}' is still on the meta device at the first "
             "forward. After fully_shard, call model.to_empty(device=...) and then "
             "initialize it (reset_parameters() / init_weights()) or load a checkpoint."))
+
+
+def _check_no_hooks_set_after_sharding(group: ParamGroup) -> None:
+    """torch's FSDP2 looks for ``fsdp_pre_all_gather`` on a parameter's local tensor at
+    every gather, so hooks set on that object after sharding take effect there. fullshard
+    chooses a parameter's path once, in ``fully_shard`` (a plain parameter is a view of
+    the unit's flat shard, Note [tensor-subclass parameters]): hooks that appear later
+    would be ignored silently, so they are refused at the first forward (checked once)."""
+    for p in group.params:
+        if p.extension is None and has_all_gather_hooks(p.sharded_param._local_tensor):
+            raise NotImplementedError(
+                f"fullshard: parameter '{p.fqn}' of fully_shard({group.unit_name}) had "
+                "fsdp_pre_all_gather/fsdp_post_all_gather set on its local shard after "
+                "fully_shard; fullshard reads them once, when fully_shard runs, and would "
+                "ignore them. Define both on the parameter's tensor subclass before "
+                "fully_shard.")
 
 
 def _readopt_if_replaced(group: ParamGroup) -> None:
