@@ -25,6 +25,7 @@ import contextlib
 import copy
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -227,5 +228,6 @@ def _all_cases() -> None:
     _pads_its_own_shard()
 
 
+@pytest.mark.slow
 def test_subclass_parameters_gather_through_their_hooks_as_in_torchs_fsdp2():
     run_distributed(_all_cases, 2)
