@@ -11,7 +11,8 @@
   ``ValueError`` and torch's words;
 - ``copy.deepcopy`` of a sharded module raises ``AssertionError`` with torch's words.
 
-torch runs these on one rank; so does this file, in one launch.
+torch runs these on one rank of its threaded process group; so does this file (no
+process to spawn).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch.nn as nn
 
 from fullshard import FSDPModule, fully_shard
-from fullshard.testing import run_distributed
+from fullshard.testing.threaded_world import run_threaded
 
 
 def _mlp() -> nn.Sequential:
@@ -82,4 +83,4 @@ def _all_cases() -> None:
 
 
 def test_what_fully_shard_makes_of_a_module_is_torchs():
-    run_distributed(_all_cases, 1)
+    run_threaded(_all_cases, 1)
