@@ -209,6 +209,16 @@ def _library_cases(tmp: str) -> dict[str, str]:
         copy.deepcopy(fully_shard(nn.Linear(4, 4)))
     out["E43"] = message_of(deepcopy_sharded)
     out["E44"] = message_of(lambda: fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None))
+    def hooks_set_after_sharding():
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4)))
+        local = model[0].weight._local_tensor
+        local.fsdp_pre_all_gather = lambda *args: ((local,), None)
+        local.fsdp_post_all_gather = lambda outputs, *args, **kwargs: (outputs[0], ())
+        model(torch.randn(2, 4))
+    out["E331"] = message_of(hooks_set_after_sharding)
+    from fullshard import share_comm_ctx
+    out["E330"] = message_of(lambda: share_comm_ctx([fully_shard(nn.Linear(4, 4)),
+                                                     nn.Linear(4, 4)]))
 
     from torch.distributed.device_mesh import DeviceMesh
     rank0_only_mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; rank 1 is outside
@@ -886,6 +896,8 @@ _TESTED_ELSEWHERE = {
     **{code: "tests/cli/test_project.py::test_bad_input_is_one_line_naming_it"
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
                     "E213", "E226", "E227", "E242")},
+    "E332": "tests/conformance/test_fsdp2_compile.py::"
+            "test_compiled_sharded_models_train_as_eager_ones",  # compiling: extended
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
     "E355": "tests/projection/test_settings.py::"
             "test_an_unknown_attention_kernel_is_refused_by_name",

@@ -13,6 +13,7 @@ from .core import hooks
 from .core.init import shard_modules, unit_label
 from .core.placement_meshes import split_by_mesh
 from .core.state import unit_of
+from .core.torch_errors import torch_first
 from .core.comm import SharedCopies
 from .fsdp_module import FSDPModule
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -100,6 +101,17 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     return modules if isinstance(module, (list, tuple)) else module
 
 
+def _state(module: nn.Module):
+    """``fully_shard.state(module)``, torch's accessor: the state object of the unit
+    ``fully_shard(module)`` made (one distinct object per call), or None for a module it
+    was never applied to. fullshard's object is its ``UnitState``; torch's private
+    attributes (``_fsdp_param_group``, ``_lazy_init``) are not on it."""
+    return unit_of(module)
+
+
+fully_shard.state = _state
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` (e.g. ``generate``) gather the unit's parameters
     before it runs and free them after, as ``forward`` does. A no-op on modules that
@@ -144,8 +156,11 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
     streams in any case (Note [streams and events])."""
     for module in modules:
         if not isinstance(module, FSDPModule):
-            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules but got "
-                             f"{type(module).__name__}")
+            name = type(module).__name__
+            raise ValueError(torch_first(
+                f"Expects list of FSDPModules but got {name}.",
+                f"share_comm_ctx: {name} is not sharded; pass the modules fully_shard "
+                "returned (each pipeline stage's root)."))
     shared = SharedCopies()
     for module in modules:
         unit = module._unit

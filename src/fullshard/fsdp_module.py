@@ -21,6 +21,7 @@ from .core import comm_groups, hooks
 from .core.load_check import check_fits
 from .core.quantized_collectives import DEFAULT_BLOCK_SIZE
 from .core.state import UnitState, unit_of
+from .core.torch_errors import UnsupportedCopyError, torch_first
 
 # Set while FSDPModule.to_empty runs (per thread): torch's _apply recursion into the units
 # carries no argument, and to_empty's values are undefined, so there is nothing to copy.
@@ -108,7 +109,9 @@ class FSDPModule:
         return self
 
     def __deepcopy__(self, memo):
-        raise TypeError(_no_copy_message(self, "copy.deepcopy"))
+        raise UnsupportedCopyError(torch_first(
+            "FSDP does not support deepcopy. Please use state dict for serialization.",
+            _no_copy_message(self, "copy.deepcopy")))
 
     def __reduce_ex__(self, protocol):
         raise TypeError(_no_copy_message(self, "pickling (torch.save of the module)"))

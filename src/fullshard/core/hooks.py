@@ -97,6 +97,11 @@ def install(unit: UnitState) -> None:
     state; tracing them would bake one iteration's decisions into the graph. A block
     compiled before ``fully_shard`` is one graph between the hooks; a model compiled
     after it has a graph per stretch of computation between two units' hooks.
+    What autograd calls back in backward is disabled too (the input watch's backward, the
+    final callback): a backward run from a compiled function (``torch.compile`` of a
+    step that calls ``loss.backward()``) runs with Dynamo's frame hook still set, and
+    Dynamo would otherwise try to trace fullshard's reductions. torch's own hooks escape
+    this by living in files Dynamo skips.
     """
     unit.module.register_forward_pre_hook(torch._dynamo.disable(partial(_pre_forward, unit)),
                                           prepend=True, with_kwargs=True)
@@ -303,6 +308,7 @@ class _InputGradsReady(torch.autograd.Function):
         ctx.watch = inputs[0]
 
     @staticmethod
+    @torch._dynamo.disable  # Note [hooks under torch.compile]
     def backward(ctx, *grads):
         ctx.watch.fire()
         return (None, *grads)
@@ -423,11 +429,20 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
 
 
 def _start_backward(root: RootState) -> None:
+    if torch._dynamo.compiled_autograd.in_compiled_autograd_region:
+        # the traced backward calls the hooks, but the reductions they start never reach
+        # the sharded gradients: every step would silently leave the weights as they were
+        raise NotImplementedError(
+            f"fullshard: the backward through {root.unit.name} runs under compiled "
+            "autograd (torch._dynamo.config.compiled_autograd), which fullshard's gradient "
+            "reduction does not support. Turn compiled autograd off; torch.compile of the "
+            "model or of its blocks works with fullshard (Note [hooks under torch.compile]).")
     root.backward.running = True
     # create_graph=True runs the backward in grad mode (Note [a backward that creates a
     # graph])
     root.backward.creates_graph = torch.is_grad_enabled()
-    Variable._execution_engine.queue_callback(partial(_final_callback, root))
+    Variable._execution_engine.queue_callback(
+        torch._dynamo.disable(partial(_final_callback, root)))
 
 
 def _on_backward_done(root: RootState, group: ParamGroup) -> None:

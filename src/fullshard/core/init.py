@@ -132,14 +132,17 @@ def unit_label(modules: list) -> str:
 def _check_shardable(label: str, module: nn.Module) -> None:
     name = _class_name(module)
     if unit_of(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {name}; apply it once per "
-                         "module (submodules first, then the root).")
+        raise FullyShardArgumentError(torch_first(
+            "Each distinct composable distributed API can only be applied to a module once.",
+            f"fully_shard was already applied to this {name}; apply it once per module "
+            "(submodules first, then the root)."))
     # torch.compile's OptimizedModule sets its forward on the instance
     if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
-        raise ValueError(
+        raise ValueError(torch_first(
+            f"fully_shard does not support containers that do not implement forward: {name}.",
             f"fully_shard({label}): this module has no forward() of its own (a container such "
             "as ModuleList/ModuleDict), so nothing would gather its parameters before use. "
-            "Apply fully_shard to its children, or to the parent module that runs them.")
+            "Apply fully_shard to its children, or to the parent module that runs them."))
 
 
 def _shard_dims(label: str, shard_placement_fn, refs_by_param: dict) -> dict:
@@ -360,6 +363,7 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
         if u.group is None:
             continue
         _check_not_meta(u.group)
+        _check_no_hooks_set_after_sharding(u.group)
         u.group.reshard()
         _readopt_if_replaced(u.group)
         for p in u.group.params:  # set on the sharded parameter after fully_shard
@@ -386,6 +390,22 @@ def _check_not_meta(group: ParamGroup) -> None:
             f"fullshard: parameter '{on_meta[0]}' is still on the meta device at the first "
             "forward. After fully_shard, call model.to_empty(device=...) and then "
             "initialize it (reset_parameters() / init_weights()) or load a checkpoint."))
+
+
+def _check_no_hooks_set_after_sharding(group: ParamGroup) -> None:
+    """torch's FSDP2 looks for ``fsdp_pre_all_gather`` on a parameter's local tensor at
+    every gather, so hooks set on that object after sharding take effect there. fullshard
+    chooses a parameter's path once, in ``fully_shard`` (a plain parameter is a view of
+    the unit's flat shard, Note [tensor-subclass parameters]): hooks that appear later
+    would be ignored silently, so they are refused at the first forward (checked once)."""
+    for p in group.params:
+        if p.extension is None and has_all_gather_hooks(p.sharded_param._local_tensor):
+            raise NotImplementedError(
+                f"fullshard: parameter '{p.fqn}' of fully_shard({group.unit_name}) had "
+                "fsdp_pre_all_gather/fsdp_post_all_gather set on its local shard after "
+                "fully_shard; fullshard reads them once, when fully_shard runs, and would "
+                "ignore them. Define both on the parameter's tensor subclass before "
+                "fully_shard.")
 
 
 def _readopt_if_replaced(group: ParamGroup) -> None:

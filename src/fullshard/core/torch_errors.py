@@ -14,6 +14,12 @@ class FullyShardArgumentError(AssertionError, ValueError):
     """Bad input that torch's FSDP2 refuses with ``AssertionError``."""
 
 
+class UnsupportedCopyError(AssertionError, TypeError):
+    """``copy.deepcopy`` or pickling of a sharded module: torch's FSDP2 raises
+    ``AssertionError``; fullshard raised ``TypeError`` first, and keeps it as a base so
+    code written against either catches it."""
+
+
 def torch_first(torch_message: str, guidance: str) -> str:
     """torch's message, then fullshard's: one line a regex written for torch matches."""
     return f"{torch_message} {guidance}"
