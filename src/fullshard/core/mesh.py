@@ -85,7 +85,7 @@ def data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
                 f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names a dimension the "
                 "mesh does not have; name dimensions of the mesh passed as mesh= (the one "
                 "the parameters are DTensors on)."))
-    if not shard and not replicate:  # torch fails flattening no dimension at all
+    if not shard and not replicate:  # torch fails flattening none (docs/errors.md E361)
         raise RuntimeError(torch_first(
             "Cannot flatten a DeviceMesh without mesh_dim_names!",
             f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names no dimension; name "
@@ -97,7 +97,7 @@ def data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
             err.args[0] if err.args else str(err),
             f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}: name "
             "each dimension once, in the mesh's order, shard and replicate apart, and the "
-            "shard dimensions side by side (torch's FSDP2 flattens them into one)."
+            "shard dimensions side by side (torch flattens them into one)."
             )) from None
 
 
