@@ -123,12 +123,16 @@ def _case(sizes, names, **dims) -> tuple:
     return init_device_mesh("cpu", sizes, mesh_dim_names=names), DataParallelMeshDims(**renamed)
 
 
-_CASES = (((2, 2), ("a", "b"), {"shard": ("a", "b")}),
-          ((2, 2), ("a", "b"), {"replicate": ("a", "b")}),
-          ((2, 1, 2), ("r", "t", "s"), {"shard": "s", "replicate": "r"}),
-          ((1, 2, 2), ("r", "a", "b"), {"shard": ("a", "b"), "replicate": "r"}),
-          ((2, 2), ("s", "r"), {"shard": "s", "replicate": "r"}),
-          ((2, 1, 2), ("a", "t", "b"), {"replicate": ("a", "b")}))
+# (sizes, names, dims, whether every rank is a data-parallel one and so trains on rows
+# of its own); "t" is a model-parallel dimension
+_CASES = (((2, 2), ("a", "b"), {"shard": ("a", "b")}, True),
+          ((2, 2), ("a", "b"), {"replicate": ("a", "b")}, True),
+          ((2, 1, 2), ("r", "t", "s"), {"shard": "s", "replicate": "r"}, True),
+          ((1, 2, 2), ("r", "a", "b"), {"shard": ("a", "b"), "replicate": "r"}, True),
+          ((2, 2, 1), ("a", "b", "t"), {"shard": ("a", "b")}, True),
+          ((2, 2), ("s", "r"), {"shard": "s", "replicate": "r"}, True),
+          ((2, 1, 2), ("a", "t", "b"), {"replicate": ("a", "b")}, True),
+          ((2, 2), ("a", "t"), {"replicate": "a"}, False))
 
 
 def _refused(mesh, dims, kind: type, words: str) -> None:
@@ -153,11 +157,12 @@ def _refusals() -> None:
 
 
 def _all_cases() -> None:
-    for sizes, names, dims in _CASES:
+    for sizes, names, dims, trains in _CASES:
         mesh, dp = _case(sizes, names, **dims)
         what = f"{dp} on {mesh}"
         _as_torch_does(mesh, dp, what)
-        _trains_as_one_process(mesh, dp, what)
+        if trains:
+            _trains_as_one_process(mesh, dp, what)
     _refusals()
 
 

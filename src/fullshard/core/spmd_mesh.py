@@ -42,10 +42,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .tensor_parallel import TensorParallelLayout, dp_placement, refuse_partial
 from .torch_errors import torch_first
 
-# Process-global because process groups are: every unit replicated over the same ranks
+# Process-global because process groups are: every unit replicated over the same group
 # shares one (replicate, one-rank shard) mesh instead of creating groups of its own
-# (Note [data-parallel dimensions of an SPMD mesh]). Keyed by the flattened replicate mesh.
-_REPLICATE_ONLY: dict[DeviceMesh, DeviceMesh] = {}
+# (Note [data-parallel dimensions of an SPMD mesh]). Keyed by the replicate mesh and its
+# group's name (equal meshes may run on groups made apart, e.g. another backend).
+_REPLICATE_ONLY: dict[tuple[DeviceMesh, str], DeviceMesh] = {}
 
 
 def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -55,11 +56,12 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 
 def _replicate_only(replicate: DeviceMesh) -> DeviceMesh:
     """``(replicate, one-rank shard)``: hybrid sharding that keeps parameters whole."""
-    if replicate not in _REPLICATE_ONLY:
+    key = (replicate, replicate.get_group(0).group_name)
+    if key not in _REPLICATE_ONLY:
         name = replicate.mesh_dim_names[0]
-        _REPLICATE_ONLY[replicate] = replicate._unflatten(
+        _REPLICATE_ONLY[key] = replicate._unflatten(
             0, (replicate.size(), 1), (name, f"{name}_whole"))
-    return _REPLICATE_ONLY[replicate]
+    return _REPLICATE_ONLY[key]
 
 
 @dataclass(frozen=True)
