@@ -124,10 +124,11 @@ def local_grad(grad: torch.Tensor, tp_spec: DTensorSpec,
 
 def refuse_unrelated_tp_mesh(label: str, fqn: str, p: DTensor, dp_mesh: DeviceMesh,
                              spmd: bool) -> None:
-    """Raise (unless the whole mesh came with ``dp_mesh_dims``: ``spmd``) if ``p`` lives on a mesh made apart from ``dp_mesh`` that nonetheless shares
+    """Raise if ``p`` lives on a mesh made apart from ``dp_mesh`` that nonetheless shares
     its process groups (two ``init_device_mesh`` calls over the same ranks reuse the
     default group): it is neither a dimension of one parent mesh with ``dp_mesh`` nor
-    ``dp_mesh`` itself, so no joint layout of the two exists."""
+    ``dp_mesh`` itself, so no joint layout of the two exists. ``spmd``: the whole mesh
+    came with ``dp_mesh_dims``, where parameters live on it by design."""
     tp_mesh = p.device_mesh
     if spmd or tp_mesh == dp_mesh or is_foreign_dtensor(p, dp_mesh):
         return
