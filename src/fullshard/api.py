@@ -70,10 +70,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             the device. fullshard's policies or torch's.
         ignored_params: parameters to leave unsharded and unmanaged.
         dp_mesh_dims: torch's ``DataParallelMeshDims`` naming the data-parallel dimensions
-            of ``mesh`` (one shard dimension, at most one replicate dimension). ``mesh``
-            is then the whole mesh and every parameter must be a DTensor on it (as torch
-            requires), ``Replicate()`` on the data-parallel dimensions; each is
-            sharded over them as torch does (Note [sharding a tensor-parallel parameter]).
+            of ``mesh``: shard and replicate dimensions, each one name or several
+            (flattened into one), or replicate dimensions alone (parameters kept whole,
+            gradients all-reduced). ``mesh`` is then the whole mesh and every parameter
+            must be a DTensor on it (as torch requires), ``Replicate()`` on the
+            data-parallel dimensions; each is sharded over them as torch does (Note
+            [data-parallel dimensions of an SPMD mesh]).
         debug: on the root (or with ``FULLSHARD_DEBUG=1``): compare what the ranks ran
             before every collective rather than after each forward and backward (Note
             [ranks agree on every collective]), so the first mismatch is named before it

@@ -10,7 +10,9 @@ test_fully_shard_dtensor.py), in our own words, at four ranks:
   units on ``mesh["dp"]``; every parameter ends a DTensor on the (dp, tp) mesh;
 - the whole mesh given with ``dp_mesh_dims``: parameters made DTensors first
   (``distribute_module``), sharded on the data-parallel dimension (1-D, HSDP, and
-  with tensor parallelism, ``shard_placement_fn`` keeping off the TP dimension),
+  with tensor parallelism, ``shard_placement_fn`` keeping off the TP dimension, also
+  HSDP x TP on a 3-D mesh), on several shard or replicate dimensions, or replicated
+  alone (DDP),
   the placements torch gives, an unused expert-parallel parameter reduced to zeros
   (``set_reduce_scatter_unused_params``), and what torch refuses refused with
   torch's words.
@@ -154,16 +156,26 @@ def _spmd(sizes, names, dims: DataParallelMeshDims, tp: bool, reshard: bool) -> 
     distribute_module(model, mesh, _tp_partition if tp else None)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, dp_mesh_dims=dims,
                 shard_placement_fn=_off_the_tp_dim if tp else None)
+    shard = (dims.shard,) if isinstance(dims.shard, str) else tuple(dims.shard or ())
     for name, p in model.named_parameters():
-        assert isinstance(p, DTensor) and p.device_mesh == mesh, (what, name)
+        assert isinstance(p, DTensor), (what, name)
+        if len(shard) > 1:  # the shard dimensions flattened into one, as torch does
+            assert p.device_mesh.mesh_dim_names == ("_".join(shard),), (what, name)
+            assert p.placements == (Shard(0),), (what, name, p.placements)
+            continue
+        assert p.device_mesh == mesh, (what, name)
         assert len(p.placements) == mesh.ndim, (what, name, p.placements)
-        shard_dim = names.index(dims.shard)
+        if not shard:  # replicate alone: every parameter whole on every rank
+            assert p.placements == (Replicate(),) * mesh.ndim, (what, name, p.placements)
+            assert p.to_local().shape == p.shape, (what, name)
+            continue
+        shard_dim = names.index(shard[0])
         expected = 1 if tp and name == "in_proj.weight" else 0
         assert p.placements[shard_dim] == Shard(expected), (what, name, p.placements)
         if tp:
             assert p.placements[-1] == {"in_proj.weight": Shard(0), "out_proj.weight": Shard(1)
                                         }.get(name, Replicate()), (what, name, p.placements)
-    dp_rank = mesh[dims.shard].get_local_rank() if tp else dist.get_rank()
+    dp_rank = mesh[shard[0]].get_local_rank() if tp else dist.get_rank()
     _train(model, master, what, _replicated_rows(mesh, dp_rank))
 
 
@@ -229,6 +241,16 @@ def _spmd_cases() -> None:
           tp=False, reshard=True)
     for reshard, names in ((True, ("fsdp2", "tp0")), (False, ("fsdp3", "tp1"))):
         _spmd((2, 2), names, DataParallelMeshDims(shard=names[0]), tp=True, reshard=reshard)
+    # replicate alone (DDP), several shard dimensions, several replicate dimensions, and
+    # HSDP with tensor parallelism on a 3-D mesh
+    _spmd((4,), ("ddp",), DataParallelMeshDims(replicate="ddp"), tp=False, reshard=True)
+    _spmd((2, 2), ("dp0", "dp1"), DataParallelMeshDims(shard=("dp0", "dp1")), tp=False,
+          reshard=True)
+    _spmd((1, 2, 2), ("ddp1", "ddp2", "fsdp4"),
+          DataParallelMeshDims(shard="fsdp4", replicate=("ddp1", "ddp2")), tp=False,
+          reshard=True)
+    _spmd((1, 2, 2), ("rep0", "fsdp5", "tp2"),
+          DataParallelMeshDims(shard="fsdp5", replicate="rep0"), tp=True, reshard=True)
     _unused_expert_parameter()
     _spmd_refusals()
 

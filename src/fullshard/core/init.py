@@ -32,7 +32,8 @@ from .param import SHARDED_ORIGINALS, ParamRef, ShardedParam, is_sharded_param
 from .schedule import after_forward_rule
 from .subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
 from .state import RootState, UnitState, attach_unit, unit_of
-from .tensor_parallel import SpmdDims, is_foreign_dtensor, refuse_unrelated_tp_mesh
+from .spmd_mesh import SpmdDims
+from .tensor_parallel import is_foreign_dtensor, refuse_unrelated_tp_mesh
 from .torch_fsdp import refuse_param_of_torch_fsdp2, refuse_torch_fsdp2
 
 
@@ -285,7 +286,7 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
                     "submodules first, then their parent, the root last.")
             if isinstance(p, DTensor):
                 refuse_param_of_torch_fsdp2(label, fqn, p)
-                refuse_unrelated_tp_mesh(label, fqn, p, mesh, spmd)
+                refuse_unrelated_tp_mesh(label, fqn, p, mesh, spmd is not None)
             if isinstance(p, DTensor) and not (
                     is_foreign_dtensor(p, mesh)
                     or (spmd is not None and p.device_mesh == spmd.mesh)):

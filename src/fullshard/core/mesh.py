@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .tensor_parallel import SpmdDims
+from .spmd_mesh import SpmdDims
 from .torch_errors import FullyShardArgumentError, torch_first
 
 
@@ -85,12 +85,20 @@ def data_parallel_mesh(label: str, mesh: DeviceMesh | None, dp_mesh_dims
                 f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names a dimension the "
                 "mesh does not have; name dimensions of the mesh passed as mesh= (the one "
                 "the parameters are DTensors on)."))
-    if len(replicate) > 1 or len(shard) != 1:
-        raise NotImplementedError(
-            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}; "
-            "fullshard takes one shard dimension and at most one replicate dimension. Flatten several data-parallel dimensions into one first "
-            "(mesh['a', 'b']._flatten('dp')).")
-    return SpmdDims(mesh, shard[0], replicate[0] if replicate else None)
+    if not shard and not replicate:  # torch fails flattening none (docs/errors.md E361)
+        raise RuntimeError(torch_first(
+            "Cannot flatten a DeviceMesh without mesh_dim_names!",
+            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} names no dimension; name "
+            "the mesh's data-parallel dimensions in shard= or replicate=."))
+    try:
+        return SpmdDims(mesh, shard, replicate)
+    except (KeyError, RuntimeError) as err:  # torch's words first (docs/errors.md E360)
+        raise type(err)(torch_first(
+            err.args[0] if err.args else str(err),
+            f"fully_shard({label}): dp_mesh_dims {dp_mesh_dims} on the mesh {names}: name "
+            "each dimension once, in the mesh's order, shard and replicate apart, and the "
+            "shard dimensions side by side (torch flattens them into one)."
+            )) from None
 
 
 def _dim_names(value) -> tuple[str, ...]:

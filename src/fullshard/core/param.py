@@ -82,7 +82,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .subclass_params import KeptDtypeShard, SubclassShard, has_all_gather_hooks
-from .tensor_parallel import SpmdDims, local_grad, sharded_layout
+from .spmd_mesh import SpmdDims, spmd_layout
+from .tensor_parallel import local_grad, sharded_layout
 from .torch_errors import torch_first
 
 
@@ -192,7 +193,10 @@ class ShardedParam:
             spec_mesh = mesh
             self.placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
         else:
-            tp = sharded_layout(mesh, self.tp_spec, unit_label, self.fqn, spmd, dim)
+            where = (f"fully_shard({unit_label}): parameter '{self.fqn}' is a DTensor on "
+                     f"mesh {self.tp_spec.mesh}")
+            tp = (spmd_layout(spmd, self.tp_spec, where, dim) if spmd is not None
+                  else sharded_layout(mesh, self.tp_spec, where, dim))
             spec_mesh, self.placements, self.dp_indices = tp.mesh, tp.placements, tp.dp_indices
         self.spec = DTensorSpec(
             spec_mesh, self.placements,

@@ -31,12 +31,11 @@ dp_mesh_dims=DataParallelMeshDims(shard="dp"))``, passes the whole mesh instead:
 parameter is then a DTensor on that mesh, ``Replicate()`` on its data-parallel
 dimensions. The same layout follows, written on the parameter's own mesh: the
 data-parallel dimension's ``Replicate()`` becomes ``Shard(0)``, or ``_StridedShard`` when
-dimensions after it also split dim 0 (``SpmdDims``).
+dimensions after it also split dim 0 (Note [data-parallel dimensions of an SPMD mesh]).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .torch_errors import torch_first
 
 
 def is_foreign_dtensor(p: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
@@ -58,25 +56,6 @@ def is_foreign_dtensor(p: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
 
 
 @dataclass(frozen=True)
-class SpmdDims:
-    """``fully_shard(mesh=world_mesh, dp_mesh_dims=...)``: the whole mesh, and which of its
-    dimensions are data parallel (one shard dimension, at most one replicate dimension)."""
-
-    mesh: DeviceMesh
-    shard: str
-    replicate: str | None = None
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        names = (self.replicate, self.shard) if self.replicate else (self.shard,)
-        return self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
-
-    def indices(self) -> tuple[int, ...]:
-        names = self.mesh.mesh_dim_names
-        return tuple(names.index(n) for n in (self.replicate, self.shard) if n)
-
-
-@dataclass(frozen=True)
 class TensorParallelLayout:
     """Where a TP parameter lives once sharded, and which of its gradient's mesh
     dimensions are data parallel (left to the reduce-scatter, not redistributed)."""
@@ -86,17 +65,19 @@ class TensorParallelLayout:
     dp_indices: frozenset[int] = frozenset()
 
 
-def sharded_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, label: str, fqn: str,
-                   spmd: SpmdDims | None = None, dim: int = 0) -> TensorParallelLayout:
-    """The mesh and placements of a TP parameter once its local piece is sharded on
-    ``dim`` over ``dp_mesh``."""
-    tp_mesh = tp_spec.mesh
-    where = f"fully_shard({label}): parameter '{fqn}' is a DTensor on mesh {tp_mesh}"
-    if any(isinstance(pl, Partial) for pl in tp_spec.placements):
-        raise ValueError(f"{where} with placements {tp_spec.placements}; a parameter cannot "
+def refuse_partial(spec: DTensorSpec, where: str) -> None:
+    """A parameter's DTensor placements cannot be ``Partial`` (nothing to shard)."""
+    if any(isinstance(pl, Partial) for pl in spec.placements):
+        raise ValueError(f"{where} with placements {spec.placements}; a parameter cannot "
                          "be Partial. Give it Shard or Replicate placements.")
-    if spmd is not None:
-        return _spmd_layout(spmd, tp_spec, where, dim)
+
+
+def sharded_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, where: str, dim: int = 0
+                   ) -> TensorParallelLayout:
+    """The mesh and placements of a TP parameter once its local piece is sharded on
+    ``dim`` over ``dp_mesh`` (``where`` names the unit, the parameter and its mesh)."""
+    tp_mesh = tp_spec.mesh
+    refuse_partial(tp_spec, where)
     if tp_mesh.ndim > 2:
         raise NotImplementedError(f"{where}: fullshard combines data parallelism with a 1-D "
                                   "or 2-D model-parallel mesh (TP, EP+TP), not "
@@ -116,37 +97,13 @@ def sharded_layout(dp_mesh: DeviceMesh, tp_spec: DTensorSpec, label: str, fqn: s
             "world_mesh['dp'] and world_mesh['tp'].") from None
     split = tp_spec.num_shards_map[dim]
     lead = (Replicate(),) if dp_mesh.ndim == 2 else ()  # hybrid: (replicate, shard, *tp)
-    return TensorParallelLayout(joint, (*lead, _dp_placement(dim, split), *tp_spec.placements))
+    return TensorParallelLayout(joint, (*lead, dp_placement(dim, split), *tp_spec.placements))
 
 
-def _dp_placement(dim: int, split: int) -> Placement:
+def dp_placement(dim: int, split: int) -> Placement:
     """Shard(dim) over the data-parallel ranks, taken inside each of ``split`` pieces that
     later mesh dimensions cut ``dim`` into."""
     return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-
-
-def _spmd_layout(spmd: SpmdDims, tp_spec: DTensorSpec, where: str, dim: int
-                 ) -> TensorParallelLayout:
-    if tp_spec.mesh != spmd.mesh:
-        raise ValueError(f"{where}, but fully_shard was given mesh {spmd.mesh} with "
-                         "dp_mesh_dims; every parameter must be a DTensor on that mesh.")
-    placements = list(tp_spec.placements)
-    names = spmd.mesh.mesh_dim_names
-    for i in spmd.indices():
-        if not isinstance(placements[i], Replicate):
-            kind = "shard" if names[i] == spmd.shard else "replicate"
-            # torch's words first: callers match them (docs/errors.md E335)
-            raise ValueError(torch_first(
-                f"Expected Replicate() on DP {kind} dim '{names[i]}' (index {i}) but got "
-                f"{placements[i]}", f"{where} with {placements[i]} on data-parallel "
-                f"dimension '{names[i]}'; it must be Replicate() there (distribute it "
-                "with Replicate() on the data-parallel dimensions)."))
-    shard = names.index(spmd.shard)
-    split = math.prod(spmd.mesh.size(j) for j in range(shard + 1, spmd.mesh.ndim)
-                      if isinstance(placements[j], (Shard, _StridedShard))
-                      and placements[j].dim == dim)
-    placements[shard] = _dp_placement(dim, split)
-    return TensorParallelLayout(spmd.mesh, tuple(placements), frozenset(spmd.indices()))
 
 
 def local_grad(grad: torch.Tensor, tp_spec: DTensorSpec,
@@ -166,13 +123,14 @@ def local_grad(grad: torch.Tensor, tp_spec: DTensorSpec,
 
 
 def refuse_unrelated_tp_mesh(label: str, fqn: str, p: DTensor, dp_mesh: DeviceMesh,
-                             spmd: SpmdDims | None) -> None:
+                             spmd: bool) -> None:
     """Raise if ``p`` lives on a mesh made apart from ``dp_mesh`` that nonetheless shares
     its process groups (two ``init_device_mesh`` calls over the same ranks reuse the
     default group): it is neither a dimension of one parent mesh with ``dp_mesh`` nor
-    ``dp_mesh`` itself, so no joint layout of the two exists."""
+    ``dp_mesh`` itself, so no joint layout of the two exists. ``spmd``: the whole mesh
+    came with ``dp_mesh_dims``, where parameters live on it by design."""
     tp_mesh = p.device_mesh
-    if spmd is not None or tp_mesh == dp_mesh or is_foreign_dtensor(p, dp_mesh):
+    if spmd or tp_mesh == dp_mesh or is_foreign_dtensor(p, dp_mesh):
         return
     raise ValueError(
         f"fully_shard({label}): parameter '{fqn}' is a DTensor on mesh {tp_mesh}, which was "
