@@ -4,12 +4,13 @@ shard for life, and one batch gathers and reduces them."""
 import pytest
 import torch
 
+from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.core.batch import GatherBatch
 from fullshard.core.group import GroupState
 from fullshard.core.state import unit_of
-from fullshard.gpt import lm_loss
+from fullshard.gpt import GPT, lm_loss
 from fullshard.testing import run_distributed
-from support.small_gpt import rank_batch, same_steps, sgd_steps, sharded_gpt
+from support.small_gpt import CFG, rank_batch, same_steps, sgd_steps, sharded_gpt
 
 
 def _units(model):
@@ -67,15 +68,30 @@ def test_an_optimizer_built_before_the_first_forward_keeps_its_storages(raf):
                           "one_batch": True, "stepped": True, "gathers_stepped": True}
 
 
-def _batched_and_alone():
-    return (sgd_steps(sharded_gpt(raf=True, bucket_numel=1 << 20), 3),
-            sgd_steps(sharded_gpt(raf=True, bucket_numel=0), 3))
+def _gpt(bucket_numel: int, bf16: bool):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.set_bucket_numel(bucket_numel)
+    return model
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_batch_trains_to_the_bit_as_units_alone(world):
-    """The batch's copy-in and rank-by-rank layout move the same values: losses and
-    gradients equal to the bit to those of every unit gathered alone (at one rank the
-    batch's parameters are views of each member's own shard)."""
-    for batched, alone in run_distributed(_batched_and_alone, world):
+def _batched_and_alone(bf16: bool):
+    batched = _gpt(1 << 20, bf16)
+    steps = sgd_steps(batched, 3)
+    one_batch = len({unit_of(m).batch for m in (batched, *batched.layers)}) == 1
+    return one_batch, steps, sgd_steps(_gpt(0, bf16), 3)
+
+
+@pytest.mark.parametrize("world,bf16", [(1, False), (2, False), (2, True), (1, True)])
+def test_a_batch_trains_to_the_bit_as_units_alone(world, bf16):
+    """The batch's copy-in (casting under mixed precision) and rank-by-rank layout move
+    the same values: losses and gradients equal to the bit to those of every unit
+    gathered alone (at one rank without a cast the batch's parameters are views of each
+    member's own shard)."""
+    for one_batch, batched, alone in run_distributed(_batched_and_alone, world, bf16):
+        assert one_batch
         assert same_steps(batched, alone)
