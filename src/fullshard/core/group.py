@@ -37,7 +37,9 @@ buffer, and NCCL skips the rank's own chunk (at one rank the collective copies
 nothing; the copy-in and the copy-out remain). A quantized gather (Note [quantized
 communication]) quantizes from that chunk, and its dequantized copy of every rank's
 chunk, this rank's included, then overwrites it, so the ranks still compute with the
-same values. Without a cast the gather sends ``flat_shard`` itself, out of place.
+same values. Without a cast the gather sends ``flat_shard`` itself, out of place; a batch
+of small units, which has no flat shard of its own, always copies its members' shards into
+its chunk and gathers in place (Note [a batch reads its members' shards]).
 
 Note [shard groups of one rank]
 With one rank per shard group (NO_SHARD: a (world, 1) replicate x shard mesh) the
