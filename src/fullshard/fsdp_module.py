@@ -197,7 +197,7 @@ class FSDPModule:
     def set_bucket_numel(self, numel: int) -> None:
         """Merge adjacent small units under this root into one collective while their
         unsharded size stays <= ``numel`` elements (default 2**20; 0 disables). Call it
-        on the root before the first forward; see Note [buckets: units share a group]."""
+        on the root before the first forward; see Note [buckets: units gather together]."""
         unit = self._unit
         if unit.root is not None:
             raise RuntimeError(
@@ -255,7 +255,7 @@ class FSDPModule:
         """Keep (``True``) the gathered parameters' storage allocated when resharding, so
         the unsharded parameters keep their addresses across iterations (CUDA graph
         capture), at the memory of holding them; ``False`` (the default) frees it. Applies
-        to the unit's group: units merged into one collective share it."""
+        to the unit's gathered buffer: units gathered in one batch share it."""
         _expect_bool("set_keep_unsharded_storage", keep)
         for unit in _units(self, recurse):
             if unit.group is not None:
@@ -449,7 +449,7 @@ def _check_not_merged(unit: UnitState, method: str, what: str) -> None:
     """Units merged with others into one collective cannot differ from them."""
     root = unit.root
     if root is not None and unit.group is not None:
-        others = [u.name for u in root.members[unit.group] if u not in unit.created_with]
+        others = [u.name for u in root.members[unit.batch] if u not in unit.created_with]
         if others:
             raise ValueError(
                 f"{method} on {unit.name}: its parameters were merged with "
@@ -499,9 +499,9 @@ def _set_quantized(unit: UnitState, units: list[UnitState], weights: bool, grads
     for u in units:
         _check_quantizable(u, units, weights, grads)
     for u in units:
-        if u.group is not None:
-            u.group.quantize_weights = block_size if weights else 0
-            u.group.quantize_grads = block_size if grads else 0
+        for group in {u.group, u.batch} - {None}:  # after lazy init, its batch's too
+            group.quantize_weights = block_size if weights else 0
+            group.quantize_grads = block_size if grads else 0
 
 
 def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool,
@@ -524,7 +524,7 @@ def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool
                          "HYBRID_SHARD) or leave quantization off.")
     root = unit.root
     if root is not None:
-        others = [u.name for u in root.members[group] if u not in changing]
+        others = [u.name for u in root.members[unit.batch] if u not in changing]
         if others:
             raise ValueError(f"{where}: its parameters were merged with {', '.join(others)} "
                              "into one collective at the first forward, so its communication "

@@ -219,12 +219,13 @@ class OverlappedStep:
 
 def _groups_in_order() -> tuple[dict[int, ParamGroup], dict[ParamGroup, int]]:
     """Every live group by its ShardedParams' ids, and the groups' order: their units'
-    order under each root (the order forward gathers them)."""
+    order under each root (the order forward gathers them). A group is what reduces
+    together: a unit's batch (Note [buckets: units gather together])."""
     groups: dict[int, ParamGroup] = {}
     order: dict[ParamGroup, int] = {}
     for root in live_roots():
         for unit in root.units:
-            group = unit.group
+            group = unit.batch
             if group is None or group in order:
                 continue
             order[group] = len(order)

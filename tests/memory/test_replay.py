@@ -93,8 +93,8 @@ def _record(mp: pytest.MonkeyPatch, group_class, pool_class, log: list, keep_ids
 
 
 def _named(log: list, names: dict) -> list:
-    """Group ids replaced by their units' names; groups never used in a step dropped
-    (those retired by merging at the first forward)."""
+    """Group ids replaced by their units' names; groups that never act themselves dropped
+    (those in a batch, which the batch gathers and reduces)."""
     out = []
     for event in log:
         if event[0] in ("state", "reduce", "reduced"):

@@ -75,13 +75,13 @@ def separate_reduce_groups(groups: list, enable: bool) -> None:
 
 
 def groups_of(unit, units: list, method: str) -> list:
-    """The groups of ``units`` (UnitStates), each once, in order; refused (E303) when one
-    of them was merged at the first forward with a unit outside ``units``, whose settings
-    would change too."""
+    """The groups of ``units`` (UnitStates) and the batches gathering them, each once, in
+    order; refused (E303) when one of them was batched at the first forward with a unit
+    outside ``units``, whose settings would change too."""
     changing = set(units)
-    groups = list(dict.fromkeys(u.group for u in units if u.group is not None))
+    groups = list(dict.fromkeys(g for u in units for g in (u.group, u.batch) if g is not None))
     root = unit.root
-    for group in groups if root is not None else ():
+    for group in {u.batch for u in units if u.batch is not None} if root is not None else ():
         others = [u.name for u in root.members[group] if u not in changing]
         if others:
             raise ValueError(

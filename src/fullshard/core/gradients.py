@@ -351,6 +351,7 @@ class ReducedGroup(Protocol):
     guard: Guard | None
     offload: object  # the CPUOffloadPolicy, or None
     comm_options: object  # core/comm_groups.CommOptions
+    storage: object  # its shard (core/storage.py): the sharded gradients' dtype and device
 
     @property
     def reduce_scatter_pg(self) -> dist.ProcessGroup: ...
@@ -404,10 +405,6 @@ class GradReduction:
             p.accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
-
-    def drop_buffers(self) -> None:
-        """The group was retired into a bucket: its gradient buffers go with it."""
-        self._grad_buffer, self._grad_key, self._grad_views = None, None, []
 
     # Note [the reduction's tail, one row per rank]
     # Every rank's chunk of the send buffer ends in the presence flags and the digest, so
@@ -480,7 +477,8 @@ class GradReduction:
         # a staged ``full`` is held, not pooled (Note [staging buffers from the process group])
         own, held = ([full], []) if pooled else ([], [full])
         pg = g.reduce_scatter_pg  # Note [a reduce-scatter group of its own]
-        dest, views = self._grad_destination(trainable, numel, g.flat_shard)
+        dest, views = self._grad_destination(trainable, numel, g.storage.dtype,
+                                             g.storage.device)
         # what every reduction below hands its PendingReduce; the buffers it holds and
         # whether it all-reduces across replicas after the collective differ
         pending_reduce = functools.partial(
@@ -538,8 +536,8 @@ class GradReduction:
         comm = None if skips_collectives(w) else g.reduce_scatter_comm
         plan = reduce_plan(shard_size=w, replicated=g.replicate_pg is not None,
                            backend=dist.get_backend(g.pg), reduce_dtype=reduce_dtype,
-                           compute_device=ref.device, grad_dtype=g.flat_shard.dtype,
-                           grad_device=g.flat_shard.device)
+                           compute_device=ref.device, grad_dtype=g.storage.dtype,
+                           grad_device=g.storage.device)
         if plan.all_reduce and options.all_reduce:
             g._record("all-reduce", w * numel)
         elif not skips_collectives(w):  # Note [a reduce-scatter group of its own]
@@ -589,14 +587,17 @@ class GradReduction:
                 p.accumulated_grad += grad
 
 
-    def _new_grad_buffer(self, numel: int, ref: torch.Tensor) -> torch.Tensor:
-        """Sharded gradients beside ``ref`` (the flat shard); pinned when offloaded from
-        CUDA, so the copy from the device does not block (Note [streams and events])."""
-        pin = ref.device.type == "cpu" and self.group.compute_device.type == "cuda"
-        return torch.empty(numel, dtype=ref.dtype, device=ref.device, pin_memory=pin)
+    def _new_grad_buffer(self, numel: int, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+        """Sharded gradients beside the flat shard (its ``dtype``, on its ``device``);
+        pinned when offloaded from CUDA, so the copy from the device does not block (Note
+        [streams and events])."""
+        pin = device.type == "cpu" and self.group.compute_device.type == "cuda"
+        return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
-    def _grad_destination(self, trainable: list[ShardedParam], numel: int, ref: torch.Tensor
+    def _grad_destination(self, trainable: list[ShardedParam], numel: int,
+                          dtype: torch.dtype, device: torch.device
                           ) -> tuple[torch.Tensor, list | None]:
         """Where the reduce-scatter writes, and the DTensor grads viewing it (None when
         the result must be added to gradients that already exist).
@@ -615,10 +616,10 @@ class GradReduction:
         """
         if not self.group.pool.keeps(numel) or any(p.sharded_param.grad is not None
                                              for p in trainable):
-            return self._new_grad_buffer(numel, ref), None
-        key = (tuple(map(id, trainable)), ref.dtype, ref.device)
+            return self._new_grad_buffer(numel, dtype, device), None
+        key = (tuple(map(id, trainable)), dtype, device)
         if key != self._grad_key:
-            buf = self._new_grad_buffer(numel, ref)
+            buf = self._new_grad_buffer(numel, dtype, device)
             shards = split_chunk(buf, [p.layout.shard_numel for p in trainable])
             self._grad_views = [p.sharded_grad(shard) for p, shard in zip(trainable, shards)]
             self._grad_buffer, self._grad_key = buf, key

@@ -37,7 +37,9 @@ buffer, and NCCL skips the rank's own chunk (at one rank the collective copies
 nothing; the copy-in and the copy-out remain). A quantized gather (Note [quantized
 communication]) quantizes from that chunk, and its dequantized copy of every rank's
 chunk, this rank's included, then overwrites it, so the ranks still compute with the
-same values. Without a cast the gather sends ``flat_shard`` itself, out of place.
+same values. Without a cast the gather sends ``flat_shard`` itself, out of place; a batch
+of small units, which has no flat shard of its own, always copies its members' shards into
+its chunk and gathers in place (Note [a batch reads its members' shards]).
 
 Note [shard groups of one rank]
 With one rank per shard group (NO_SHARD: a (world, 1) replicate x shard mesh) the
@@ -61,8 +63,8 @@ reduce-scatter (fullshard sums and divides afterwards, also under a custom comm)
 reduce-scatter's input is held until its collective has finished (an asynchronous comm
 reads it after the call returns), then dropped, never pooled.
 Inputs and outputs have the layouts of the built-in path: rank-major shards, one flat
-buffer per unit, presence flags and the ledger digest included. A unit with a custom collective keeps its
-own group (never merged into a bucket), so the comm sees exactly its parameters.
+buffer per unit, presence flags and the ledger digest included. A unit with a custom collective is
+gathered alone (never in a batch of small units), so the comm sees exactly its parameters.
 
 Note [CPU offload]
 With ``offload`` the flat shard, the sharded gradients and hence the optimizer
@@ -152,7 +154,6 @@ class GroupState(enum.Enum):
     UNSHARDED = "unsharded"    # unsharded params registered and valid
     KEPT = "kept"              # sharded registered; the gathered ones kept for the next forward
     POST_FORWARD = "post-forward"  # sharded, plus a 1/N chunk kept for backward (hpZ)
-    MERGED = "merged"          # retired: its parameters now belong to a bucket's group
 
 
 def outside_special_modes(transition: Callable) -> Callable:
@@ -198,7 +199,7 @@ class ParamGroup:
                  post_forward_size: int | None = None,
                  offload: "CPUOffloadPolicy | None" = None,
                  compute_device: torch.device | None = None, mesh=None,
-                 mp_policy=None):
+                 mp_policy=None, storage: "ShardStorage | None" = None):
         self.params = params
         # Note [tensor-subclass parameters]: those gather beside the flat buffers
         self.flat_params = [p for p in params if p.extension is None]
@@ -208,8 +209,9 @@ class ParamGroup:
         self.offload = offload  # Note [CPU offload]
         for p in params:  # the optimizer hook asks a parameter (Note [optimizer states on disk])
             p.offload = offload
-        # the flat shard (core/storage.py)
-        self.storage = ShardStorage(self.flat_params, unit_name, offload, compute_device)
+        # the flat shard (core/storage.py); a batch reads its members' (core/batch.py)
+        self.storage = storage if storage is not None else ShardStorage(
+            self.flat_params, unit_name, offload, compute_device)
         self.post_forward_size = post_forward_size
         self.post_forward: PostForwardShard | None = (
             PostForwardShard(pg, post_forward_size) if post_forward_size else None)
@@ -221,6 +223,9 @@ class ParamGroup:
         self.pg = pg
         self.world_size = pg.size()
         self.unit_name = unit_name
+        # what gathers and reduces this group: itself, or the batch of small units it
+        # joined at lazy init (Note [buckets: units gather together])
+        self.batch: ParamGroup = self
         self.state = GroupState.SHARDED
         # the gathered parameters (core/storage.py)
         self.unsharded = UnshardedBuffer(self.storage, self.world_size)
@@ -239,7 +244,6 @@ class ParamGroup:
         # (Note [ranks agree on every collective]); None while there is no root or one rank
         self.guard: "Guard | None" = None
         self.guard_unit = -1
-        self.merged_into: str | None = None  # the bucket that took over, once MERGED
         # torch's set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
         self.all_gather_comm = None
         self.reduce_scatter_comm = None
@@ -257,6 +261,15 @@ class ParamGroup:
         """Where gradient reduce-scatters run: the shard group, or one of their own
         (Note [a reduce-scatter group of its own])."""
         return self.comm_options.reduce_pg or self.pg
+
+    @property
+    def state(self) -> GroupState:
+        """Where the parameters are; a group in a batch is where its batch is."""
+        return self._state if self.batch is self else self.batch.state
+
+    @state.setter
+    def state(self, state: GroupState) -> None:
+        self._state = state
 
     def _record(self, op: str, numel: int) -> None:
         """Enter a collective about to be issued in the root's ledger (Note [ranks agree on
@@ -302,30 +315,12 @@ class ParamGroup:
         """Where gathered parameters live and forward/backward run."""
         return self.storage.compute_device
 
-    def retire(self, merged_into: "ParamGroup") -> None:
-        """This group's parameters now live in ``merged_into`` (a bucket of small units,
-        core/buckets.py). Drop the buffers and refuse any further use: a stale group
-        that re-pointed parameters at its own flat shard would split what the optimizer
-        updates from what the all-gather sends (Note [one storage is the shard])."""
-        self.reshard()
-        self.storage.tensor = None
-        self.unsharded.forget()
-        self.grads.drop_buffers()
-        self.merged_into = merged_into.unit_name
-        self.state = GroupState.MERGED
-
-    def _check_live(self, action: str) -> None:
-        if self.state is GroupState.MERGED:
-            raise RuntimeError(
-                f"fullshard internal error: {action} on the group of {self.unit_name}, which "
-                f"was merged into {self.merged_into}; read the unit's current group "
-                "(unit.group) instead of keeping a reference to an old one.")
-
     def readopt(self, copy_values: bool = True) -> None:
         """Re-point every DTensor at ``flat_shard`` after a module ``_apply`` or an
         ``assign=True`` load replaced them; reallocate when device or dtype changed
-        (and copy their values over, unless ``copy_values`` is False: ``to_empty``)."""
-        self._check_live("readopt")
+        (and copy their values over, unless ``copy_values`` is False: ``to_empty``). In a
+        batch, the batch is resharded first and rebuilds its gathered buffer (which
+        ``unsharded`` then is) for the new shard."""
         self.reshard()
         first = (self.flat_params or self.params)[0].refs[0]
         current = first.module._parameters[first.name]
@@ -336,7 +331,8 @@ class ParamGroup:
                     and not any(p.extension is not None for p in self.params):
                 # a default reduction follows the parameters' new dtype (module.to(float64)
                 # after fully_shard), as torch's FSDP2 reads it at lazy init
-                self.reduce_dtype = policy.reduce_dtype_for(self.flat_shard.dtype)
+                self.reduce_dtype = policy.reduce_dtype_for(self.storage.dtype)
+                self.batch.reduce_dtype = self.reduce_dtype
         for p in self.subclass.params if self.subclass is not None else ():
             p.readopt(None)
 
@@ -348,15 +344,15 @@ class ParamGroup:
 
     def _gather_plan(self) -> GatherPlan:
         """What an unshard allocates (core/schedule.py)."""
-        return gather_plan(shard_size=self.world_size, shard_dtype=self.flat_shard.dtype,
-                           shard_device=self.flat_shard.device, compute_dtype=self.compute_dtype,
+        return gather_plan(shard_size=self.world_size, shard_dtype=self.storage.dtype,
+                           shard_device=self.storage.device, compute_dtype=self.compute_dtype,
                            compute_device=self.compute_device,
                            post_forward=self.post_forward is not None)
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype parameters are gathered and computed in."""
-        return self.param_dtype or self.flat_shard.dtype
+        return self.param_dtype or self.storage.dtype
 
     # -- unshard / reshard --------------------------------------------------------------
     @outside_special_modes
@@ -366,8 +362,9 @@ class ParamGroup:
         GATHERING (from the 1/N chunk kept after forward); KEPT -> UNSHARDED with no
         collective, or, when the shard was written since, KEPT -> SHARDED -> GATHERING;
         GATHERING and UNSHARDED stay as they are. ``wait_unshard`` then ends GATHERING
-        in UNSHARDED."""
-        self._check_live("unshard")
+        in UNSHARDED. A group in a batch gathers its batch."""
+        if self.batch is not self:
+            return self.batch.unshard(async_op)
         self.finish_host_step()  # the shard a gather reads is the stepped one
         if self.state is GroupState.KEPT:
             if not self.shard_written_since_gathered():
@@ -409,7 +406,7 @@ class ParamGroup:
             if not self.unsharded.is_shard:  # cast / to the device: the copy
                 self.unsharded.allocate()     # stream, so a prefetch overlaps compute
                 with self.copies.to_device() as ordered, traced("copy_in", self.unit_name):
-                    self.unsharded.writer.copy_(self.flat_shard, non_blocking=True)
+                    self.storage.copy_into(self.unsharded.writer)
                     pending = ordered(pending)
             return _Gather(pending, direct=True)
         return self._all_gather(async_op)
@@ -418,7 +415,7 @@ class ParamGroup:
         """The flat shards' all-gather into a rank-major buffer (copied out, param-major,
         by ``wait_unshard``)."""
         dtype, device = self.compute_dtype, self.compute_device
-        send = self.flat_shard
+        send = self.storage.tensor  # None for a batch: its members' shards are copied in
         comm = self.all_gather_comm
         self._record("all-gather" if not self._gathering_again else GATHER_AGAIN,
                      self.world_size * self.storage.numel)
@@ -436,11 +433,9 @@ class ParamGroup:
                 out, pooled = staging.take(self.pool, self.pg, numel, dtype, device)
             else:
                 out, pooled = self.pool.take(numel, dtype, device), True
-            if plan.cast:  # the one copy-in: cast / offload (Note [in-place all-gather])
+            if plan.cast or send is None:  # the one copy-in (Note [in-place all-gather])
                 send = self._own_chunk(out)
-                send.copy_(self.flat_shard, non_blocking=True)
-                if self.storage.on_disk:  # a pageable source: copied once copy_ returns
-                    page_out(self.flat_shard)
+                self.storage.copy_into(send)
             if comm is None and self.quantize_weights:  # Note [quantized communication]
                 pending = quantized_all_gather(out, send, self.pg, self.quantize_weights,
                                                async_op=async_op, patience=self.patience,
@@ -457,12 +452,14 @@ class ParamGroup:
     @outside_special_modes
     def wait_unshard(self) -> None:
         """Finish a pending gather: copy out and register the unsharded params."""
+        if self.batch is not self:
+            return self.batch.wait_unshard()
         if self.state is not GroupState.GATHERING:
             return
         gather, self._in_flight = self._in_flight, None
         gathered = gather.pending.wait(f"all-gather of {self.unit_name}", self.patience)
-        if self.storage.on_disk:  # the collective read the shard itself (no copy-in)
-            page_out(self.flat_shard)
+        if self.storage.on_disk and self.storage.tensor is not None:
+            page_out(self.storage.tensor)  # the collective read the shard itself (no copy-in)
         if not gather.direct:  # gathered rank-major: copy out, param-major
             self.unsharded.allocate()
             with traced("copy_out", self.unit_name):
@@ -513,10 +510,12 @@ class ParamGroup:
 
     @outside_special_modes
     def reshard(self) -> None:
-        """Register the sharded params again and free the unsharded storage."""
+        """Register the sharded params again and free the unsharded storage (a group in
+        a batch: the batch's)."""
+        if self.batch is not self:
+            return self.batch.reshard()
         if self.state is GroupState.SHARDED:
             return
-        self._check_live("reshard")
         if self.state is GroupState.POST_FORWARD:  # parameters already registered sharded
             self.post_forward.drop()
         elif self.state is GroupState.GATHERING:
@@ -555,7 +554,7 @@ class ParamGroup:
         write raises it: the flat shard's (fullshard's own writes), and each DTensor's
         local tensor's (the optimizer's, a load's: a DTensor made over a view of the flat
         shard keeps a counter of its own)."""
-        version = self.flat_shard._version if self.flat_params else 0
+        version = self.storage.version if self.flat_params else 0
         for p in self.params:
             version += p.sharded_param._local_tensor._version
         return version

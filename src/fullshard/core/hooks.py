@@ -115,10 +115,9 @@ def _install_state_dict_hooks(unit: UnitState) -> None:
     """state_dict()/load_state_dict() always see the sharded DTensors; a load with
     ``assign=True`` re-points the new DTensors at the unit's flat shard.
 
-    The hooks read ``unit.group`` when they run, never at registration: at the first
-    forward small units are merged into a shared group (core/buckets.py), and a hook
-    holding the unit's first group re-pointed the loaded parameters at a retired flat
-    shard that no all-gather reads any more (Note [one storage is the shard])."""
+    A unit's group is its own for life (Note [buckets: units gather together]): a unit
+    in a batch reshards through its group, which reshards the batch, and re-points the
+    loaded parameters at its own flat shard, which the batch's gather copies in."""
     if unit.group is None:
         return
 
@@ -176,7 +175,7 @@ def run_post_forward(unit: UnitState, args: Any, kwargs: Any, output: Any) -> An
 
 def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     root = ensure_root(unit)
-    group = unit.group
+    group = unit.batch
     backward = root.backward
     if backward.running:  # activation-checkpoint recompute: parameters are needed again
         if group is not None:
@@ -200,7 +199,7 @@ def _pre_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any) -> 
         group.unshard()
         group.wait_unshard()
     unit.explicit_unshard = False
-    _prefetch(root, [c.group for c in unit.companions])
+    _prefetch(root, [c.batch for c in unit.companions])
     if unit.forward_prefetch is not None:
         _prefetch(root, _groups_of(unit.forward_prefetch))
     else:
@@ -339,8 +338,8 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def _groups_of(units: list[UnitState]) -> list[ParamGroup | None]:
-    """The groups gathering ``units`` gathers, their companions' included."""
-    return [u.group for unit in units for u in unit.gathered_together()]
+    """The batches gathering ``units`` gathers, their companions' included."""
+    return [u.batch for unit in units for u in unit.gathered_together()]
 
 
 def _prefetch(root: RootState, groups: list[ParamGroup | None]) -> None:
@@ -361,7 +360,7 @@ def _root_pre_forward(root: RootState) -> None:
     # after an optimizer step: gather them again. Those the user just gathered or asked
     # to keep across backward (set_reshard_after_backward(False)) are kept while their
     # shard was not written since (Note [parameters kept gathered across backward]).
-    fresh = {u.group for u in root.units if u.explicit_unshard}
+    fresh = {u.batch for u in root.units if u.explicit_unshard}
     for group in root.members:
         if group.state is GroupState.SHARDED:
             continue
@@ -382,7 +381,7 @@ def _post_forward(unit: UnitState, module: nn.Module, args: Any, kwargs: Any,
         output = _cast_floats(output, unit.mp_policy.output_dtype)
     if root.backward.running:
         return output
-    group = unit.group
+    group = unit.batch
     if torch.is_grad_enabled():
         root.record_post_forward(unit)
         root.backward.forward_with_grad(unit)
@@ -415,12 +414,12 @@ def _pre_backward(unit: UnitState, grad: torch.Tensor) -> None:
     root = unit.root
     if not root.backward.running:
         _start_backward(root)
-    group = unit.group
+    group = unit.batch
     if group is not None and group not in root.backward.reduced \
             and root.unshards_in_backward(group):
         group.unshard()
         group.wait_unshard()
-    _prefetch(root, [c.group for c in unit.companions])
+    _prefetch(root, [c.batch for c in unit.companions])
     if unit.backward_prefetch is not None:
         _prefetch(root, _groups_of(unit.backward_prefetch))
     elif not unit.backward_prefetch_after_grads:
@@ -477,7 +476,7 @@ def _final_callback(root: RootState) -> None:
     late = (_late_gradients(root) if backward.passes <= 2 or backward.passes % 16 == 0
             or (root.guard is not None and root.guard.debug) else None)
     for u in root.units:  # units without a boundary signal, in one order on every rank
-        group = u.group
+        group = u.batch
         if group is None or group in backward.reduced:
             continue
         if backward.expects_gradients(u) or (

@@ -7,7 +7,7 @@ manages becomes a ShardedParam (core/param.py), the unit's parameters one ParamG
 installs the hooks.
 
 First forward (``lazy_init``): the unit that runs first becomes the root of every
-unit below it, small adjacent units are merged into shared groups (core/buckets.py),
+unit below it, small adjacent units are gathered in batches (core/buckets.py),
 and the RootState that holds the iteration's bookkeeping is created.
 """
 
@@ -355,10 +355,10 @@ def _class_name(module: nn.Module) -> str:
     return unit.label if unit is not None else type(module).__name__
 
 
-@outside_special_modes  # merged groups' new flat shards are what the optimizer updates
+@outside_special_modes  # a flat shard readopted here is what the optimizer updates
 def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) -> RootState:
     """Make ``unit`` the root of ``all_units`` (its subtree), check they can run, and
-    merge small adjacent units into shared groups (core/buckets.py)."""
+    gather small adjacent units in batches (core/buckets.py)."""
     check_units_fit_root(unit, all_units)
     for u in all_units:
         if u.group is None:

@@ -36,8 +36,9 @@ The invariant: for every parameter, three names denote one memory.
   (1) ``sharded_param`` is the DTensor registered in the module (``module._parameters``)
       and the one object optimizers and state dicts hold;
   (2) its ``_local_tensor`` is the first ``valid_rows`` rows of ``padded_shard``;
-  (3) ``padded_shard`` is a view of the flat shard of the unit's *current* group, the
-      buffer that group all-gathers.
+  (3) ``padded_shard`` is a view of the flat shard of the unit's group, the buffer
+      that group all-gathers (or, in a batch of small units, copies into the batch's
+      all-gather: Note [a batch reads its members' shards]).
 So an in-place update of (1), by the optimizer or a load, is what the next all-gather
 sends. Who may replace what:
 * Values change in place only: ``optimizer.step()`` (also the local step, which
@@ -54,12 +55,11 @@ sends. Who may replace what:
 * ``_apply`` (``.to()``, ``.cuda()``, ``.float()``, ``to_empty``) swaps a new tensor
   into the same DTensor object; ``FSDPModule._apply`` then calls ``readopt``, which
   reallocates (3) when the device or dtype changed and re-points (2).
-* (3) is replaced only by its group: ``readopt`` (device/dtype change) and, at lazy
-  init, bucketing (core/buckets.py), whose new group lays out a fresh flat shard and
-  re-points every member's (2). The old groups are retired (GroupState.MERGED) and
-  refuse any further use, and every hook reads ``unit.group`` when it runs: a hook
-  that kept the first group once re-pointed loaded parameters at a retired buffer,
-  after which the optimizer updated memory no all-gather read.
+* (3) is replaced only by its group's ``readopt`` (device/dtype change). A unit's group
+  is its own for life: gathering small units together at lazy init (core/buckets.py)
+  makes a batch that reads its members' flat shards and re-points nothing, so an
+  optimizer built before the first forward keeps stepping the memory every gather
+  reads.
 * CPU offload keeps (3) on the CPU; the gather sends a device copy of it, made from (3)
   at every unshard. NO_SHARD aliases the unsharded parameters to (3) itself (Note
   [shard groups of one rank]); hpZ keeps a chunk of the *unsharded* buffer, never (3).

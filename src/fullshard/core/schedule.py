@@ -10,7 +10,7 @@ made in one place in core, on plain values, and both call it:
 * what a unit keeps after forward: ``after_forward_rule`` (fully_shard's argument as
   the unit keeps it, and the hpZ subgroup size) and ``frees_after_forward`` (the root's
   rule);
-* which units share a group: ``plan_runs`` with ``joins_bucket`` (core/buckets.py);
+* which units are gathered together: ``plan_runs`` with ``joins_bucket`` (core/buckets.py);
 * when a group's backward is done: ``backward_is_done`` (the runtime counts its signals
   in ``BackwardSignals``);
 * what an unshard allocates: ``gather_plan``; what a gradient reduction allocates:
@@ -78,7 +78,7 @@ class PrefetchOrder(Generic[U, G]):
     first run), so the first iteration prefetches nothing in forward. Backward runs
     forward's post-forward order in reverse: it prefetches the last other group whose
     forward finished before the unit's in this iteration. Repeats of a group (units
-    merged into one) are collapsed, so a merged group never prefetches itself.
+    gathered in one batch) are collapsed, so a batch never prefetches itself.
     """
 
     def __init__(self, group_of: Callable[[U], G | None]):
@@ -158,7 +158,7 @@ def joins_bucket(first: AfterForward, first_is_root: bool, other: AfterForward) 
     """Whether a unit with rule ``other`` may share a group with a run of units that
     starts with ``first``, as far as freeing after forward goes: the same rule below the
     root (None and True both free), anything in the root's run, whose members then follow
-    the root's rule (Note [buckets: units share a group])."""
+    the root's rule (Note [buckets: units gather together])."""
     return first_is_root or (
         frees_after_forward(first.reshard, False) == frees_after_forward(other.reshard, False)
         and first.post_forward_size == other.post_forward_size)
@@ -167,7 +167,7 @@ def joins_bucket(first: AfterForward, first_is_root: bool, other: AfterForward) 
 def plan_runs(items: Sequence[T], numel: Callable[[T], int],
               compatible: Callable[[T, T], bool], bucket_numel: int) -> list[list[T]]:
     """Runs of adjacent items, each compatible with its run's first, whose unsharded
-    sizes sum to at most ``bucket_numel`` (Note [buckets: units share a group]);
+    sizes sum to at most ``bucket_numel`` (Note [buckets: units gather together]);
     ``bucket_numel <= 0``: every item alone."""
     if bucket_numel <= 0:
         return [[item] for item in items]

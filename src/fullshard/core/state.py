@@ -28,7 +28,7 @@ from .schedule import PrefetchOrder, frees_after_forward
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
-# Note [buckets: units share a group].
+# Note [buckets: units gather together].
 DEFAULT_BUCKET_NUMEL = 1 << 20
 
 
@@ -88,6 +88,14 @@ class UnitState:
         # gathered with it (Note [parameters on meshes of their own])
         self.companions: list[UnitState] = []
         self.ledger_code = 0  # this unit in its root's ledger (core/ledger.py)
+
+    @property
+    def batch(self) -> ParamGroup | None:
+        """What gathers and reduces this unit's parameters: its group, or the batch of
+        small units the group joined at lazy init (Note [buckets: units gather together]).
+        The schedule asks this; ``group`` stays the unit's own for life."""
+        group = self.group
+        return group.batch if group is not None else None
 
     def gathered_together(self) -> list["UnitState"]:
         """This unit and its companions: what gathering it gathers."""
@@ -219,9 +227,10 @@ class BackwardState:
 class RootState:
     """Iteration state shared by every unit under one root.
 
-    Several units may share one ParamGroup (see core/buckets.py): ``members`` maps
-    each group to its units, and the per-iteration sets say which units finished
-    forward and which groups finished backward.
+    Several units may be gathered by one batch (core/buckets.py): ``members`` maps each
+    batch (``UnitState.batch``: a unit's own group when it is alone) to its units, and
+    the per-iteration sets say which units finished forward and which batches finished
+    backward.
     """
 
     def __init__(self, unit: UnitState, units: list[UnitState]):
@@ -230,8 +239,8 @@ class RootState:
         self.backward = BackwardState()
         self.members: dict[ParamGroup, list[UnitState]] = {}
         for u in units:
-            if u.group is not None:
-                self.members.setdefault(u.group, []).append(u)
+            if u.batch is not None:
+                self.members.setdefault(u.batch, []).append(u)
         self.forward_done: set[UnitState] = set()
         self.pool = BufferPool()
         for group in self.members:
@@ -240,7 +249,7 @@ class RootState:
         self.update_reduces_in_flight()
         self.use_copies(unit.shared_copies)
         _LIVE_ROOTS[next(_ROOTS_MADE)] = self
-        self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.group)
+        self.order: PrefetchOrder[UnitState, ParamGroup] = PrefetchOrder(lambda u: u.batch)
         # Note [ranks agree on every collective]: set at lazy init when the mesh has more
         # than one rank
         self.guard = None
@@ -267,7 +276,7 @@ class RootState:
     def forward_finished(self, unit: UnitState) -> bool:
         """Record ``unit``'s forward; True once every unit sharing its group has run."""
         self.forward_done.add(unit)
-        members = self.members[unit.group]
+        members = self.members[unit.batch]
         return len(members) == 1 or all(m in self.forward_done for m in members)
 
     def record_post_forward(self, unit: UnitState) -> None:

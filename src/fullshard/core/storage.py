@@ -62,6 +62,27 @@ class ShardStorage:
         """Whether the flat shard is a file mapping (Note [parameters on disk])."""
         return getattr(self.offload, "params", False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the flat shard lives (the host under CPU offload)."""
+        return self.tensor.device
+
+    @property
+    def version(self) -> int:
+        """The flat shard's version counter: fullshard's own in-place writes raise it."""
+        return self.tensor._version
+
+    def copy_into(self, dst: torch.Tensor) -> None:
+        """Copy the flat shard into ``dst`` (casting, moving to its device), without
+        blocking where the copy can run asynchronously."""
+        dst.copy_(self.tensor, non_blocking=True)
+        if self.on_disk:  # a pageable source: copied once copy_ returns
+            page_out(self.tensor)
+
     def fill(self, full: dict[ShardedParam, torch.Tensor], requires_grad: dict,
              dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the flat shard for computing on ``device`` and copy each parameter's
@@ -113,6 +134,8 @@ class UnshardedBuffer:
         self.storage = storage
         self.world_size = world_size
         self.tensor: torch.Tensor | None = None
+        # the parameters are views of the shard itself (Note [shard groups of one rank])
+        self._aliased = False
         self.writer: torch.Tensor | None = None  # ``tensor.data``: its own version counter
         self._targets: list[torch.Tensor] = []   # per parameter: world x its shard, param-major
         # set_keep_unsharded_storage(True): reshard keeps the gathered storage allocated,
@@ -123,14 +146,21 @@ class UnshardedBuffer:
 
     @property
     def built(self) -> bool:
-        return self.tensor is not None
+        return self.tensor is not None or self._aliased
 
     def build(self, aliases_shard: bool, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the buffer and make each parameter's persistent unsharded view (once;
-        again after ``forget``), with the storage freed until the first gather."""
+        again after ``forget``), with the storage freed until the first gather. Aliasing
+        the shard, the views are the shard's own: the storage's ``views()``, one flat
+        shard's or, for a batch (core/batch.py), each member's."""
+        if aliases_shard:
+            self._aliased = True
+            self.tensor = self.writer = self.storage.tensor  # None for a batch
+            for p, view in zip(self.storage.params, self.storage.views()):
+                p.make_unsharded(view)
+            return
         w, sizes = self.world_size, self.storage.sizes
-        self.tensor = self.storage.tensor if aliases_shard else torch.empty(
-            w * self.storage.numel, dtype=dtype, device=device)
+        self.tensor = torch.empty(w * self.storage.numel, dtype=dtype, device=device)
         # own version counter: see Note [unsharded params are persistent views]
         self.writer = self.tensor.data
         self._targets = [v.view(w, -1) for v in torch.split(self.writer, [w * n for n in sizes])]
@@ -142,11 +172,13 @@ class UnshardedBuffer:
         """Drop the buffer: the flat shard was replaced, the next gather builds anew."""
         self.tensor = self.writer = None
         self._targets = []
+        self._aliased = False
 
     @property
     def is_shard(self) -> bool:
-        """Whether the buffer is the flat shard itself (nothing gathered or freed)."""
-        return self.tensor is self.storage.tensor
+        """Whether the parameters are views of the shard itself (nothing gathered or
+        freed)."""
+        return self._aliased
 
     def copy_out(self, rows: torch.Tensor) -> None:
         """Move the rank-major gathered shards (``rows``: world x shard) into the

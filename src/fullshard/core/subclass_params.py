@@ -29,8 +29,8 @@ unsharded parameter from the gathered outputs. fullshard follows torch 2.13's pr
 These parameters stay out of the unit's flat buffers (core/group.py): the plain ones
 are gathered as before, beside them, and trainable subclass parameters (float8
 weights) reduce their plain gradients with the plain ones, since gradients have the
-parameter's padded dim-0 layout. A unit holding them keeps its own group (never merged
-into a bucket) and is refused with ``reshard_after_forward=N``, a 2-D mesh and tensor
+parameter's padded dim-0 layout. A unit holding them is gathered alone (never in a
+batch of small units) and is refused with ``reshard_after_forward=N``, a 2-D mesh and tensor
 parallelism, which this path does not implement. Under CPU offload a subclass shard
 lives on the host beside the flat shard (not pinned: a subclass need not support
 pinning, so its copy to the device is synchronous); its all-gather inputs are copied to

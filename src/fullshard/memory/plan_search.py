@@ -10,7 +10,7 @@ gradients' before the copy out) is transient, one unit's at a time. So where eve
 block is a group of its own the device bytes fall (or stay) as k grows, and the host
 bytes rise: bisection finds the smallest k that fits the device in about log2 L
 replays, and if the host budget refuses that k it refuses every larger one too.
-Blocks small enough to merge into buckets (Note [buckets: units share a group]) break
+Blocks small enough to merge into buckets (Note [buckets: units gather together]) break
 the claim: offloaded units merge only with each other, so a growing k regroups the
 blocks, and one larger offloaded bucket's buffers can outgrow what the moved states
 free (8 blocks of 12K elements at world size 8 with checkpointing rise again from

@@ -50,16 +50,18 @@ def _buffer_bytes(units: list, params: list[torch.Tensor]) -> dict[str, int]:
     (a tracker samples this before every unit's forward: no walk over the modules)."""
     counts = {"sharded parameters": 0, "unsharded parameters": 0, "gradients": 0,
               "pooled communication buffers": 0}
-    roots, groups = set(), set()
+    roots, groups, buffers = set(), set(), set()
     for unit in units:
-        group = unit.group  # read each time: small units merge at the first forward
-        if group is None:
-            continue
-        if group not in groups:
+        # a unit's own group holds its shard; a batch (read each time: made at the first
+        # forward) the gathered buffer it shares with its members as their ``unsharded``
+        for group in (unit.group, unit.batch):
+            if group is None or group in groups:
+                continue
             groups.add(group)
             counts["sharded parameters"] += _nbytes(group.flat_shard)
             gathered = group.unsharded
-            if gathered.built and not gathered.is_shard:
+            if gathered.built and not gathered.is_shard and id(gathered) not in buffers:
+                buffers.add(id(gathered))
                 counts["unsharded parameters"] += gathered.tensor.untyped_storage().nbytes()
             chunk = getattr(group.post_forward, "chunk", None)
             counts["unsharded parameters"] += _nbytes(chunk)

@@ -7,7 +7,7 @@ collects each unit's parameters the way ``fully_shard`` does (those of the modul
 not managed by a unit below it, tied parameters once), pads them into dim-0 shards
 as ``ShardLayout`` does, and merges small adjacent units as the root does at its
 first forward, with the same rule (core/schedule.py ``plan_runs`` and
-``joins_bucket``; Note [buckets: units share a group] in core/buckets.py). Tensor-subclass
+``joins_bucket``; Note [buckets: units gather together] in core/buckets.py). Tensor-subclass
 parameters (quantized weights: memory/weights.py) stay out of the flat buffers and their
 units out of buckets, as at run time.
 """
