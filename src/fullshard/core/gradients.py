@@ -389,6 +389,8 @@ class GradReduction:
         self._grad_key: tuple | None = None
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
+        # the other of two kept buffers under the delayed update: (buffer, key, views)
+        self._spare: tuple = (None, None, [])
 
     def forget(self) -> None:
         """Drop the gradients not yet reduced (``reset_iter_state``)."""
@@ -401,6 +403,15 @@ class GradReduction:
     def drop_buffers(self) -> None:
         """The group was retired into a bucket: its gradient buffers go with it."""
         self._grad_buffer, self._grad_key, self._grad_views = None, None, []
+        self._spare = (None, None, [])
+
+    def hand_off_kept(self) -> None:
+        """The kept gradients go to a delayed host step, which reads them while the next
+        backward runs (Note [the delayed update]): that backward writes the other of two
+        kept buffers, free again since the step before finished (it is waited for before
+        another is handed out)."""
+        kept = (self._grad_buffer, self._grad_key, self._grad_views)
+        (self._grad_buffer, self._grad_key, self._grad_views), self._spare = self._spare, kept
 
     # Note [the reduction's tail, one row per rank]
     # Every rank's chunk of the send buffer ends in the presence flags and the digest, so
