@@ -4,6 +4,7 @@ step with the delay written out: the offloaded units' forward and backward of st
 on their parameters before step t's update, the updates applied in order; what reads the
 parameters sees the updated ones; a resume restores the copies and trains on exactly."""
 
+import contextlib
 import os
 
 import pytest
@@ -38,12 +39,34 @@ def _optimizer(model, kind):
                              fused=kind == "fused", foreach=kind == "foreach")
 
 
+def _is_offloaded(name, offloaded):
+    """Whether parameter ``name`` of the GPT belongs to an offloaded unit."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) in offloaded
+    return "root" in offloaded
+
+
 def _offloaded_locals(model, offloaded):
     """The local shards of the offloaded units' parameters, by name."""
-    names = {f"layers.{i}." for i in offloaded if i != "root"}
     return {name: p._local_tensor for name, p in model.named_parameters()
-            if any(name.startswith(n) for n in names)
-            or ("root" in offloaded and not name.startswith("layers."))}
+            if _is_offloaded(name, offloaded)}
+
+
+@contextlib.contextmanager
+def _computing_with(tensors: dict, values: dict | None):
+    """Forward and backward inside see ``values`` in ``tensors`` (when given); the current
+    values are back afterwards."""
+    current = None
+    with torch.no_grad():
+        if values is not None:
+            current = {k: v.clone() for k, v in tensors.items()}
+            for k, v in tensors.items():
+                v.copy_(values[k])
+    yield
+    with torch.no_grad():
+        if current is not None:
+            for k, v in tensors.items():
+                v.copy_(current[k])
 
 
 def _batch(step):
@@ -65,21 +88,12 @@ def _reference(offloaded, kind, steps, delay_after):
     before_last = None  # the offloaded shards before the last update, if it is delayed
     losses = []
     for step in range(steps):
-        current = None
-        with torch.no_grad():
-            if before_last is not None:
-                current = {k: v.clone() for k, v in locals_.items()}
-                for k, v in locals_.items():
-                    v.copy_(before_last[k])
         x, y = _batch(step)
-        loss = lm_loss(model(x), y)
-        loss.backward()
+        with _computing_with(locals_, before_last):
+            loss = lm_loss(model(x), y)
+            loss.backward()
         losses.append(loss.detach())
-        with torch.no_grad():
-            if current is not None:
-                for k, v in locals_.items():
-                    v.copy_(current[k])
-            before = {k: v.clone() for k, v in locals_.items()}
+        before = {k: v.detach().clone() for k, v in locals_.items()}
         _set_flags(opt, kind, step)
         opt.step()
         opt.grad_scale = opt.found_inf = None
@@ -332,3 +346,45 @@ def _forward_does_not_wait():
 def test_the_next_forward_and_backward_wait_for_no_host_step():
     for overlapped, differ in run_distributed(_forward_does_not_wait, 2):
         assert overlapped and differ == [[], []], differ
+
+
+def _single_process(offloaded, steps, world):
+    """One process, no sharding, the global batch: the offloaded blocks' forward of step
+    t+1 runs on their parameters before step t's update (SGD with momentum)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    delayed = {n: p for n, p in model.named_parameters() if _is_offloaded(n, offloaded)}
+    before_last, losses = None, []
+    for step in range(steps):
+        batches = [token_batch(10 * step + r, 6, CFG.vocab_size, CFG.seq_len)
+                   for r in range(world)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        with _computing_with(delayed, before_last):
+            loss = lm_loss(model(x), y)
+            loss.backward()
+        losses.append(loss.detach())
+        before_last = {n: p.detach().clone() for n, p in delayed.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach() for k, v in model.state_dict().items()}, losses
+
+
+def _sharded_weights(offloaded, steps):
+    model, _opt, losses = _delayed(offloaded, "sgd", steps, 0)
+    for loss in losses:
+        dist.all_reduce(loss)
+    world = dist.get_world_size()
+    return ({k: v.full_tensor() for k, v in model.state_dict().items()},
+            [loss / world for loss in losses])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_delayed_run_trains_as_a_single_process_with_the_delay(world):
+    offloaded, steps = {0, 2, 3, "root"}, 5
+    weights, losses = _single_process(offloaded, steps, world)
+    sharded, sharded_losses = run_distributed(_sharded_weights, world, offloaded, steps)[0]
+    torch.testing.assert_close(torch.stack(sharded_losses), torch.stack(losses),
+                               rtol=1e-5, atol=1e-6)
+    for key in weights:
+        torch.testing.assert_close(sharded[key], weights[key], rtol=1e-5, atol=1e-6)
