@@ -44,10 +44,17 @@ What reads parameters sees: ``state_dict()`` of the module (and checkpoints) wai
 host steps and holds θ_t, the updated parameters, beside the optimizer's states after
 step t; ``wait()`` finishes the host steps but leaves the copy in place (the next forward
 still computes with θ_{t-1}); loading the module's parameters drops the copy (the next
-forward computes with what was loaded). A resume is exact when it also restores the copy:
-``delayed_state_dict()`` holds the step count and the copies as DTensors shaped like the
-parameters, and ``load_delayed_state_dict()``, called after the module and the optimizer
-are loaded, puts them back.
+forward computes with what was loaded); ``catch_up()`` finishes the host steps and drops
+the copies, so the next forward computes with θ_t (that step is then an exact one).
+
+A resume continues exactly in either of two ways. ``delayed_state_dict()`` holds the step
+count and the copies as DTensors shaped like the parameters (this rank's shards, at this
+world size), and ``load_delayed_state_dict()``, called after the module and the optimizer
+are loaded, puts them back: the resumed run is the uninterrupted one, step for step. Or
+the save is an exact point: ``catch_up()`` at each checkpoint, in the run that goes on and
+in the one resumed from it alike, and the checkpoint needs nothing beyond the module's and
+the optimizer's states (at any world size). The trainer does the latter, also at each
+evaluation and sample, so what it reports is θ_t and costs one host step's wait each time.
 """
 
 from __future__ import annotations

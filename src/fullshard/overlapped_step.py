@@ -159,6 +159,14 @@ class OverlappedStep:
         for group, work in on_host.items():
             self._groups.append(self._hand_to_host(group, work, hyper, flags, None))
 
+    def catch_up(self) -> None:
+        """Finish the host steps and drop the copies: the next forward computes with the
+        parameters as updated, as after an exact step (Note [the delayed update])."""
+        self.wait()
+        groups, _order = _groups_in_order()
+        for group in set(groups.values()):
+            group.stop_delayed_read()
+
     def delayed_state_dict(self) -> dict:
         """What a resume needs besides the module's and the optimizer's state dicts under
         ``delayed=True`` (Note [the delayed update]): the step count, and the copies the
