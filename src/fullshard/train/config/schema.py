@@ -214,7 +214,7 @@ class ParallelConfig:
     """-1: off. N >= 0: with overlap_step and --parallel.offload cpu or cpu:FRACTION, ZeRO-
     Offload's one-step delayed update after N exact steps: the next forward and backward
     compute with the offloaded blocks' parameters before the step in flight and wait for
-    nothing (one-step-stale gradients: a different run, see docs/offload.md). Evaluations,
+    nothing (one-step-stale gradients: a different run, see docs/performance.md). Evaluations,
     samples and checkpoints are exact points: the forward after one computes with the
     parameters it saw, so a resume trains on as the uninterrupted run."""
     offload: Offload = "none"
