@@ -1,7 +1,7 @@
 """The CPU-offloaded step overlapped with the next forward (fullshard.OverlappedStep) against
 stepping first (optimizer.step()), and torch FSDP2's CPUOffloadPolicy for scale.
 
-    OMP_NUM_THREADS=1 python benchmarks/overlapped_step.py [--rounds 4] [--block 5] [--shape w1|step-bound|tiny] [--no-clip]
+    OMP_NUM_THREADS=1 python benchmarks/overlapped_step.py [--rounds 4] [--block 5] [--shape w1|step-bound|tiny] [--no-clip] [--host-threads 1]
 
 One rank (gloo), W1's shape (GPT d=512, 8 layers, vocab 8192, batch 8 x 128), fused AdamW,
 clip to norm 1 as fullshard's trainer clips (the norm from the gradients' device-side
@@ -14,7 +14,13 @@ clip_grad_norm_, fused AdamW). Prints the median step time of each (the time fro
 step's forward to the next's, which includes the host step either way), the ratios, and
 the largest loss difference between the two fullshard copies (0: the same bits).
 With ``--no-clip`` nothing is clipped and a fourth copy steps each offloaded unit during
-backward (``OverlappedStep.stepping_in_backward()``).
+backward (``OverlappedStep.stepping_in_backward()``). A further copy runs
+``OverlappedStep(delayed=True)`` (ZeRO-Offload's delayed update: its next forward waits
+for no host step, on one-step-stale parameters, so its losses differ from the others' by
+design; the largest difference is printed, not checked). ``--host-threads N`` gives the
+host-step thread N intra-op threads (``torch.set_num_threads`` called on that thread:
+OpenMP's thread count is a per-thread setting) while the main thread keeps
+OMP_NUM_THREADS.
 
 On a CPU the "device" is the CPU too: the overlap can only use a core the forward leaves
 idle (one rank, the host thread beside the main one), which is what this measures; on a
@@ -49,7 +55,7 @@ SHAPES = {"w1": (W1, 8), "step-bound": (STEP_BOUND, 2), "tiny": (TINY, 2)}
 class Copy:
     """One model, its optimizer and how it steps."""
 
-    def __init__(self, cfg: GPTConfig, how: str, clip: bool):
+    def __init__(self, cfg: GPTConfig, how: str, clip: bool, host_threads: int):
         torch.manual_seed(0)
         self.model = GPT(cfg)
         self.how = how
@@ -63,8 +69,11 @@ class Copy:
                 fully_shard(layer, offload_policy=policy)
             fully_shard(self.model, offload_policy=policy)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        self.stepper = OverlappedStep(self.optim) if how in ("overlapped", "in_backward") \
-            else self.optim
+        self.stepper = self.optim
+        if how in ("overlapped", "in_backward", "delayed"):
+            self.stepper = OverlappedStep(self.optim, delayed=how == "delayed")
+            # the host thread's own intra-op threads (a benchmark's reach into the pool)
+            self.stepper._pool.submit(torch.set_num_threads, host_threads).result()
         self.clip = clip
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -98,9 +107,10 @@ class Copy:
         self._started = started
 
 
-def _measure(cfg: GPTConfig, rounds: int, block: int, batch: int, clip: bool) -> dict:
-    hows = ("first", "overlapped", "fsdp2") + (() if clip else ("in_backward",))
-    copies = [Copy(cfg, how, clip) for how in hows]
+def _measure(cfg: GPTConfig, rounds: int, block: int, batch: int, clip: bool,
+             host_threads: int) -> dict:
+    hows = ("first", "overlapped", "delayed", "fsdp2") + (() if clip else ("in_backward",))
+    copies = [Copy(cfg, how, clip, host_threads) for how in hows]
     step = 0
     for round_ in range(rounds + 1):  # the first round warms up
         # each copy trains a block of steps alone (another copy's work beside a host
@@ -111,7 +121,7 @@ def _measure(cfg: GPTConfig, rounds: int, block: int, batch: int, clip: bool) ->
             for i in range(block):
                 x, y = token_batch(step + i, batch, cfg.vocab_size, cfg.seq_len)
                 copy.step(x, y)
-            if copy.how in ("overlapped", "in_backward"):
+            if copy.how in ("overlapped", "in_backward", "delayed"):
                 copy.stepper.wait()
             if round_ == 0:
                 del copy.times[copy.times_before:]
@@ -130,19 +140,24 @@ def main() -> None:
                              "tiny (a smoke test)")
     parser.add_argument("--no-clip", action="store_true",
                         help="no clipping; adds a copy stepping during backward")
+    parser.add_argument("--host-threads", type=int, default=1,
+                        help="intra-op threads of the host-step thread")
     args = parser.parse_args()
     cfg, batch = SHAPES[args.shape]
+    # five copies of the step-bound shape take minutes on a busy machine
     result = run_distributed(_measure, 1, cfg, args.rounds, args.block, batch,
-                             not args.no_clip)[0]
+                             not args.no_clip, args.host_threads, timeout=3600)[0]
     first, overlapped, fsdp2 = result["first"], result["overlapped"], result["fsdp2"]
     print(f"torch {torch.__version__}, 1 rank (gloo), {args.rounds} rounds of {args.block} "
           f"steps per copy, "
-          f"shape {args.shape}, {'no clip' if args.no_clip else 'clip to norm 1'}")
+          f"shape {args.shape}, {'no clip' if args.no_clip else 'clip to norm 1'}, "
+          f"{args.host_threads} host-step thread(s)")
     print("| step | median ms | range ms | / stepping first | / FSDP2 |")
     print("|---|---:|---:|---:|---:|")
     rows = [("fullshard, step first", first), ("fullshard, OverlappedStep", overlapped)]
     if "in_backward" in result:
         rows.append(("fullshard, OverlappedStep stepping in backward", result["in_backward"]))
+    rows.append(("fullshard, OverlappedStep(delayed=True)", result["delayed"]))
     for name, r in rows + [("FSDP2 CPUOffloadPolicy", fsdp2)]:
         print(f"| {name} | {r['ms']:.1f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
               f"{r['ms'] / first['ms']:.2f} | {r['ms'] / fsdp2['ms']:.2f} |")
@@ -150,6 +165,8 @@ def main() -> None:
                                                      if "in_backward" in result else [])
                 for a, b in zip(first["losses"], other["losses"]))
     print(f"largest loss difference, step first vs OverlappedStep: {worst:.3g}")
+    stale = max(abs(a - b) for a, b in zip(first["losses"], result["delayed"]["losses"]))
+    print(f"largest loss difference, step first vs delayed (one step stale): {stale:.3g}")
     assert worst == 0.0, "OverlappedStep must give the same bits as stepping first"
 
 

@@ -794,7 +794,12 @@ def _overlapped_step_cases() -> dict[str, str]:
             "E291": message_of(lambda: OverlappedStep(torch.optim.SGD(params, lr=0.1)).step(
                 lambda: 0.0)),
             "E293": message_of(lambda: clipped.stepping_in_backward().__enter__()),
-            "E294": message_of(lambda: nested.stepping_in_backward().__enter__())}
+            "E294": message_of(lambda: nested.stepping_in_backward().__enter__()),
+            "E346": message_of(lambda: OverlappedStep(torch.optim.SGD(params, lr=0.1),
+                                                      delayed=True).stepping_in_backward(
+                                                      ).__enter__()),
+            "E347": message_of(lambda: OverlappedStep(torch.optim.SGD(params, lr=0.1),
+                                                      delayed=True, delay_after=-1))}
 
 
 @pytest.fixture(scope="module")
@@ -846,6 +851,9 @@ def test_a_heading_without_its_text_is_a_retired_number():
 
 # Entries whose scenario needs its own run; each names the test that checks its text.
 _TESTED_ELSEWHERE = {
+    **{code: "tests/test_delayed_update.py::"
+             "test_disk_offload_local_step_off_and_a_foreign_state_are_refused_in_one_line"
+       for code in ("E345", "E348", "E349")},
     "E292": "tests/test_overlapped_step.py::"
             "test_an_error_on_the_host_thread_is_raised_at_the_next_forward_naming_the_unit",
     "E171": "tests/train/test_lora.py::"

@@ -43,6 +43,9 @@ only when backward settles) and gradients left in flight by
 ``set_is_last_backward(False)`` are stepped by ``step()``, as before. Every backward in
 the block with gradient sync steps: put only the last micro-batch's backward in it (the
 earlier ones under ``set_requires_gradient_sync(False)`` reduce nothing and step nothing).
+
+``delayed=True`` stops the next forward from waiting at all, one step stale (Note [the
+delayed update] in delayed_update.py).
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ from torch.autograd.graph import increment_version
 
 from .core.group import ParamGroup
 from .core.param import owner_of
-from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots
+from .core.hooks import ensure_root
+from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots, unit_of
+from .delayed_update import (check_delay_after, load_pending, pending_views, read_copies_of,
+                             refuse_disk_offload, stop_delayed_read)
 from .optim import ELEMENTWISE_OPTIMIZERS, _local_view, local_states, state_after_step
 from .step_calls import step_alone
 from . import optim
@@ -75,16 +81,27 @@ class OverlappedStep:
     the next forward runs (Note [the host step overlapped with the next forward]).
 
     ``step()`` replaces ``optimizer.step()``; everything else (``zero_grad``, LR schedulers,
-    ``state_dict``) stays with ``optimizer``. ``wait()`` finishes the steps in flight."""
+    ``state_dict``) stays with ``optimizer``. ``wait()`` finishes the steps in flight.
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    ``delayed=True``: ZeRO-Offload's one-step delayed update, after ``delay_after`` exact
+    steps (Note [the delayed update]): the next forward and backward compute with the
+    offloaded units' parameters as they were before the update in flight, and wait for
+    nothing. A resume restores ``delayed_state_dict()`` too."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, delayed: bool = False,
+                 delay_after: int = 0):
         if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
             names = ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS)
             raise TypeError(
                 f"fullshard.OverlappedStep: {type(optimizer).__name__} is not one of the "
                 f"elementwise optimizers ({names}), whose step can run a unit at a time on "
                 "a host thread with the same result. Call optimizer.step() for it.")
+        check_delay_after(delay_after, delayed)
+        if delayed:
+            refuse_disk_offload(optimizer)
         self.optimizer = optimizer
+        self.delayed, self.delay_after = bool(delayed), delay_after
+        self.steps = 0  # step() calls: the first delay_after are exact
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fullshard-host-step")
         weakref.finalize(self, self._pool.shutdown, wait=True)
         self._groups: list[ParamGroup] = []  # those given a host step by the last step()
@@ -110,10 +127,19 @@ class OverlappedStep:
         self._wait(self._groups)  # the last step's; this backward's run on
         opt = self.optimizer
         if not optim.local_step_enabled():
+            if self.delayed:
+                raise RuntimeError(
+                    "fullshard.OverlappedStep(delayed=True).step: set_local_step(False) "
+                    "steps every parameter as a DTensor in optimizer.step(), which leaves "
+                    "nothing to delay; turn local steps back on, or drop delayed=True.")
             opt.step()  # the DTensor path (set_local_step(False)) steps everything here
             return
         finish_all_pending_reduces()  # every gradient final and on the host
+        self.steps += 1
         on_host = _host_stepped(opt)
+        delays = self.delayed and self.steps > self.delay_after
+        if self.delayed:  # Note [the delayed update]: copies only of units stepped now
+            read_copies_of(on_host if delays else {}, _groups_in_order()[0])
         moved = self._stepped_in_backward | {id(p) for work in on_host.values()
                                              for _i, p in work}
         self._groups, self._from_backward = self._from_backward, []
@@ -133,6 +159,34 @@ class OverlappedStep:
         for group, work in on_host.items():
             self._groups.append(self._hand_to_host(group, work, hyper, flags, None))
 
+    def catch_up(self) -> None:
+        """Finish the host steps and drop the copies: the next forward computes with the
+        parameters as updated, as after an exact step (Note [the delayed update])."""
+        self.wait()
+        groups, _order = _groups_in_order()
+        for group in set(groups.values()):
+            group.stop_delayed_read()
+
+    def delayed_state_dict(self) -> dict:
+        """What a resume needs besides the module's and the optimizer's state dicts under
+        ``delayed=True`` (Note [the delayed update]): the step count, and the copies the
+        next forward computes with, as DTensors shaped like the parameters (keys
+        ``"param group index.position"`` in the optimizer)."""
+        groups, _order = _groups_in_order()
+        return {"steps": self.steps, "pending": pending_views(self.optimizer, groups)}
+
+    def load_delayed_state_dict(self, state: dict, model: nn.Module) -> None:
+        """Restore ``delayed_state_dict()``: call it after loading ``model`` (the
+        ``fully_shard`` root holding the optimizer's parameters; loading it drops the
+        copies) and the optimizer. Sets ``model``'s units up if no forward has yet."""
+        self.wait()
+        top = next((u for u in map(unit_of, model.modules()) if u is not None), None)
+        if top is not None:
+            ensure_root(top)  # the groups the first forward gathers (buckets merged)
+        groups, _order = _groups_in_order()
+        load_pending(self.optimizer, groups, state["pending"])
+        self.steps = int(state["steps"])
+
     @contextlib.contextmanager
     def stepping_in_backward(self):
         """Step each CPU-offloaded unit on the host thread as soon as a backward run in this
@@ -140,6 +194,11 @@ class OverlappedStep:
         overlapped with backward]); ``step()`` afterwards steps the rest. For runs without
         a clip or GradScaler only."""
         opt = self.optimizer
+        if self.delayed:
+            raise ValueError(
+                "fullshard.OverlappedStep.stepping_in_backward: delayed=True hands each "
+                "unit out in step(), after copying the parameters the next forward reads; "
+                "call loss.backward() outside stepping_in_backward() with delayed=True.")
         flags = [name for name in _STEP_FLAGS if getattr(opt, name, None) is not None]
         if flags:
             raise ValueError(
@@ -341,4 +400,8 @@ def _wait_in_state_dicts(group: ParamGroup) -> None:
                 continue
             module.register_state_dict_pre_hook(lambda *_args: finish_host_steps())
             module.register_load_state_dict_pre_hook(lambda *_args: finish_host_steps())
+            # loaded parameters are what the next forward computes with (Note [the
+            # delayed update])
+            module.register_load_state_dict_post_hook(stop_delayed_read)
             _WAITING_MODULES.add(module)
+

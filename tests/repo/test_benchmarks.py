@@ -102,6 +102,8 @@ def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
                   "--no-clip")
     assert "| fullshard, OverlappedStep stepping in backward |" in proc.stdout, proc.stdout
     assert "step first vs OverlappedStep: 0" in proc.stdout, proc.stdout
+    assert "| fullshard, OverlappedStep(delayed=True) |" in proc.stdout, proc.stdout
+    assert "step first vs delayed (one step stale): " in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow

@@ -63,6 +63,20 @@ class BatchShards:
         """The sum of the members' version counters: any member's in-place write raises it."""
         return sum(part.version for part in self.parts)
 
+    @property
+    def pinned(self) -> bool:
+        return all(part.pinned for part in self.parts)
+
+    def offset_of(self, local: torch.Tensor) -> int:
+        """Where ``local`` (a view of one member's flat shard) starts in the members'
+        shards read one after the other, in elements."""
+        start = 0
+        for part in self.parts:
+            if part.tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                return start + part.offset_of(local)
+            start += part.numel
+        raise ValueError(f"{local.shape} is a view of no member's shard of this batch")
+
     def views(self) -> list[torch.Tensor]:
         """Each parameter's padded shard, a view of its member's flat shard."""
         return [view for part in self.parts for view in part.views()]

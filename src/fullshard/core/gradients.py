@@ -390,6 +390,8 @@ class GradReduction:
         self._grad_key: tuple | None = None
         self._grad_buffer: torch.Tensor | None = None
         self._grad_views: list = []
+        # the other of two kept buffers under the delayed update: (buffer, key, views)
+        self._spare: tuple = (None, None, [])
 
     @property
     def data_parallel_size(self) -> int:
@@ -405,6 +407,14 @@ class GradReduction:
             p.accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
+
+    def hand_off_kept(self) -> None:
+        """The kept gradients go to a delayed host step, which reads them while the next
+        backward runs (Note [the delayed update]): that backward writes the other of two
+        kept buffers, free again since the step before finished (it is waited for before
+        another is handed out)."""
+        kept = (self._grad_buffer, self._grad_key, self._grad_views)
+        (self._grad_buffer, self._grad_key, self._grad_views), self._spare = self._spare, kept
 
     # Note [the reduction's tail, one row per rank]
     # Every rank's chunk of the send buffer ends in the presence flags and the digest, so

@@ -139,6 +139,7 @@ from .quantized_collectives import quantized_all_gather
 from .storage import ShardStorage, UnshardedBuffer
 from .gradients import GradReduction
 from .param import ShardedParam
+from .pending_shard import PendingShard
 from .post_forward import PostForwardShard
 from .schedule import BackwardSignals, GatherPlan, gather_plan
 from .subclass_params import SubclassGather
@@ -238,6 +239,9 @@ class ParamGroup:
         # an optimizer step of this group's offloaded shards running on a host thread
         # (Note [the host step overlapped with the next forward]): a Future, or None
         self.host_step = None
+        # Note [the delayed update]: the copy of the shard gathers read while a delayed
+        # host step writes the shard; None until the unit's first delayed step
+        self.delayed: PendingShard | None = None
         self.pool = BufferPool()  # the root shares one pool among its groups at lazy init
         self.copies = HostCopies(torch.device("cpu"))  # the root's, from lazy init on
         # the root's divergence guard and this group's unit code in its ledger
@@ -347,7 +351,8 @@ class ParamGroup:
         return gather_plan(shard_size=self.world_size, shard_dtype=self.storage.dtype,
                            shard_device=self.storage.device, compute_dtype=self.compute_dtype,
                            compute_device=self.compute_device,
-                           post_forward=self.post_forward is not None)
+                           post_forward=self.post_forward is not None,
+                           delayed=self.delayed is not None)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -365,7 +370,7 @@ class ParamGroup:
         in UNSHARDED. A group in a batch gathers its batch."""
         if self.batch is not self:
             return self.batch.unshard(async_op)
-        self.finish_host_step()  # the shard a gather reads is the stepped one
+        self.finish_host_step_read()  # the shard a gather reads is the stepped one
         if self.state is GroupState.KEPT:
             if not self.shard_written_since_gathered():
                 self._register_unsharded()  # as gathered: no collective
@@ -406,7 +411,7 @@ class ParamGroup:
             if not self.unsharded.is_shard:  # cast / to the device: the copy
                 self.unsharded.allocate()     # stream, so a prefetch overlaps compute
                 with self.copies.to_device() as ordered, traced("copy_in", self.unit_name):
-                    self.storage.copy_into(self.unsharded.writer)
+                    self._copy_source_into(self.unsharded.writer)
                     pending = ordered(pending)
             return _Gather(pending, direct=True)
         return self._all_gather(async_op)
@@ -415,7 +420,8 @@ class ParamGroup:
         """The flat shards' all-gather into a rank-major buffer (copied out, param-major,
         by ``wait_unshard``)."""
         dtype, device = self.compute_dtype, self.compute_device
-        send = self.storage.tensor  # None for a batch: its members' shards are copied in
+        # None for a batch without a copy to read: its members' shards are copied in
+        send = self.delayed.tensor if self.reads_pending else self.storage.tensor
         comm = self.all_gather_comm
         self._record("all-gather" if not self._gathering_again else GATHER_AGAIN,
                      self.world_size * self.storage.numel)
@@ -435,7 +441,7 @@ class ParamGroup:
                 out, pooled = self.pool.take(numel, dtype, device), True
             if plan.cast or send is None:  # the one copy-in (Note [in-place all-gather])
                 send = self._own_chunk(out)
-                self.storage.copy_into(send)
+                self._copy_source_into(send)
             if comm is None and self.quantize_weights:  # Note [quantized communication]
                 pending = quantized_all_gather(out, send, self.pg, self.quantize_weights,
                                                async_op=async_op, patience=self.patience,
@@ -484,6 +490,46 @@ class ParamGroup:
         job, self.host_step = self.host_step, None
         if job is not None:
             job.result()
+
+    @property
+    def reads_pending(self) -> bool:
+        """Whether gathers read the copy taken before a delayed host step rather than the
+        shard (Note [the delayed update])."""
+        return self.delayed is not None and self.delayed.pending
+
+    def _copy_source_into(self, dst: torch.Tensor) -> None:
+        """Copy what a gather reads into ``dst``: the shard (a batch's: its members'), or
+        under a delayed host step the copy of it taken before that step (Note [the
+        delayed update])."""
+        if self.reads_pending:
+            dst.copy_(self.delayed.tensor, non_blocking=True)
+        else:
+            self.storage.copy_into(dst)
+
+    def finish_host_step_read(self) -> None:
+        """Before a gather, or before gradients are written: wait for the host step
+        unless it is a delayed one, whose gathers read a copy and whose gradients were
+        handed over in a buffer of their own (Note [the delayed update])."""
+        if not self.reads_pending:
+            self.finish_host_step()
+
+    def start_delayed_read(self) -> None:
+        """Gathers read a copy of the shard as it is now, until ``stop_delayed_read``;
+        the gradient buffer kept across steps goes with the step about to be handed out.
+        Whatever is gathered now was read before: it is dropped, the same on every rank."""
+        self.reshard()
+        if self.delayed is None:
+            self.delayed = PendingShard()
+            if self.unsharded.is_shard:  # Note [shard groups of one rank]: views of the
+                self.unsharded.forget()  # shard the host thread writes; gather a copy
+        self.delayed.take(self.storage)
+        self.grads.hand_off_kept()
+
+    def stop_delayed_read(self) -> None:
+        """Gathers read the shard again (an exact step, a load of the parameters)."""
+        if self.reads_pending:
+            self.reshard()
+            self.delayed.drop()
 
     def keep_for_next_forward(self) -> None:
         """After a backward that keeps the parameters gathered: register the sharded ones,
@@ -554,6 +600,8 @@ class ParamGroup:
         write raises it: the flat shard's (fullshard's own writes), and each DTensor's
         local tensor's (the optimizer's, a load's: a DTensor made over a view of the flat
         shard keeps a counter of its own)."""
+        if self.reads_pending:  # what the gather reads; the host thread writes the rest
+            return self.delayed.tensor._version
         version = self.storage.version if self.flat_params else 0
         for p in self.params:
             version += p.sharded_param._local_tensor._version

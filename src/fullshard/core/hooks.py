@@ -364,7 +364,7 @@ def _root_pre_forward(root: RootState) -> None:
     for group in root.members:
         if group.state is GroupState.SHARDED:
             continue
-        group.finish_host_step()  # a step still running has not yet raised the version
+        group.finish_host_step_read()  # a step still running has not yet raised the version
         if group not in fresh and group.state is not GroupState.KEPT:
             group.reshard()  # the same on every rank
         elif group.shard_written_since_gathered():
@@ -452,7 +452,7 @@ def _on_backward_done(root: RootState, group: ParamGroup) -> None:
 
 def _post_backward(root: RootState, group: ParamGroup) -> None:
     root.finish_pending_reduce(everything=False)  # Note [reductions in flight]
-    group.finish_host_step()  # its host step may still read the gradients about to be written
+    group.finish_host_step_read()  # its host step may still read the gradients about to be written
     if not (root.stays_gathered_after_backward(group) or root.backward.creates_graph):
         group.reshard()  # free the parameters before the reduce allocates its buffers
     first = root.members[group][0]

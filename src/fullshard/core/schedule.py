@@ -269,16 +269,18 @@ class GatherPlan(NamedTuple):
 
 def gather_plan(*, shard_size: int, shard_dtype: torch.dtype, shard_device: torch.device,
                 compute_dtype: torch.dtype, compute_device: torch.device,
-                post_forward: bool) -> GatherPlan:
+                post_forward: bool, delayed: bool = False) -> GatherPlan:
     """What gathering a group allocates. One rank per shard group (Note [shard groups of
     one rank]): no collective, and where the shard already is what forward computes with
     (its dtype, its device: no cast, no copy off the host as under CPU offload to an
     accelerator) and no post-forward subgroup, the parameters are views of the shard
-    itself (unless the one-rank shortcuts are off: ``comm.skips_collectives``). A cast
-    needs no buffer of its own (Note [in-place all-gather])."""
+    itself (unless the one-rank shortcuts are off: ``comm.skips_collectives``), except for
+    a ``delayed`` unit, whose gathers read a copy while a host thread writes the shard
+    (Note [the delayed update]). A cast needs no buffer of its own (Note [in-place
+    all-gather])."""
     if skips_collectives(shard_size):
         aliased = (shard_device == compute_device and not post_forward
-                   and compute_dtype == shard_dtype)
+                   and compute_dtype == shard_dtype and not delayed)
         return GatherPlan(cast=False, gathered=False, unsharded=not aliased)
     cast = (compute_dtype, compute_device) != (shard_dtype, shard_device)
     return GatherPlan(cast=cast, gathered=True, unsharded=True)

@@ -76,6 +76,15 @@ class ShardStorage:
         """The flat shard's version counter: fullshard's own in-place writes raise it."""
         return self.tensor._version
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the flat shard is in pinned host memory (offloaded from CUDA)."""
+        return self.tensor is not None and self.tensor.is_pinned()
+
+    def offset_of(self, local: torch.Tensor) -> int:
+        """Where ``local`` (a view of the flat shard) starts in it, in elements."""
+        return local.storage_offset() - self.tensor.storage_offset()
+
     def copy_into(self, dst: torch.Tensor) -> None:
         """Copy the flat shard into ``dst`` (casting, moving to its device), without
         blocking where the copy can run asynchronously."""

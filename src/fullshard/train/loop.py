@@ -127,8 +127,13 @@ class Trainer:
         self.optimizers = build_optimizers(self.model, cfg.optim)
         # what steps each: offloaded blocks on a host thread while the next forward runs
         # (Note [the host step overlapped with the next forward])
-        self.stepping = [OverlappedStep(o).step if overlaps_step(cfg.parallel, o) else o.step
-                         for o in self.optimizers]
+        # --parallel.delayed_update: ZeRO-Offload's delayed update (Note [the delayed update])
+        delay = cfg.parallel.delayed_update
+        self.overlapped = [OverlappedStep(o, delayed=delay >= 0, delay_after=max(delay, 0))
+                           if overlaps_step(cfg.parallel, o) else None
+                           for o in self.optimizers]
+        self.stepping = [o.step if s is None else s.step
+                         for o, s in zip(self.optimizers, self.overlapped)]
         # every rank skips an overflowing step and backs off alike (train/scaler.py)
         self.scaler = (AgreedGradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
@@ -345,6 +350,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> float:
         """Mean loss over every rank's validation batches (the same batches each time)."""
+        self._catch_up()
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.worker.device)
         for x, y in self.val_batches:
@@ -356,7 +362,16 @@ class Trainer:
         self._say(f"step {self.step}: val loss {val_loss:.4f}")
         return val_loss
 
+    def _catch_up(self) -> None:
+        """Under the delayed update, the next forward computes with the parameters as
+        updated: what an evaluation, a sample or a checkpoint reads is what training
+        goes on from, so a resume continues exactly (Note [the delayed update])."""
+        for overlapped in self.overlapped:
+            if overlapped is not None:
+                overlapped.catch_up()
+
     def _save(self) -> None:
+        self._catch_up()
         started = time.perf_counter()
         path = checkpoints.save(self.out, self.step, self.model, self.optimizers,
                                 self.sampler.state_dict(), self.scaler, self.worker.device,
@@ -367,6 +382,7 @@ class Trainer:
         n = self.cfg.eval.sample_tokens
         if n == 0:
             return
+        self._catch_up()
         prompt = self.workload.tokenizer.encode(self.cfg.eval.sample_prompt)
         if not prompt:
             raise ConfigError("eval.sample_prompt: encodes to no tokens; give some text")

@@ -210,6 +210,13 @@ class ParallelConfig:
     thread while the next forward runs, each block's forward waiting for its own step
     (fullshard.OverlappedStep: the same values as stepping them all first). false: the
     whole step ends before the next forward starts."""
+    delayed_update: int = field(default=-1, metadata=within(-1, BIG))
+    """-1: off. N >= 0: with overlap_step and --parallel.offload cpu or cpu:FRACTION, ZeRO-
+    Offload's one-step delayed update after N exact steps: the next forward and backward
+    compute with the offloaded blocks' parameters before the step in flight and wait for
+    nothing (one-step-stale gradients: a different run, see docs/performance.md). Evaluations,
+    samples and checkpoints are exact points: the forward after one computes with the
+    parameters it saw, so a resume trains on as the uninterrupted run."""
     offload: Offload = "none"
     """cpu: keep parameters, gradients and optimizer states in CPU memory (CPU offload);
     the optimizer steps there, fused. cpu:FRACTION (0 < FRACTION <= 1): only the last

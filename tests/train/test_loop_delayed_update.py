@@ -1,0 +1,55 @@
+"""--parallel.delayed_update N: ZeRO-Offload's one-step delayed update in the trainer
+(Note [the delayed update]): a different run from the exact one after N warm-up steps,
+and one that resumes exactly (checkpoints are exact points of it)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import run_distributed
+from fullshard.train.config.flags import apply_overrides
+from fullshard.train.config.schema import get_preset
+from fullshard.train.launch.launcher import Worker
+from fullshard.train.loop import Trainer
+from support.train_runs import QUIET, train_losses
+
+
+def _exact_and_delayed() -> dict[str, list[float]]:
+    return {name: train_losses({"batch.batch_size": 4, "parallel.offload": "cpu",
+                                "parallel.delayed_update": delay, "steps": 6})
+            for name, delay in {"exact": -1, "delayed": 0, "warm": 2}.items()}
+
+
+def test_the_delayed_update_parts_from_the_exact_run_after_its_warm_up():
+    losses = run_distributed(_exact_and_delayed, 2)[0]
+    exact, delayed, warm = losses["exact"], losses["delayed"], losses["warm"]
+    assert len(delayed) == 6 and delayed[-1] < delayed[0]
+    # step 2 computes with the parameters before step 1's update: the first to differ
+    assert delayed[0] == exact[0] and delayed[1] != exact[1]
+    # two exact warm-up steps: steps 1 to 3 see what the exact run sees, step 4 does not
+    assert warm[:3] == exact[:3] and warm[3] != exact[3]
+
+
+def _resume(out: str) -> dict[str, list[float]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, rank, world, torch.device("cpu"))
+    fields = {**QUIET, "parallel.offload": "cpu", "parallel.delayed_update": 0,
+              "batch.batch_size": 2}
+    runs = {}
+    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
+        for steps, resume in legs:
+            cfg = apply_overrides(get_preset("debug"), {**fields, "steps": steps,
+                                                        "checkpoint.every": 3}, "test")
+            trainer = Trainer(cfg, f"{out}/{name}", worker)
+            trainer.run(resume=resume)
+        if trainer.log is not None:
+            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
+    return runs
+
+
+@pytest.mark.slow
+def test_a_delayed_run_resumes_exactly(tmp_path):
+    runs = run_distributed(_resume, 2, str(tmp_path))[0]
+    straight, resumed = runs["straight"], runs["resumed"]
+    assert len(straight) == 6 and straight[-1] < straight[0]
+    assert resumed[-3:] == straight[-3:]
