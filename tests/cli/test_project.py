@@ -45,6 +45,21 @@ def test_every_projection_prints_its_range_and_what_dominates_it(capsys):
     assert f"within {band.error:.1%}" in out and "left out of the fit" in out
 
 
+def test_gpus_per_node_decides_which_gathers_cross_nodes(capsys):
+    # 8 GPUs in two nodes of 4: the gathers cross the NICs (4 per node, not 8, carry
+    # them), so more communication is exposed than inside one node of 8
+    base = ["project", "--model", "llama3-8b", "--gpus", "8", "--batch", "1", "--seq",
+            "2048", "--strategy", "full_shard"]
+    rows = {}
+    for flags in (["--gpus-per-node", "4"], ["--gpus-per-node", "8"], ["--nodes-of", "4"]):
+        assert main(base + flags) == 0
+        rows[tuple(flags)] = capsys.readouterr().out.splitlines()[-2].split()
+    four, eight = rows[("--gpus-per-node", "4")], rows[("--gpus-per-node", "8")]
+    assert float(four[-3]) > 2 * float(eight[-3])  # exposed communication, seconds
+    assert float(four[6]) > float(eight[6])  # step time
+    assert rows[("--nodes-of", "4")] == four  # the older spelling means the same
+
+
 def test_plan_ranks_by_throughput_prints_flags_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "plan.png"
@@ -174,6 +189,7 @@ def test_bad_input_is_one_line_naming_it(argv, code, capsys, tmp_path):
     (["plan", "--gpus", "64", "--efficiency", "1.5"], "--efficiency"),
     (["plan", "--gpus", "64", "--inter-gbps", "inf"], "--inter-gbps"),
     (["plan", "--gpus", "64", "--nodes-of", "0"], "--nodes-of"),
+    (["plan", "--gpus", "64", "--gpus-per-node", "0"], "--gpus-per-node"),
 ])
 def test_bad_numbers_are_one_line_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -1,12 +1,12 @@
 """``fullshard project`` and ``fullshard plan --gpus``: step time, tokens/s per GPU, MFU,
 exposed communication and memory per rank at cluster scale (fullshard.projection).
 
-    fullshard project --model llama3-8b --gpu h100 --gpus 8,128 --nodes-of 8 \\
+    fullshard project --model llama3-8b --gpu h100 --gpus 8,128 --gpus-per-node 8 \\
         --batch 2 --seq 8192 --ac selective
     fullshard project --model path/to/config.json --gpu a100-40gb --batch 8 --grad-accum 4
     fullshard project --layers 32 --dim 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256
     fullshard project --calibrate --preset shakespeare --gpus 1,2,4   # this machine (CPU)
-    fullshard plan --gpus 64 --gpu h100 --nodes-of 8 --model llama3-8b --batch 4 --seq 4096
+    fullshard plan --gpus 64 --gpu h100 --gpus-per-node 8 --model llama3-8b --batch 4 --seq 4096
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ def _arguments(parser: argparse.ArgumentParser, *, planning: bool) -> None:
         [f"{name} ({dev.source})" for name, dev in DEVICES.items()]))
     parser.add_argument("--gpus", required=planning, default="8", help="world size" + (
         "" if planning else "s, comma-separated (default 8)"))
-    parser.add_argument("--nodes-of", type=PER_NODE, default=8, metavar="N",
-                        help="GPUs per node (default 8)")
+    # --nodes-of is the older spelling, kept so existing command lines still run
+    parser.add_argument("--gpus-per-node", "--nodes-of", dest="nodes_of", type=PER_NODE,
+                        default=8, metavar="N", help="GPUs per node (default 8): collectives "
+                        "over more ranks cross nodes, and a node's NICs are shared by this many")
     parser.add_argument("--batch", type=BATCH, default=1,
                         help="sequences per GPU per optimizer step (default 1)")
     parser.add_argument("--seq", type=SEQ, help=f"sequence length (default {DEFAULT_SEQ}, or "
