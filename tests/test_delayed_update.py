@@ -144,6 +144,7 @@ def _same_bits(offloaded, kind, delay_after, steps=5):
     return differ, loss_differ, parted
 
 
+@pytest.mark.slow  # make test runs it; make test-fast has no time left
 @pytest.mark.parametrize("world,offloaded,kind,delay_after", [
     (2, {1, 3}, "foreach", 0),
     (3, {0, 1, 2, 3, "root"}, "sgd", 0),
@@ -192,6 +193,7 @@ def _reads():
     return len(moved) == len(saved), as_copy, as_before, loaded, stepper.delayed_state_dict()
 
 
+@pytest.mark.slow  # make test runs it; make test-fast has no time left
 def test_readers_see_the_update_and_gathers_the_copy_until_a_load():
     for moved, as_copy, as_before, loaded, after_load in run_distributed(_reads, 2):
         assert moved and as_copy and as_before and loaded
@@ -242,6 +244,7 @@ def _resume_from(offloaded, k, total, path):
     return losses, _weights_and_states(model, opt)
 
 
+@pytest.mark.slow  # make test runs it; make test-fast has no time left
 def test_a_resume_in_fresh_processes_trains_on_as_the_uninterrupted_run(tmp_path):
     offloaded, k, total = {0, 2, 3, "root"}, 3, 6
     whole = run_distributed(_uninterrupted, 2, offloaded, total)
@@ -345,6 +348,7 @@ def _forward_does_not_wait():
     return done[1] < ended[0], differ
 
 
+@pytest.mark.slow  # make test runs it; make test-fast has no time left
 def test_the_next_forward_and_backward_wait_for_no_host_step():
     for overlapped, differ in run_distributed(_forward_does_not_wait, 2):
         assert overlapped and differ == [[], []], differ
@@ -381,6 +385,7 @@ def _sharded_weights(offloaded, steps):
             [loss / world for loss in losses])
 
 
+@pytest.mark.slow  # make test runs it; make test-fast has no time left
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_delayed_run_trains_as_a_single_process_with_the_delay(world):
     offloaded, steps = {0, 2, 3, "root"}, 5

@@ -20,6 +20,7 @@ def _exact_and_delayed() -> dict[str, list[float]]:
             for name, delay in {"exact": -1, "delayed": 0, "warm": 2}.items()}
 
 
+@pytest.mark.slow
 def test_the_delayed_update_parts_from_the_exact_run_after_its_warm_up():
     losses = run_distributed(_exact_and_delayed, 2)[0]
     exact, delayed, warm = losses["exact"], losses["delayed"], losses["warm"]
