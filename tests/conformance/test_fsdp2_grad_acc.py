@@ -137,11 +137,11 @@ def _hybrid() -> None:
     _accumulate(mesh, "all", True, False, OffloadPolicy(), all_reduce_only=True)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # make test has no time left: CI runs it in the extended lane
 def test_accumulation_collectives_counted_as_torchs_fsdp2_tests_count_them():
     run_distributed(_one_dimensional, 2)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # make test has no time left: CI runs it in the extended lane
 def test_hybrid_accumulation_collectives_counted_as_torchs_fsdp2_tests_count_them():
     run_distributed(_hybrid, 4)

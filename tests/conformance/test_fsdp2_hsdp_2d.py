@@ -269,6 +269,6 @@ def _two_dimensional_cases() -> None:
     _spmd_cases()
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # make test has no time left: CI runs it in the extended lane
 def test_two_dimensional_meshes_train_as_torchs_fsdp2_does():
     run_distributed(_two_dimensional_cases, 4, timeout=600)

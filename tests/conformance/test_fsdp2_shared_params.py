@@ -88,6 +88,6 @@ def _all_cases() -> None:
             _shared(reshard, checkpointed)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # make test has no time left: CI runs it in the extended lane
 def test_shared_parameters_train_as_torchs_fsdp2_does():
     run_distributed(_all_cases, 2)

@@ -227,6 +227,6 @@ def _all_cases() -> None:
         _vmap_in_units(reshard)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # make test has no time left: CI runs it in the extended lane
 def test_composed_training_matches_a_single_process_copy_as_in_torchs_fsdp2():
     run_distributed(_all_cases, 2)
