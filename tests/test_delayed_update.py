@@ -160,9 +160,9 @@ def test_the_delayed_run_equals_the_delay_written_out(world, offloaded, kind, de
         assert parted and min(parted) == delay_after + 1, parted
 
 
-def _reads():
+def _reads(batched):
     """What each reader sees between step() and the next forward."""
-    offloaded = {0, 1, 2, 3, "root"}
+    offloaded = {0, 1, 2, 3, "root"} | ({"batched"} if batched else set())
     model = _model(offloaded)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     stepper = OverlappedStep(opt, delayed=True)
@@ -194,8 +194,9 @@ def _reads():
 
 
 @pytest.mark.slow  # make test runs it; make test-fast has no time left
-def test_readers_see_the_update_and_gathers_the_copy_until_a_load():
-    for moved, as_copy, as_before, loaded, after_load in run_distributed(_reads, 2):
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in_a_batch"])
+def test_readers_see_the_update_and_gathers_the_copy_until_a_load(batched):
+    for moved, as_copy, as_before, loaded, after_load in run_distributed(_reads, 2, batched):
         assert moved and as_copy and as_before and loaded
         assert after_load["pending"] == {} and after_load["steps"] == 2
 

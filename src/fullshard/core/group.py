@@ -526,7 +526,10 @@ class ParamGroup:
         self.grads.hand_off_kept()
 
     def stop_delayed_read(self) -> None:
-        """Gathers read the shard again (an exact step, a load of the parameters)."""
+        """Gathers read the shard again (an exact step, a load of the parameters); a group
+        in a batch: the batch's gathers, which read its shard."""
+        if self.batch is not self:
+            return self.batch.stop_delayed_read()
         if self.reads_pending:
             self.reshard()
             self.delayed.drop()
