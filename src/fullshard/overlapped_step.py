@@ -182,7 +182,7 @@ class OverlappedStep:
         self.wait()
         top = next((u for u in map(unit_of, model.modules()) if u is not None), None)
         if top is not None:
-            ensure_root(top)  # the groups the first forward gathers (buckets merged)
+            ensure_root(top)  # made, the root batches its units as a first forward would
         groups, _order = _groups_in_order()
         load_pending(self.optimizer, groups, state["pending"])
         self.steps = int(state["steps"])

@@ -69,6 +69,26 @@ def train_losses(overrides: dict, preset: str = "debug") -> list[float] | None:
     return [r["loss"] for r in trainer.log.records if "loss" in r]
 
 
+def straight_and_resumed(out: str, overrides: dict, read=lambda record: record["loss"],
+                         preset: str = "debug") -> tuple[dict[str, list] | None, Trainer]:
+    """``preset`` with ``overrides`` trained 6 steps straight (in ``out/straight``), and 3
+    steps then a resume to 6 (in ``out/resumed``), a checkpoint every 3. Rank 0 gets each
+    run's step records read through ``read`` (other ranks None), and every rank the last
+    trainer, for what a test asks of it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = Worker(rank, world, rank, world, torch.device("cpu"))
+    runs = {}
+    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
+        for steps, resume in legs:
+            cfg = apply_overrides(get_preset(preset), {**QUIET, **overrides, "steps": steps,
+                                                       "checkpoint.every": 3}, "test")
+            trainer = Trainer(cfg, os.path.join(out, name), worker)
+            trainer.run(resume=resume)
+        if trainer.log is not None:
+            runs[name] = [read(r) for r in trainer.log.records if "loss" in r]
+    return (runs if trainer.log is not None else None), trainer
+
+
 def tensorboard_scalars(out: str) -> dict[str, list[tuple[int, float]]]:
     """Each scalar tag of the event files in ``out``: its (step, value) pairs."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -4,15 +4,12 @@ non-finite gradient norm."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config.schema import ConfigError, OptimConfig, get_preset
-from fullshard.train.config.flags import apply_overrides
-from fullshard.train.launch.launcher import Worker
+from fullshard.train.config.schema import ConfigError, OptimConfig
 from fullshard.train.loop import Trainer, learning_rate, on_device, step_or_skip
 from support.catalogue import matches_documented
-from support.train_runs import QUIET, train_losses
+from support.train_runs import straight_and_resumed, train_losses
 
 def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
     return {name: train_losses(overrides) for name, overrides in variants.items()}
@@ -121,20 +118,8 @@ def test_moe_preset_trains_like_one_process():
 def _muon_resume(out: str) -> dict:
     """--optim.name muon: 6 steps straight, and 3 steps then a resume to 6 (Muon's momentum
     buffers through the checkpoint): the same losses."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    worker = Worker(rank, world, rank, world, torch.device("cpu"))
-    quiet = {**QUIET, "optim.name": "muon", "batch.batch_size": 2}
-    runs = {}
-    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
-        for steps, resume in legs:
-            cfg = apply_overrides(get_preset("debug"), {**quiet, "steps": steps,
-                                                       "checkpoint.every": 3}, "test")
-            trainer = Trainer(cfg, f"{out}/{name}", worker)
-            trainer.run(resume=resume)
-        if trainer.log is not None:
-            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
-    kinds = [type(o).__name__ for o in trainer.optimizers]
-    return {"runs": runs, "optimizers": kinds}
+    runs, trainer = straight_and_resumed(out, {"optim.name": "muon", "batch.batch_size": 2})
+    return {"runs": runs, "optimizers": [type(o).__name__ for o in trainer.optimizers]}
 
 
 @pytest.mark.slow
@@ -253,10 +238,6 @@ def _offloaded_clipped_resume(out: str) -> dict:
     """--parallel.offload cpu with a clip that bites: 6 steps straight, and 3 steps then a
     resume to 6; the trainer's clip multiplies no gradient (Note [the clip applied
     inside the step])."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    worker = Worker(rank, world, rank, world, torch.device("cpu"))
-    overrides = {**QUIET, "parallel.offload": "cpu", "optim.grad_clip": 0.05,
-                 "checkpoint.every": 3}
     real, multiplied = torch._foreach_mul_, []
 
     def counted(tensors, scalar):
@@ -264,17 +245,9 @@ def _offloaded_clipped_resume(out: str) -> dict:
         return real(tensors, scalar)
 
     torch._foreach_mul_ = counted
-    runs = {}
     try:
-        for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
-            for steps, resume in legs:
-                cfg = apply_overrides(get_preset("debug"), {**overrides, "steps": steps},
-                                      "test")
-                trainer = Trainer(cfg, f"{out}/{name}", worker)
-                trainer.run(resume=resume)
-            if trainer.log is not None:
-                runs[name] = [(r["loss"], r["grad_norm"]) for r in trainer.log.records
-                              if "loss" in r]
+        runs, _ = straight_and_resumed(out, {"parallel.offload": "cpu", "optim.grad_clip": 0.05},
+                                       read=lambda r: (r["loss"], r["grad_norm"]))
     finally:
         torch._foreach_mul_ = real
     return {"runs": runs, "multiplied": multiplied}

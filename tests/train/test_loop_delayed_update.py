@@ -3,15 +3,9 @@
 and one that resumes exactly (checkpoints are exact points of it)."""
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from fullshard.testing import run_distributed
-from fullshard.train.config.flags import apply_overrides
-from fullshard.train.config.schema import get_preset
-from fullshard.train.launch.launcher import Worker
-from fullshard.train.loop import Trainer
-from support.train_runs import QUIET, train_losses
+from support.train_runs import straight_and_resumed, train_losses
 
 
 def _exact_and_delayed() -> dict[str, list[float]]:
@@ -31,21 +25,9 @@ def test_the_delayed_update_parts_from_the_exact_run_after_its_warm_up():
     assert warm[:3] == exact[:3] and warm[3] != exact[3]
 
 
-def _resume(out: str) -> dict[str, list[float]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    worker = Worker(rank, world, rank, world, torch.device("cpu"))
-    fields = {**QUIET, "parallel.offload": "cpu", "parallel.delayed_update": 0,
-              "batch.batch_size": 2}
-    runs = {}
-    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
-        for steps, resume in legs:
-            cfg = apply_overrides(get_preset("debug"), {**fields, "steps": steps,
-                                                        "checkpoint.every": 3}, "test")
-            trainer = Trainer(cfg, f"{out}/{name}", worker)
-            trainer.run(resume=resume)
-        if trainer.log is not None:
-            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
-    return runs
+def _resume(out: str) -> dict[str, list[float]] | None:
+    return straight_and_resumed(out, {"parallel.offload": "cpu", "parallel.delayed_update": 0,
+                                      "batch.batch_size": 2})[0]
 
 
 @pytest.mark.slow

@@ -3,18 +3,13 @@ states on the host, the rest on the device; training computes what it computes w
 nothing offloaded, and resumes exactly."""
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from fullshard.gpt import GPT, GPTConfig
 from fullshard.offload.fraction import offloaded_blocks
 from fullshard.testing import run_distributed
-from fullshard.train.config.flags import apply_overrides
-from fullshard.train.config.schema import ParallelConfig, get_preset
-from fullshard.train.launch.launcher import Worker
-from fullshard.train.loop import Trainer
+from fullshard.train.config.schema import ParallelConfig
 from fullshard.train.model import unit_offload
-from support.train_runs import QUIET, train_losses
+from support.train_runs import straight_and_resumed, train_losses
 
 
 def test_a_fraction_offloads_the_last_blocks_rounded_up():
@@ -45,20 +40,8 @@ def test_partial_offload_trains_as_nothing_offloaded(world):
     assert losses["partial"] == pytest.approx(losses["device"], rel=1e-5, abs=1e-5)
 
 
-def _resume(out: str) -> dict[str, list[float]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    worker = Worker(rank, world, rank, world, torch.device("cpu"))
-    quiet = {**QUIET, "parallel.offload": "cpu:0.5", "batch.batch_size": 2}
-    runs = {}
-    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
-        for steps, resume in legs:
-            cfg = apply_overrides(get_preset("debug"), {**quiet, "steps": steps,
-                                                       "checkpoint.every": 3}, "test")
-            trainer = Trainer(cfg, f"{out}/{name}", worker)
-            trainer.run(resume=resume)
-        if trainer.log is not None:
-            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
-    return runs
+def _resume(out: str) -> dict[str, list[float]] | None:
+    return straight_and_resumed(out, {"parallel.offload": "cpu:0.5", "batch.batch_size": 2})[0]
 
 
 @pytest.mark.slow
