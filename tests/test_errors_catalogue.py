@@ -942,6 +942,20 @@ def _named_test_exists(target: str) -> bool:
                                        file.read_text(), re.M) is not None
 
 
+def test_every_entry_tested_elsewhere_is_compared_with_its_documented_text():
+    """A test named for an entry compares the raised message with docs/errors.md's text
+    (``matches_documented`` with the code, in the named test's file), not a few words of
+    it: a changed message then fails a test, as here."""
+    loose = [f"{code}: {target}" for code, target in _TESTED_ELSEWHERE.items()
+             if not _compares(code, ROOT / target.partition("::")[0])]
+    assert not loose, loose
+
+
+def _compares(code: str, test_file: Path) -> bool:
+    text = test_file.read_text()
+    return "matches_documented(" in text and re.search(rf"[\"']{code}[\"']", text) is not None
+
+
 def test_every_test_named_for_an_entry_exists():
     """The tests named as checking an entry elsewhere, here and in docs/errors.md, are
     real test functions in the named files (a moved test left stale names behind)."""
