@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .core import comm_groups, hooks
-from .core.load_check import check_fits
-from .core.quantized_collectives import DEFAULT_BLOCK_SIZE
+from .core.refusals.load_check import check_fits
+from .core.features.quantized_collectives import DEFAULT_BLOCK_SIZE
 from .core.state import UnitState, unit_of
-from .core.torch_errors import UnsupportedCopyError, torch_first
+from .core.refusals.torch_errors import UnsupportedCopyError, torch_first
 
 # Set while FSDPModule.to_empty runs (per thread): torch's _apply recursion into the units
 # carries no argument, and to_empty's values are undefined, so there is nothing to copy.

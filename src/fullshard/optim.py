@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .core.param import SHARDED_ORIGINALS, any_tracked, on_first_track, owner_of, stale_owner
-from .core.mapped import page_out
+from .core.features.mapped import page_out
 from .core.state import finish_all_pending_reduces, finish_host_steps
 from .offload import step_on_disk
 from .policies import DiskOffloadPolicy

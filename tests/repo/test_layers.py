@@ -15,7 +15,7 @@ LAYERS = [
     {"torch_version"},                                     # the installed torch, read once
     {"policies", "gpt", "errors", "bounds"},               # plain data, a plain model, checks
     {"core"},                                              # the runtime
-    {"fsdp_module", "api"},                                # the FSDP2 front
+    {"fsdp_module", "api", "placement_meshes"},            # the FSDP2 front
     {"optim", "step_calls", "overlapped_step", "delayed_update", "whole_matrix", "offload", "grad_norm", "wrap",
      "activation_checkpointing",
      "checkpoint", "torch_names"},
@@ -206,16 +206,26 @@ def _road_and_clock() -> list[str]:
 
 def test_every_file_of_the_core_and_of_the_road_has_tests_named_for_it():
     """A reader about to change a file a parameter's life runs through, or any file of
-    core/, finds its tests by the file's name: tests/core/test_group*.py for
-    core/group.py."""
+    core/ and its sub-packages, finds its tests by the file's name: tests/core/test_group*.py
+    for core/group.py, tests/core/test_guard_ledger*.py for core/guard/ledger.py."""
     tests = pathlib.Path(__file__).resolve().parents[1]
     road = _road_and_clock()
     assert len(road) == 11, road
-    core = [f"core/{p.name}" for p in sorted((SRC / "core").glob("*.py"))
+    core = [str(p.relative_to(SRC)) for p in sorted((SRC / "core").rglob("*.py"))
             if not p.stem.startswith("__")]
+
+    def named_for(file: str) -> set[str]:
+        # tests of PKG/SUB/Y.py are tests/PKG/test_SUB_Y*.py
+        package, *sub, stem = pathlib.Path(file).with_suffix("").parts if "/" in file \
+            else ("", file.removesuffix(".py"))
+        return {"_".join([*sub, stem])}
+
+    def folder(file: str) -> pathlib.Path:
+        return tests / pathlib.Path(file).parts[0] if "/" in file else tests
+
     untested = [f for f in dict.fromkeys(road + core)
-                if not [t for t in (tests / pathlib.Path(f).parent).glob("test_*.py")
-                        if _is_named_for(t.stem, {pathlib.Path(f).stem})]]
+                if not [t for t in folder(f).glob("test_*.py")
+                        if _is_named_for(t.stem, named_for(f))]]
     assert not untested, f"no tests named for {untested}"
 
 

@@ -19,7 +19,7 @@ group's only. Making a group is a collective over those ranks, so every rank cal
 setter in the same order, as it calls ``fully_shard``. Only the reduce-scatter (the
 built-in, quantized or custom one) moves: gathers stay on the shard group and the
 all-reduce across replicas on the replicate group. The ledger enters such a
-reduce-scatter as one on its own group (core/ledger.py), so ranks that disagree on the
+reduce-scatter as one on its own group (core/guard/ledger.py), so ranks that disagree on the
 setting are named by the divergence guard instead of hanging on two different groups.
 ``False`` goes back to the shard group.
 """
@@ -31,7 +31,7 @@ import dataclasses
 import torch.distributed as dist
 
 from .staging import PROCESS_GROUP_STAGING, ProcessGroupStaging, SymmetricStaging
-from .torch_errors import FullyShardArgumentError, torch_first
+from .refusals.torch_errors import FullyShardArgumentError, torch_first
 
 
 @dataclasses.dataclass(frozen=True)

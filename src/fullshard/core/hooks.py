@@ -9,7 +9,7 @@ Backward: an output-gradient hook gathers the unit and prefetches the unit that
           are computed (its module's backward is over), the unit reduce-scatters
           asynchronously and frees its parameters. A final callback, queued when
           backward starts, reduces the units whose inputs needed no gradient, in one
-          fixed order, checks that every rank did the same (core/divergence.py) and
+          fixed order, checks that every rank did the same (core/guard/divergence.py) and
           leaves everything sharded. See Note [when a unit's backward is done].
 
 Note [when a unit's backward is done]
@@ -77,12 +77,12 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .containers import flatten, unflatten
-from .divergence import DivergenceError, Guard, debug_enabled, guarded
-from .structure import describe
+from .guard.divergence import DivergenceError, Guard, debug_enabled, guarded
+from .guard.structure import describe
 from .group import GroupState, ParamGroup
 from .init import lazy_init
-from .load_check import own_hook
-from .ledger import BACKWARD, Ledger, unit_code
+from .refusals.load_check import own_hook
+from .guard.ledger import BACKWARD, Ledger, unit_code
 from .schedule import BackwardSignals
 from .state import RootState, UnitState, unit_of
 

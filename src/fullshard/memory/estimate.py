@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.comm import DEFAULT_MAX_NUMEL
-from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
+from ..core.features.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..gpt import GroupedExperts
 from ..offload.fraction import offloaded_blocks, parse_fraction
