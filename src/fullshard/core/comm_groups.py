@@ -56,6 +56,20 @@ class CommOptions:
 DEFAULT_COMM = CommOptions()
 
 
+def check_reduces_in_flight(value, name: str, *, wrong_type: type[Exception] = TypeError
+                            ) -> None:
+    """Refuse ``value`` unless it is an int >= 1 (``CommOptions.reduces_in_flight``), naming
+    it ``name``: ``wrong_type`` for one that is no int (``True`` included), ValueError for
+    one below 1. The setter raises TypeError as torch's does; the estimate ValueError for
+    both, as for every bad argument it takes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wrong_type(f"{name} must be an int >= 1 (how many gradient reductions may be "
+                         f"in flight), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (how many gradient reductions may be "
+                         f"in flight), got {value!r}")
+
+
 def separate_reduce_groups(groups: list, enable: bool) -> None:
     """Give each of ``groups`` (ParamGroups, in the same order on every rank) a
     reduce-scatter group of its own, or (``enable`` False) none (Note [a reduce-scatter
