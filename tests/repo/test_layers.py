@@ -130,6 +130,30 @@ def test_no_import_cycle_between_files():
     assert cycle is None, "import cycle between files: " + " -> ".join(cycle)
 
 
+# Inside core/ (docs/architecture.md, "Inside core/"): what each sub-package may import of
+# core besides itself. The guard and the side roads sit on the engine's collectives and the
+# refusals only, so that the engine may call them without a loop between the folders.
+CORE_SUB_PACKAGES_USE = {
+    "refusals": set(),
+    "guard": {"fullshard.core.comm", "fullshard.core.refusals"},
+    "features": {"fullshard.core.comm", "fullshard.core.refusals"},
+}
+
+
+def test_core_sub_packages_use_only_the_engine_s_collectives_and_refusals():
+    wrong = []
+    for sub, allowed in CORE_SUB_PACKAGES_USE.items():
+        own = f"fullshard.core.{sub}"
+        for path in sorted((SRC / "core" / sub).glob("*.py")):
+            for target in _imported(path)[1]:
+                if target.startswith("fullshard.core") and not any(
+                        target == a or target.startswith(a + ".") for a in allowed | {own}):
+                    wrong.append(f"{path.relative_to(SRC)} imports {target}")
+    assert sorted(CORE_SUB_PACKAGES_USE) == sorted(
+        p.name for p in (SRC / "core").iterdir() if (p / "__init__.py").exists())
+    assert not wrong, "core's sub-packages reach into the engine:\n" + "\n".join(wrong)
+
+
 def test_every_note_is_defined_once_and_indexed():
     """A ``Note [title]`` reference must lead to its Note, and docs/architecture.md's
     index must list every Note."""
