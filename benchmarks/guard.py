@@ -5,7 +5,7 @@ sends whatever the world size.
     OMP_NUM_THREADS=1 python benchmarks/guard.py --sizes 2,4 --steps 200
 
 One comparison on the control channel is one all-reduce (MAX) of ten int64s: 80 bytes
-a rank at any world size (core/divergence.py, Note [ranks agree on every collective]).
+a rank at any world size (core/guard/divergence.py, Note [ranks agree on every collective]).
 Per world size, the median microseconds of a training step (forward, backward, SGD) of a
 4-unit model with the guard off, comparing through the digests its reductions carry
 (CPU's default: no exchange), and comparing once a step on the control channel, left in
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from fullshard import fully_shard
-from fullshard.core import divergence
+from fullshard.core.guard import divergence
 from fullshard.core.state import unit_of
 from fullshard.testing import run_distributed
 

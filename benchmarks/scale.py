@@ -23,7 +23,7 @@ import argparse
 
 import torch
 
-from fullshard.core import divergence
+from fullshard.core.guard import divergence
 from fullshard.memory.byte_ledger import OPTIMIZER, SHARDED_PARAMS
 from fullshard.memory.estimate import estimate
 from fullshard.testing import scale

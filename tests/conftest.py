@@ -43,14 +43,14 @@ MULTINODE_FILES = ("tests/train/test_launch_multinode.py",)
 # Files whose gloo ranks check every collective against NCCL's rules
 # (fullshard.testing.nccl_rules: sizes, dtypes, ops and order alike on every rank; no
 # device tensors in objects): the core parity tests, about +12% in time. A file whose
-# ranks diverge on purpose (tests/core/test_divergence.py, test_arrival.py, the
+# ranks diverge on purpose (tests/core/test_guard_divergence.py, test_guard_arrival.py, the
 # rank-dependent paths) stays out: the checker would refuse the divergence before the
 # error the test checks. Proven only for these files; more join once they pass under it.
 NCCL_RULES_FILES = ("tests/test_api.py", "tests/test_wrap.py",
                     "tests/core/test_mesh_hybrid.py", "tests/core/test_comm_collectives.py",
                     "tests/core/test_group.py", "tests/test_fullshard_feature_combinations.py",
                     "tests/whole_matrix/test_whole_matrix.py", "tests/train/test_scaler.py",
-                    "tests/core/test_post_forward.py", "tests/core/test_quantized_collectives.py")
+                    "tests/core/test_features_post_forward.py", "tests/core/test_features_quantized_collectives.py")
 
 
 @pytest.fixture(autouse=True)

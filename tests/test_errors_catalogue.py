@@ -860,18 +860,18 @@ _TESTED_ELSEWHERE = {
             "test_a_qlora_run_resumed_from_its_checkpoint_continues_like_a_straight_run",
     "E169": "tests/checkpoint/test_verify.py::"
             "test_inspect_of_a_damaged_checkpoint_says_so_after_its_table",
-    "E260": "tests/core/test_structure.py::test_different_models_are_named_on_every_rank",
+    "E260": "tests/core/test_guard_structure.py::test_different_models_are_named_on_every_rank",
     "E304": "tests/train/test_loop.py::"
             "test_symmetric_memory_where_it_cannot_work_names_the_flag",
-    "E29": "tests/core/test_divergence.py::test_divergence_raises_on_every_rank",
-    "E30": "tests/core/test_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
-    "E130": "tests/core/test_arrival.py::"
+    "E29": "tests/core/test_guard_divergence.py::test_divergence_raises_on_every_rank",
+    "E30": "tests/core/test_guard_divergence.py::test_without_debug_a_failed_collective_names_the_unit",
+    "E130": "tests/core/test_guard_arrival.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E151": "tests/whole_matrix/test_whole_matrix.py::"
             "test_what_cannot_be_stepped_whole_is_refused_at_the_first_step",
     "E225": "tests/whole_matrix/test_kept.py::"
             "test_states_loaded_on_some_ranks_only_are_refused_on_every_rank",
-    "E150": "tests/core/test_arrival.py::"
+    "E150": "tests/core/test_guard_arrival.py::"
             "test_a_collective_function_called_on_one_rank_fails_on_both_in_seconds",
     "E133": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E245": "tests/cli/test_train_flags.py::"
@@ -880,27 +880,27 @@ _TESTED_ELSEWHERE = {
             "test_an_export_to_an_existing_directory_is_one_line_and_leaves_nothing",
     "E134": "tests/cli/test_train.py::test_a_resume_refuses_what_it_would_otherwise_ignore",
     "E132": "tests/cli/test_train.py::test_ctrl_c_saves_a_checkpoint_and_exits_cleanly",
-    "E131": "tests/core/test_arrival.py::test_ranks_at_different_collective_functions_both_name_them",
+    "E131": "tests/core/test_guard_arrival.py::test_ranks_at_different_collective_functions_both_name_them",
     "E82": "tests/cli/test_cli_errors.py::"
            "test_an_unexpected_error_is_one_line_exit_1_and_its_traceback_on_request",
     "E34": "tests/train/test_launch_reliability.py::"
            "test_a_training_that_stops_being_finite_ends_the_run_without_saving",
-    **{code: "tests/core/test_placement_meshes.py::"
+    **{code: "tests/test_placement_meshes.py::"
               "test_meshes_that_do_not_fit_are_one_line_naming_the_unit_and_the_meshes"
        for code in ("E210", "E211")},  # world size 4, an (efsdp, ep) mesh
-    "E212": "tests/core/test_placement_meshes.py::"
+    "E212": "tests/test_placement_meshes.py::"
             "test_a_module_with_parameters_on_two_meshes_is_refused_naming_the_parameter",
     # world size 4, a (dp, tp) mesh
-    "E45": "tests/core/test_tensor_parallel.py::"
+    "E45": "tests/core/test_features_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
-    "E46": "tests/core/test_tensor_parallel.py::"
+    "E46": "tests/core/test_features_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
-    "E47": "tests/core/test_tensor_parallel.py::"
+    "E47": "tests/core/test_features_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
     # refused from torch 2.15 only; accepted (as torch does) before it
-    "E338": "tests/core/test_grad_dtype.py::"
+    "E338": "tests/core/test_refusals_grad_dtype.py::"
             "test_a_grad_dtype_torch_would_follow_is_refused_naming_the_parameter",
-    **{code: "tests/core/test_subclass_params.py::"
+    **{code: "tests/core/test_features_subclass_params.py::"
               "test_misuse_is_one_line_naming_the_parameter_on_every_rank"
        for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},
     # launching: in-process with a patched environment or torchrun, or several launchers

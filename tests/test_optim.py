@@ -260,3 +260,24 @@ def test_optimizers_that_cannot_step_shards_are_refused_at_the_first_step():
             assert message.startswith(f"fullshard: {name} cannot step sharded parameters: "), message
             assert "Rprop, ASGD on each rank's shard" in message, message
         assert "'1.weight' (3, 6) splits unevenly over 2 ranks" in refused["LBFGS"]
+
+
+def _whole_matrix_questions() -> list[str]:
+    import fullshard.whole_matrix as whole_matrix
+
+    asked = []
+    real = whole_matrix.needs_whole_matrices
+    whole_matrix.needs_whole_matrices = lambda opt: asked.append(type(opt).__name__) or real(opt)
+    try:
+        torch.manual_seed(0)
+        model = _sharded(GPT(CFG))
+        _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), steps=3)
+    finally:
+        whole_matrix.needs_whole_matrices = real
+    return asked
+
+
+def test_whether_an_optimizer_needs_whole_matrices_is_decided_at_its_first_step():
+    """Asked once per optimizer, not at every step (a steady step stays out of
+    whole_matrix/: docs/architecture.md)."""
+    assert run_distributed(_whole_matrix_questions, 2) == [["AdamW"], ["AdamW"]]

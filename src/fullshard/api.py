@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .core import hooks
 from .core.init import shard_modules, unit_label
-from .core.placement_meshes import split_by_mesh
+from .placement_meshes import split_by_mesh
 from .core.state import unit_of
-from .core.torch_errors import torch_first
+from .core.refusals.torch_errors import torch_first
 from .core.comm import SharedCopies
 from .fsdp_module import FSDPModule
 from .policies import MixedPrecisionPolicy, OffloadPolicy

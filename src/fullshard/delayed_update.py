@@ -15,7 +15,7 @@ ZeRO-Offload does not ship it (its maintainers point to a separate research bran
 What fullshard does, per CPU-offloaded unit stepped on the host thread: ``step()`` t
 first waits for the host steps of step t-1, steps the parameters kept on the device at
 once (never delayed), then for each offloaded unit copies its flat shard into a host
-buffer of its own (``core.pending_shard.PendingShard``: 4 bytes a parameter in fp32, one
+buffer of its own (``core.features.pending_shard.PendingShard``: 4 bytes a parameter in fp32, one
 host memcpy per step) and hands the update to the host thread. Until the next ``step()``
 every gather of the unit (forward, backward's re-gather, an explicit ``unshard()``) reads
 that copy and waits for nothing; the host thread writes the shard and the optimizer

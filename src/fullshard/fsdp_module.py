@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .core import comm_groups, hooks
-from .core.load_check import check_fits
-from .core.quantized_collectives import DEFAULT_BLOCK_SIZE
+from .core.refusals.load_check import check_fits
+from .core.features.quantized_collectives import DEFAULT_BLOCK_SIZE
 from .core.state import UnitState, unit_of
-from .core.torch_errors import UnsupportedCopyError, torch_first
+from .core.refusals.torch_errors import UnsupportedCopyError, torch_first
 
 # Set while FSDPModule.to_empty runs (per thread): torch's _apply recursion into the units
 # carries no argument, and to_empty's values are undefined, so there is nothing to copy.
@@ -353,7 +353,7 @@ class FSDPModule:
         order, so gradients are the same (Note [reductions in flight]). More overlap for a
         reduce-scatter slower than backward, at the memory of the extra buffers. The root
         uses the largest value among its units."""
-        _check_max_input_buffers(max_input_buffers)
+        comm_groups.check_reduces_in_flight(max_input_buffers, "max_input_buffers")
         comm_groups.change(self._unit, _units(self, recurse),
                            "set_reduce_scatter_max_input_buffers",
                            reduces_in_flight=max_input_buffers)
@@ -530,14 +530,6 @@ def _check_quantizable(unit: UnitState, changing: list[UnitState], weights: bool
                              "into one collective at the first forward, so its communication "
                              "cannot differ from theirs. Call it before the first forward, or "
                              "on a module that contains them all.")
-
-
-def _check_max_input_buffers(max_input_buffers) -> None:
-    if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-        raise TypeError(f"max_input_buffers must be an int, got "
-                        f"{type(max_input_buffers).__name__}")
-    if max_input_buffers < 1:
-        raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
 
 def _expect_bool(method: str, value) -> None:

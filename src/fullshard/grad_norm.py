@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .core.comm import note_collective
-from .core.grad_norms import squared_sum
+from .core.features.grad_norms import squared_sum
 from .core.mesh import mesh_device
 
 

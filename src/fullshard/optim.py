@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .core.param import SHARDED_ORIGINALS, any_tracked, on_first_track, owner_of, stale_owner
-from .core.mapped import page_out
+from .core.features.mapped import page_out
 from .core.state import finish_all_pending_reduces, finish_host_steps
 from .offload import step_on_disk
 from .policies import DiskOffloadPolicy
@@ -62,8 +62,12 @@ _SWAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.Wea
 # What a whole-matrix step swapped in (whole_matrix.before), per optimizer, until after it.
 _WHOLE: "weakref.WeakKeyDictionary[torch.optim.Optimizer, whole_matrix.WholeStep]" = \
     weakref.WeakKeyDictionary()
-# Optimizers already checked against SHARDED_ORIGINALS (the check runs at a first step).
-_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# Per optimizer that has taken its first step (whose checks passed): whether it needs
+# whole matrices. Its class decides that once, at the first step, rather than a walk over
+# the registered classes at every step; register_whole_matrix_optimizer therefore applies
+# to optimizers that first step after it.
+_NEEDS_WHOLE: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = \
+    weakref.WeakKeyDictionary()
 
 
 def set_local_step(enabled: bool) -> None:
@@ -115,10 +119,11 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     if not step_calls.enter(opt):
         return None  # an override's super().step(): the outer step's hooks do the work
     _restore(opt)  # a step that raised on another thread left its swap behind
-    if opt not in _CHECKED:
+    needs_whole = _NEEDS_WHOLE.get(opt)
+    if needs_whole is None:  # its first step
         _check_not_built_before_sharding(opt)
         _check_can_step_shards(opt)
-        _CHECKED.add(opt)
+        needs_whole = _NEEDS_WHOLE[opt] = whole_matrix.needs_whole_matrices(opt)
     owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
                for j, p in enumerate(group["params"])]
               for i, group in enumerate(opt.param_groups)]
@@ -126,7 +131,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
         step_calls.guard(opt, _restore)  # undoes the swap of a step that raises
     # a step of these parameters overlapped with the forward (overlapped_step.py) ends first
     finish_host_steps(o for group in owners for o in group if o is not None)
-    if whole_matrix.needs_whole_matrices(opt) and any(o is not None for g in owners for o in g):
+    if needs_whole and any(o is not None for g in owners for o in g):
         replaced = _run_closure_first(args, kwargs)
         finish_all_pending_reduces()
         _WHOLE[opt] = whole_matrix.before(

@@ -54,6 +54,7 @@ import contextlib
 import weakref
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,13 @@ from .policies import DiskOffloadPolicy
 
 # the flags a fused step reads from its optimizer (the trainer's clip, a GradScaler)
 _STEP_FLAGS = ("grad_scale", "found_inf")
+
+
+class _Listened(NamedTuple):
+    """A group whose reduction steps it during backward (Note [the host step overlapped
+    with backward]), and its parameters in the optimizer as (param group index, parameter)."""
+    group: ParamGroup
+    work: list
 # modules whose state_dict / load_state_dict already wait for host steps
 _WAITING_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -109,10 +117,8 @@ class OverlappedStep:
         # during this backward, and their parameters (step() leaves them alone)
         self._from_backward: list[ParamGroup] = []
         self._stepped_in_backward: set[int] = set()
-        # in the block: id(ShardedParam) -> its group, and each such group's parameters
-        # in the optimizer as (param group index, parameter)
-        self._listening: dict | None = None
-        self._work_of: dict[ParamGroup, list] = {}
+        # in the block: id(ShardedParam) -> its group and that group's work
+        self._listening: dict[int, _Listened] | None = None
         optimizer.register_state_dict_pre_hook(lambda _opt: self.wait())
         optimizer.register_load_state_dict_pre_hook(lambda _opt, _state: self.wait())
 
@@ -212,22 +218,23 @@ class OverlappedStep:
         if not optim.local_step_enabled():
             yield  # the DTensor path steps everything in step()
             return
-        roots, self._listening, self._work_of = _listen_on_roots(opt, self._on_reduced)
+        roots, self._listening = _listen_on_roots(opt, self._on_reduced)
         try:
             yield
         finally:
             for root in roots:
                 root.backward.on_reduced = None
-            self._listening, self._work_of = None, {}
+            self._listening = None
 
     def _on_reduced(self, params: list, all_present: bool) -> None:
         """A reduction handed out gradients (core/state.py): step its unit now if it is
         offloaded and every parameter got a gradient."""
-        group = self._listening.get(id(params[0])) if params else None
-        if group is None or not all_present:
+        listened = self._listening.get(id(params[0])) if params else None
+        if listened is None or not all_present:
             return
         opt = self.optimizer
-        work = [(index, p) for index, p in self._work_of.get(group, ())
+        group = listened.group
+        work = [(index, p) for index, p in listened.work
                 if p.grad is not None and _local_view(p) is not None
                 and id(p) not in self._stepped_in_backward]
         if not work:
@@ -293,12 +300,12 @@ def _groups_in_order() -> tuple[dict[int, ParamGroup], dict[ParamGroup, int]]:
     return groups, order
 
 
-def _listen_on_roots(opt: torch.optim.Optimizer, listener) -> tuple[list, dict, dict]:
+def _listen_on_roots(opt: torch.optim.Optimizer, listener
+                     ) -> tuple[list, dict[int, _Listened]]:
     """Tell every root holding a CPU-offloaded parameter of ``opt`` to call ``listener``
-    as reductions hand out gradients; the roots, the listened groups by ShardedParam id
-    and each listened group's parameters in ``opt`` as (param group index, parameter)."""
+    as reductions hand out gradients; the roots, and each listened group with its
+    parameters in ``opt`` by the id of every ShardedParam of the group."""
     groups, _order = _groups_in_order()
-    listened: dict[int, ParamGroup] = {}
     work_of: dict[ParamGroup, list] = {}
     for index, param_group in enumerate(opt.param_groups):
         for p in param_group["params"]:
@@ -307,12 +314,12 @@ def _listen_on_roots(opt: torch.optim.Optimizer, listener) -> tuple[list, dict, 
             if group is not None and owner.offload is not None \
                     and not isinstance(owner.offload, DiskOffloadPolicy):
                 work_of.setdefault(group, []).append((index, p))
-                for sharded in group.params:
-                    listened[id(sharded)] = group
+    listened = {id(sharded): _Listened(group, work)
+                for group, work in work_of.items() for sharded in group.params}
     roots = [root for root in live_roots() if any(group in root.members for group in work_of)]
     for root in roots:
         root.backward.on_reduced = listener
-    return roots, listened, work_of
+    return roots, listened
 
 
 def _as_step_sees_them(opt: torch.optim.Optimizer) -> tuple[list[dict], dict]:

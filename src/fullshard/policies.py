@@ -91,7 +91,7 @@ class DiskOffloadPolicy(CPUOffloadPolicy):
             fp32 Adam). Rounded up to a multiple of 4096.
         params: also keep the unit's sharded parameters in a file under ``path``, paged
             in when used (each gather's copy-in, the optimizer step, state dicts) and
-            given back right after (Note [parameters on disk] in core/mapped.py).
+            given back right after (Note [parameters on disk] in core/features/mapped.py).
     """
 
     path: str = field(kw_only=True)

@@ -36,7 +36,7 @@ KEPT = {("torch.distributed.fsdp._fully_shard._fully_shard", "fully_shard")}
 # How torch's fully_shard finds the modules it will manage, and the modules that call it
 # by that name (which one calls it differs between torch versions): while installed, a
 # guard there refuses a model with fullshard units in it (a torch fully_shard bound
-# before install() meeting fullshard's; see core/torch_fsdp.py).
+# before install() meeting fullshard's; see core/refusals/torch_fsdp.py).
 GUARDED = "_get_managed_modules"
 GUARDED_IN = ("torch.distributed.fsdp._fully_shard._fsdp_init",
               "torch.distributed.fsdp._fully_shard._fully_shard")
@@ -99,7 +99,7 @@ def _guarded(original):
 
 def _refuse_fullshard_units(root) -> None:
     from .core.state import unit_of
-    from .core.torch_fsdp import ORDER_HINT
+    from .core.refusals.torch_fsdp import ORDER_HINT
 
     for sub_name, sub in root.named_modules():
         if unit_of(sub) is not None:

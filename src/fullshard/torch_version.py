@@ -42,7 +42,7 @@ installed torch and fails naming the torch version and the name if a release cha
 * ``torch.distributed.checkpoint._nested_dict.flatten_state_dict``: DCP's own key layout,
   to name checkpoint keys exactly as DCP stores them.
 * ``torch.distributed._composable.contract._get_registry``: whether torch's own
-  ``fully_shard`` sharded a module (core/torch_fsdp.py refuses mixing the two by name).
+  ``fully_shard`` sharded a module (core/refusals/torch_fsdp.py refuses mixing the two by name).
 * ``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_modules`` (or the same
   name in ``_fully_shard``, where a torch calls it from there): while ``install()`` is in
   effect a guard there refuses, by name, torch's ``fully_shard`` over fullshard units.

@@ -18,7 +18,7 @@ rank, store, destroy = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
 from fullshard import fully_shard
-from fullshard.core.divergence import DivergenceError
+from fullshard.core.guard.divergence import DivergenceError
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
 for layer in model:

@@ -195,3 +195,38 @@ def test_ranks_that_disagree_on_the_group_are_named_not_hung():
     assert "rank 0 ran the reduce-scatter on its own process group of 'layers.2'" in text, \
         text[-3000:]
     assert "rank 1 ran the reduce-scatter of 'layers.2'" in text, text[-3000:]
+
+
+
+_BAD_BUFFERS = (0, 2.5, True)
+
+
+def _setter_refusals() -> list[tuple[str, str]]:
+    model = fully_shard(torch.nn.Linear(4, 4))
+    refused = []
+    for bad in _BAD_BUFFERS:
+        try:
+            model.set_reduce_scatter_max_input_buffers(bad)
+        except (TypeError, ValueError) as err:
+            refused.append((type(err).__name__, str(err)))
+    return refused
+
+
+def test_the_setter_and_the_estimate_refuse_reductions_in_flight_with_one_check():
+    """set_reduce_scatter_max_input_buffers and estimate(reduces_in_flight=) refuse the
+    same values in the same words, each with its exception type (the setter TypeError for
+    a value that is no int, as torch's does; the estimate ValueError, as for every bad
+    argument it takes)."""
+    from fullshard.gpt import GPTConfig
+    from fullshard.memory import estimate
+
+    said = "must be an int >= 1 (how many gradient reductions may be in flight), got "
+    (by_setter,) = run_distributed(_setter_refusals, 1)
+    assert by_setter == [("ValueError", f"max_input_buffers {said}0"),
+                         ("TypeError", f"max_input_buffers {said}2.5"),
+                         ("TypeError", f"max_input_buffers {said}True")]
+    tiny = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    for bad in _BAD_BUFFERS:
+        with pytest.raises(ValueError) as by_estimate:
+            estimate(tiny, world_size=2, device="cpu", reduces_in_flight=bad)
+        assert str(by_estimate.value) == f"estimate: reduces_in_flight {said}{bad!r}"

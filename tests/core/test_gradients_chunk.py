@@ -3,7 +3,7 @@
 import torch
 
 from fullshard.core.gradients import chunk_gradients, chunk_numel, received_digests, split_chunk
-from fullshard.core.ledger import DIGEST_NUMEL, digest_elements
+from fullshard.core.guard.ledger import DIGEST_NUMEL, digest_elements
 
 
 def test_a_chunk_is_the_shards_then_a_flag_each_then_the_digest():

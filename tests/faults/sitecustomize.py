@@ -153,7 +153,7 @@ def _count_collectives(folder: str) -> None:
         def wrapped(*args, group=None, **kwargs):
             group_ = group or dist.group.WORLD
             ranks = ','.join(map(str, dist.get_process_group_ranks(group_)))
-            # fullshard's own control traffic (core/control.py's GROUP_DESC)
+            # fullshard's own control traffic (core/guard/control.py's GROUP_DESC)
             guard = getattr(group_, "group_desc", "") == "fullshard_control"
             counts[f"{name} {ranks}{' guard' if guard else ''}"] += 1
             return collective(*args, group=group, **kwargs)

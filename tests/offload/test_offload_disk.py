@@ -125,7 +125,7 @@ def _parameters_on_disk(directory):
     before = resident()
     touched = sum(float(s.sum()) for s in shards)
     during = resident()
-    from fullshard.core.mapped import page_out
+    from fullshard.core.features.mapped import page_out
     for s in shards:
         page_out(s)
     after = resident()

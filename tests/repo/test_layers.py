@@ -15,7 +15,7 @@ LAYERS = [
     {"torch_version"},                                     # the installed torch, read once
     {"policies", "gpt", "errors", "bounds"},               # plain data, a plain model, checks
     {"core"},                                              # the runtime
-    {"fsdp_module", "api"},                                # the FSDP2 front
+    {"fsdp_module", "api", "placement_meshes"},            # the FSDP2 front
     {"optim", "step_calls", "overlapped_step", "delayed_update", "whole_matrix", "offload", "grad_norm", "wrap",
      "activation_checkpointing",
      "checkpoint", "torch_names"},
@@ -130,6 +130,30 @@ def test_no_import_cycle_between_files():
     assert cycle is None, "import cycle between files: " + " -> ".join(cycle)
 
 
+# Inside core/ (docs/architecture.md, "Inside core/"): what each sub-package may import of
+# core besides itself. The guard and the side roads sit on the engine's collectives and the
+# refusals only, so that the engine may call them without a loop between the folders.
+CORE_SUB_PACKAGES_USE = {
+    "refusals": set(),
+    "guard": {"fullshard.core.comm", "fullshard.core.refusals"},
+    "features": {"fullshard.core.comm", "fullshard.core.refusals"},
+}
+
+
+def test_core_sub_packages_use_only_the_engine_s_collectives_and_refusals():
+    wrong = []
+    for sub, allowed in CORE_SUB_PACKAGES_USE.items():
+        own = f"fullshard.core.{sub}"
+        for path in sorted((SRC / "core" / sub).glob("*.py")):
+            for target in _imported(path)[1]:
+                if target.startswith("fullshard.core") and not any(
+                        target == a or target.startswith(a + ".") for a in allowed | {own}):
+                    wrong.append(f"{path.relative_to(SRC)} imports {target}")
+    assert sorted(CORE_SUB_PACKAGES_USE) == sorted(
+        p.name for p in (SRC / "core").iterdir() if (p / "__init__.py").exists())
+    assert not wrong, "core's sub-packages reach into the engine:\n" + "\n".join(wrong)
+
+
 def test_every_note_is_defined_once_and_indexed():
     """A ``Note [title]`` reference must lead to its Note, and docs/architecture.md's
     index must list every Note."""
@@ -206,16 +230,26 @@ def _road_and_clock() -> list[str]:
 
 def test_every_file_of_the_core_and_of_the_road_has_tests_named_for_it():
     """A reader about to change a file a parameter's life runs through, or any file of
-    core/, finds its tests by the file's name: tests/core/test_group*.py for
-    core/group.py."""
+    core/ and its sub-packages, finds its tests by the file's name: tests/core/test_group*.py
+    for core/group.py, tests/core/test_guard_ledger*.py for core/guard/ledger.py."""
     tests = pathlib.Path(__file__).resolve().parents[1]
     road = _road_and_clock()
     assert len(road) == 11, road
-    core = [f"core/{p.name}" for p in sorted((SRC / "core").glob("*.py"))
+    core = [str(p.relative_to(SRC)) for p in sorted((SRC / "core").rglob("*.py"))
             if not p.stem.startswith("__")]
+
+    def named_for(file: str) -> set[str]:
+        # tests of PKG/SUB/Y.py are tests/PKG/test_SUB_Y*.py
+        package, *sub, stem = pathlib.Path(file).with_suffix("").parts if "/" in file \
+            else ("", file.removesuffix(".py"))
+        return {"_".join([*sub, stem])}
+
+    def folder(file: str) -> pathlib.Path:
+        return tests / pathlib.Path(file).parts[0] if "/" in file else tests
+
     untested = [f for f in dict.fromkeys(road + core)
-                if not [t for t in (tests / pathlib.Path(f).parent).glob("test_*.py")
-                        if _is_named_for(t.stem, {pathlib.Path(f).stem})]]
+                if not [t for t in folder(f).glob("test_*.py")
+                        if _is_named_for(t.stem, named_for(f))]]
     assert not untested, f"no tests named for {untested}"
 
 

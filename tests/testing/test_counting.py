@@ -12,7 +12,7 @@ from fullshard.testing.counting import count_collectives
 def _count_through_fresh_imports():
     from fullshard.core.comm import all_gather as gather_here  # an import site of its own
     from fullshard.core.comm import all_reduce_sum, reduce_scatter_sum
-    from fullshard.core.quantized_collectives import (quantized_all_gather,
+    from fullshard.core.features.quantized_collectives import (quantized_all_gather,
                                                       quantized_reduce_scatter_sum)
     group, world = dist.group.WORLD, dist.get_world_size()
     shard = torch.ones(256)

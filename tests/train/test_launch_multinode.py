@@ -278,7 +278,7 @@ def test_hybrid_shard_under_slurm_shards_in_a_node_and_replicates_across(
             == whole[rank]["all_reduce"]
         assert sum(_training(counts[rank]["counts"]).values()) == \
             sum(whole[rank].values()) + replicas  # nothing else changed group
-        # The divergence guard checks every rank of the mesh at once (core/divergence.py).
+        # The divergence guard checks every rank of the mesh at once (core/guard/divergence.py).
         assert {_kind(key.split()[1], node_of) for key in counts[rank]["counts"]
                 if key.endswith(" guard")} <= {"everyone"}
 

@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..core.arrival import every_rank_arrives
+from ..core.guard.arrival import every_rank_arrives
 from ..core.mesh import mesh_device
-from ..core.native_state_dict import native_state_dict
+from ..core.features.native_state_dict import native_state_dict
 from .agreement import failed_ranks, on_every_rank
 from .hf_keys import Converted, Direct, ignored_patterns, plan_keys
 from .layout import CheckpointError

@@ -37,9 +37,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key layout
 
-from ..core.arrival import every_rank_arrives
+from ..core.guard.arrival import every_rank_arrives
 from ..core.comm import note_collective
-from ..core.native_state_dict import native_state_dict
+from ..core.features.native_state_dict import native_state_dict
 from . import background, checksums, manifest as manifests, torch_dcp
 from .agreement import dcp_failures, failed_ranks, on_every_rank
 from .hashing_writer import HashingWriter, file_sizes, unrecorded

@@ -24,8 +24,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
 from torch.distributed.tensor import DTensor
 
-from ..core.arrival import every_rank_arrives
-from ..core.native_state_dict import native_state_dict
+from ..core.guard.arrival import every_rank_arrives
+from ..core.features.native_state_dict import native_state_dict
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ class Pending(NamedTuple):
         ``patience`` (an object with ``stall_slice``, a timedelta, and ``stalled(what)``)
         makes a wait that blocks the host (gloo) wait in slices and call
         ``patience.stalled(what)`` after each, which may raise (Note [ranks agree on every
-        collective] in core/divergence.py); the collective itself is never abandoned."""
+        collective] in core/guard/divergence.py); the collective itself is never abandoned."""
         if self.work is not None and patience is not None:
             _wait_in_slices(self.work, what, patience)
         elif self.work is not None:

@@ -19,7 +19,7 @@ group's only. Making a group is a collective over those ranks, so every rank cal
 setter in the same order, as it calls ``fully_shard``. Only the reduce-scatter (the
 built-in, quantized or custom one) moves: gathers stay on the shard group and the
 all-reduce across replicas on the replicate group. The ledger enters such a
-reduce-scatter as one on its own group (core/ledger.py), so ranks that disagree on the
+reduce-scatter as one on its own group (core/guard/ledger.py), so ranks that disagree on the
 setting are named by the divergence guard instead of hanging on two different groups.
 ``False`` goes back to the shard group.
 """
@@ -31,7 +31,7 @@ import dataclasses
 import torch.distributed as dist
 
 from .staging import PROCESS_GROUP_STAGING, ProcessGroupStaging, SymmetricStaging
-from .torch_errors import FullyShardArgumentError, torch_first
+from .refusals.torch_errors import FullyShardArgumentError, torch_first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,20 @@ class CommOptions:
 
 
 DEFAULT_COMM = CommOptions()
+
+
+def check_reduces_in_flight(value, name: str, *, wrong_type: type[Exception] = TypeError
+                            ) -> None:
+    """Refuse ``value`` unless it is an int >= 1 (``CommOptions.reduces_in_flight``), naming
+    it ``name``: ``wrong_type`` for one that is no int (``True`` included), ValueError for
+    one below 1. The setter raises TypeError as torch's does; the estimate ValueError for
+    both, as for every bad argument it takes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wrong_type(f"{name} must be an int >= 1 (how many gradient reductions may be "
+                         f"in flight), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (how many gradient reductions may be "
+                         f"in flight), got {value!r}")
 
 
 def separate_reduce_groups(groups: list, enable: bool) -> None:

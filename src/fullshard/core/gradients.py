@@ -20,7 +20,7 @@ element carries 8 bits, exact in any floating dtype. Everything that writes or r
 chunk (packing, handing gradients out, the guard's inspection, quantized reductions
 that must carry the tail exactly, the memory replay that sizes the buffers) goes
 through the functions below, so the layout is stated once; the digest's encoding in
-elements sits with the digest (core/ledger.py).
+elements sits with the digest (core/guard/ledger.py).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from .comm import (BufferPool, HostCopies, Pending, all_reduce_sum, reduce_scatter_sum,
                    skips_collectives, traced)
-from . import grad_norms
-from .divergence import Guard
-from .ledger import DIGEST_NUMEL, REDUCE_SCATTER_OWN_GROUP, digest_elements
+from .features import grad_norms
+from .guard.divergence import Guard
+from .guard.ledger import DIGEST_NUMEL, REDUCE_SCATTER_OWN_GROUP, digest_elements
 from .param import ShardedParam
-from .quantized_collectives import quantized_reduce_scatter_sum
+from .features.quantized_collectives import quantized_reduce_scatter_sum
 from .schedule import reduce_plan
 
 

@@ -133,20 +133,20 @@ import torch.distributed as dist
 
 from .comm import BufferPool, HostCopies, Pending, all_gather, skips_collectives, traced
 from .comm_groups import DEFAULT_COMM, CommOptions
-from .ledger import GATHER_AGAIN
-from .mapped import page_out
-from .quantized_collectives import quantized_all_gather
+from .guard.ledger import GATHER_AGAIN
+from .features.mapped import page_out
+from .features.quantized_collectives import quantized_all_gather
 from .storage import ShardStorage, UnshardedBuffer
 from .gradients import GradReduction
 from .param import ShardedParam
-from .pending_shard import PendingShard
-from .post_forward import PostForwardShard
+from .features.pending_shard import PendingShard
+from .features.post_forward import PostForwardShard
 from .schedule import BackwardSignals, GatherPlan, gather_plan
-from .subclass_params import SubclassGather
+from .features.subclass_params import SubclassGather
 
 if TYPE_CHECKING:
     from ..policies import CPUOffloadPolicy
-    from .divergence import Guard
+    from .guard.divergence import Guard
 
 
 class GroupState(enum.Enum):

@@ -9,7 +9,7 @@ Backward: an output-gradient hook gathers the unit and prefetches the unit that
           are computed (its module's backward is over), the unit reduce-scatters
           asynchronously and frees its parameters. A final callback, queued when
           backward starts, reduces the units whose inputs needed no gradient, in one
-          fixed order, checks that every rank did the same (core/divergence.py) and
+          fixed order, checks that every rank did the same (core/guard/divergence.py) and
           leaves everything sharded. See Note [when a unit's backward is done].
 
 Note [when a unit's backward is done]
@@ -77,12 +77,12 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .containers import flatten, unflatten
-from .divergence import DivergenceError, Guard, debug_enabled, guarded
-from .structure import describe
+from .guard.divergence import DivergenceError, Guard, debug_enabled, guarded
+from .guard.structure import describe
 from .group import GroupState, ParamGroup
 from .init import lazy_init
-from .load_check import own_hook
-from .ledger import BACKWARD, Ledger, unit_code
+from .refusals.load_check import own_hook
+from .guard.ledger import BACKWARD, Ledger, unit_code
 from .schedule import BackwardSignals
 from .state import RootState, UnitState, unit_of
 
@@ -281,7 +281,7 @@ def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
     tensors on the CPU for a model computing elsewhere (integer CPU tensors such as
     sequence lengths are legitimate inputs to CUDA models)."""
     device_type = unit.mesh.device_type
-    leaves, _ = flatten((args, kwargs))
+    leaves = _leaves_of((args, kwargs) if kwargs else args)
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor) or t.device.type == device_type:
             continue
@@ -402,9 +402,20 @@ def _check_forward(root: RootState) -> None:
         root.guard.compare(root.guard.phase())
 
 
+def _leaves_of(tree: Any) -> list:
+    """The leaves of a unit's inputs or outputs. This runs around every unit's forward:
+    the usual trees, a tensor or a tuple of tensors, are their own leaves without a call
+    into pytree, and only other trees go through containers.flatten, which also opens
+    dataclasses (Note [dataclasses between units])."""
+    if type(tree) is torch.Tensor:
+        return [tree]
+    if type(tree) is tuple and all(type(t) is torch.Tensor for t in tree):
+        return list(tree)
+    return flatten(tree)[0]
+
+
 def _hook_outputs(unit: UnitState, output: Any) -> None:
-    leaves, _ = flatten(output)  # Note [dataclasses between units]
-    for t in leaves:
+    for t in _leaves_of(output):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(unit.pre_backward_hook)
 

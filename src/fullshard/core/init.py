@@ -22,19 +22,19 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
                         as_offload_policy)
-from . import arrival, divergence
+from .guard import arrival, divergence
 from .buckets import merge_small_units
-from .grad_dtype import refuse_grad_dtype_override
+from .refusals.grad_dtype import refuse_grad_dtype_override
 from .group import GroupState, ParamGroup, outside_special_modes
 from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve_mesh
-from .torch_errors import FullyShardArgumentError, torch_first
+from .refusals.torch_errors import FullyShardArgumentError, torch_first
 from .param import SHARDED_ORIGINALS, ParamRef, ShardedParam, is_sharded_param
 from .schedule import after_forward_rule
-from .subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
+from .features.subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
 from .state import RootState, UnitState, attach_unit, unit_of
-from .spmd_mesh import SpmdDims
-from .tensor_parallel import is_foreign_dtensor, refuse_unrelated_tp_mesh
-from .torch_fsdp import refuse_param_of_torch_fsdp2, refuse_torch_fsdp2
+from .features.spmd_mesh import SpmdDims
+from .features.tensor_parallel import is_foreign_dtensor, refuse_unrelated_tp_mesh
+from .refusals.torch_fsdp import refuse_param_of_torch_fsdp2, refuse_torch_fsdp2
 
 
 def shard_modules(modules: list[nn.Module], label: str, *, mesh: DeviceMesh | None,

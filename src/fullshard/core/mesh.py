@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .spmd_mesh import SpmdDims
-from .torch_errors import FullyShardArgumentError, torch_first
+from .features.spmd_mesh import SpmdDims
+from .refusals.torch_errors import FullyShardArgumentError, torch_first
 
 
 def default_process_group_or_raise(what: str) -> None:

@@ -81,10 +81,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .subclass_params import KeptDtypeShard, SubclassShard, has_all_gather_hooks
-from .spmd_mesh import SpmdDims, spmd_layout
-from .tensor_parallel import local_grad, sharded_layout
-from .torch_errors import torch_first
+from .features.subclass_params import KeptDtypeShard, SubclassShard, has_all_gather_hooks
+from .features.spmd_mesh import SpmdDims, spmd_layout
+from .features.tensor_parallel import local_grad, sharded_layout
+from .refusals.torch_errors import torch_first
 
 
 @dataclass(frozen=True)

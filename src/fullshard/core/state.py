@@ -22,7 +22,7 @@ from ..policies import MixedPrecisionPolicy
 from .comm import BufferPool, SharedCopies
 from .gradients import (DEFAULT_REDUCE, PendingReduce, ReduceOptions, UnknownPresence,
                         resolve_all)
-from .ledger import BACKWARD
+from .guard.ledger import BACKWARD
 from .group import ParamGroup
 from .schedule import PrefetchOrder, frees_after_forward
 
@@ -61,7 +61,7 @@ class UnitState:
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
         self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root
-        self.debug = debug  # as the root: compare before every collective (core/divergence.py)
+        self.debug = debug  # as the root: compare before every collective (core/guard/divergence.py)
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later
@@ -87,7 +87,7 @@ class UnitState:
         # The units its fully_shard call split off for parameters on meshes of their own,
         # gathered with it (Note [parameters on meshes of their own])
         self.companions: list[UnitState] = []
-        self.ledger_code = 0  # this unit in its root's ledger (core/ledger.py)
+        self.ledger_code = 0  # this unit in its root's ledger (core/guard/ledger.py)
 
     @property
     def batch(self) -> ParamGroup | None:

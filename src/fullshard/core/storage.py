@@ -6,7 +6,7 @@ core/param.py): this rank's padded shards, parameter after parameter, whose view
 the local tensors of the DTensor parameters, so the optimizer updates it in place and the
 all-gather sends it as is. Where that buffer lives follows the unit's offload policy: on
 the compute device, in host memory (pinned when computing on CUDA, Note [CPU offload] in
-core/group.py) or in a file mapping (Note [parameters on disk] in core/mapped.py).
+core/group.py) or in a file mapping (Note [parameters on disk] in core/features/mapped.py).
 
 The gathered parameters lie param-major in one tensor, which the unsharded parameters
 are persistent views of (Note [unsharded params are persistent views] in
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .mapped import mapped_empty, page_out
+from .features.mapped import mapped_empty, page_out
 from .param import ShardedParam
 from .schedule import shard_device_for
 

@@ -20,7 +20,7 @@ from ..fsdp_module import FSDPModule
 from .. import grad_norm
 from ..checkpoint import (StateDictOptions, get_optimizer_state_dict,
                           set_optimizer_state_dict)
-from ..core.native_state_dict import is_outermost, native_state_dict
+from ..core.features.native_state_dict import is_outermost, native_state_dict
 from . import full_params
 from . import state_dict as sd
 from .construct import shard_fsdp1

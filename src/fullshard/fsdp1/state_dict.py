@@ -5,7 +5,7 @@ FSDP1 returns full tensors by default (FULL_STATE_DICT), so the FSDP1 front conv
 at the outermost ``state_dict()``/``load_state_dict()`` call according to the settings
 ``FSDP.state_dict_type(model, ...)`` put on the model's units. Inner calls (the
 module tree's own recursion) and fullshard's checkpoint functions, which run inside
-``core.native_state_dict.native_state_dict()``, see the DTensors.
+``core.features.native_state_dict.native_state_dict()``, see the DTensors.
 """
 
 from __future__ import annotations

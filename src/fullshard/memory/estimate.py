@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from ..activation_checkpointing import apply_activation_checkpointing
 from ..core.comm import DEFAULT_MAX_NUMEL
-from ..core.quantized_collectives import DEFAULT_BLOCK_SIZE
+from ..core.comm_groups import check_reduces_in_flight
+from ..core.features.quantized_collectives import DEFAULT_BLOCK_SIZE
 from ..core.state import DEFAULT_BUCKET_NUMEL
 from ..gpt import GroupedExperts
 from ..offload.fraction import offloaded_blocks, parse_fraction
@@ -223,11 +224,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                     quantize_comm: str = "none", ep: int = 1,
                     reduces_in_flight: int = 1) -> MemoryEstimate:
     """``estimate`` of a traced step: fullshard's schedule replayed over it."""
-    if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) \
-            or reduces_in_flight < 1:
-        raise ValueError("estimate: reduces_in_flight must be an int >= 1 (as "
-                         "set_reduce_scatter_max_input_buffers takes), got "
-                         f"{reduces_in_flight!r}")
+    check_reduces_in_flight(reduces_in_flight, "estimate: reduces_in_flight",
+                            wrong_type=ValueError)
     _check_run(strategy, reshard_after_forward, world_size, optimizer, step.quantize,
                step.lora_rank, ep)
     if (ep > 1) != step.split_experts:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from ..core.quantized_collectives import ROWS_PER_PASS, wire_bytes
+from ..core.features.quantized_collectives import ROWS_PER_PASS, wire_bytes
 from ..core.schedule import ReducePlan, reduce_plan
 from .byte_ledger import COMMUNICATION, GRADIENTS, BytePool, ByteLedger
 

@@ -19,7 +19,7 @@ what a unit keeps after forward (``frees_after_forward``; the hpZ subgroup from
 ``after_forward_rule``), when a group's backward is done (``backward_is_done``),
 what a gather and a reduction allocate (``gather_plan``, ``reduce_plan``), which
 buffers the pool keeps and which groups keep persistent gradients (``FreeLists``).
-Tensor-subclass parameters (quantized weights) are gathered as core/subclass_params.py
+Tensor-subclass parameters (quantized weights) are gathered as core/features/subclass_params.py
 does, beside the flat buffer: a byte send buffer and a receive buffer from the pool,
 copied out into each parameter's own outputs, which the unsharded parameter views.
 What is written here is the byte accounting and the order of the actions at each
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.quantized_collectives import ROWS_PER_PASS, wire_bytes
+from ..core.features.quantized_collectives import ROWS_PER_PASS, wire_bytes
 from ..core.schedule import GatherPlan, PrefetchOrder, backward_is_done, gather_plan
 from ..whole_matrix.recipe import owners_by_cost, step_cost
 from .activations import StepTrace

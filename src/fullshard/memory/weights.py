@@ -11,7 +11,7 @@ and the estimator models each the way fullshard runs it:
   (torchao's ``Float8Linear`` with ``enable_fsdp_float8_all_gather``) keeps its shard,
   gradient and optimizer states in the parameter dtype and gathers one byte per weight.
   Both are tensor-subclass parameters, gathered beside the unit's flat buffer through
-  one byte all-gather (Note [tensor-subclass parameters] in core/subclass_params.py);
+  one byte all-gather (Note [tensor-subclass parameters] in core/features/subclass_params.py);
   their units are never merged into buckets.
 * What trains. LoRA (peft's ``target_modules="all-linear"``, as ``fullshard train
   --lora.rank`` adds it) puts adapters A (rank x in) and B (out x rank) beside every

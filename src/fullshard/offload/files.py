@@ -16,7 +16,7 @@ would otherwise hold a second copy of every state in host memory, which is what 
 offload is for removing); buffers and offsets are 4096-byte aligned for it. Where
 ``O_DIRECT`` is refused (tmpfs, some network file systems) the files are buffered.
 
-The files have no name (core/mapped.unnamed_file): only this process's descriptors hold
+The files have no name (core/features/mapped.unnamed_file): only this process's descriptors hold
 them, so however it ends (closed with its optimizer, at exit, killed by a signal or the
 out-of-memory killer) the kernel frees their blocks and nothing is left under the path.
 A job restarted after a crash, however often, finds the disk as it was.
@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..core.mapped import reopen, reserve, unnamed_file
+from ..core.features.mapped import reopen, reserve, unnamed_file
 
 ALIGN = 4096   # bytes: O_DIRECT's alignment for buffers, offsets and lengths
 SETS = 3       # staging sets: one read ahead, one stepping, one being written back

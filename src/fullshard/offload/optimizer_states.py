@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..core.mapped import page_out
+from ..core.features.mapped import page_out
 from ..policies import DiskOffloadPolicy
 from .files import ALIGN, StateFiles
 

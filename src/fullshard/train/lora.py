@@ -1,6 +1,6 @@
 """LoRA adapters (peft) on a Hugging Face model, over frozen base weights that may be
 quantized to NF4 (torchao): QLoRA. The NF4 weights gather in NF4 (Note [tensor-subclass
-parameters] in core/subclass_params.py); the optimizer sees the adapters only.
+parameters] in core/features/subclass_params.py); the optimizer sees the adapters only.
 
 Every rank builds the same model: it reads the folder, seeds, and lets peft add the
 adapters (peft initializes A at random, B at zero); nothing is broadcast.

@@ -107,7 +107,8 @@ def register_whole_matrix_optimizer(cls: type, steps_each_alone: bool = False) -
     optimizers]). ``steps_each_alone=True`` says that its step updates each parameter from
     that parameter's gradient and states only (nothing kept per group, such as a shared
     step count): its step may then run a few parameters at a time, each round's updates
-    travelling back while the next round steps."""
+    travelling back while the next round steps. An optimizer decides at its first step
+    whether it needs whole parameters: register the class before that."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"register_whole_matrix_optimizer: expected a torch.optim.Optimizer "
                         f"subclass, got {cls!r}")

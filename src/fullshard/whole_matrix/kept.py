@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..core.arrival import every_rank_arrives
+from ..core.guard.arrival import every_rank_arrives
 from .exchange import (Item, all_to_all, by_group, comm_device, device_values, host_values,
                        numel, piece)
 

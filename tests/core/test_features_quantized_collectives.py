@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import fullshard.checkpoint as fcp
 from fullshard import MixedPrecisionPolicy, fully_shard
-from fullshard.core.quantized_collectives import dequantize, quantize, wire_bytes
+from fullshard.core.features.quantized_collectives import dequantize, quantize, wire_bytes
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.counting import count_sent_bytes

@@ -26,8 +26,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .init import managed_modules
-from .state import unit_of
+from .core.init import managed_modules
+from .core.state import unit_of
 
 
 class MeshSplit(NamedTuple):

@@ -1,10 +1,10 @@
-"""core/grad_norms.py: norms measured on the device as offloaded gradients are reduced
+"""core/features/grad_norms.py: norms measured on the device as offloaded gradients are reduced
 are used only for the very gradients measured, unchanged since (Note [gradient norms
 measured before the copy to the host])."""
 
 import torch
 
-from fullshard.core import grad_norms
+from fullshard.core.features import grad_norms
 
 
 class _Grad:

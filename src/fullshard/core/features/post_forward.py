@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .comm import Pending, all_gather
+from ..comm import Pending, all_gather
 
 # default group -> {(ranks of the shard group, size) -> this rank's subgroup}: units with
 # the same hpZ size over the same ranks share one. Keyed by the default group because a

@@ -7,14 +7,14 @@ different file, another vocabulary size, one more layer, a model left in float64
 collectives of different sizes. gloo then aborts inside its transport ("Read error ...
 Connection reset by peer") on the rank that notices first, and the other rank's message
 names only where it failed; NCCL may hang or, where sizes happen to match, mix data.
-The divergence guard (core/divergence.py) cannot help: it compares what ranks *ran*,
+The divergence guard (core/guard/divergence.py) cannot help: it compares what ranks *ran*,
 after the collectives that already broke.
 
 So at lazy init, before the root's first collective, each rank describes its units in
 order (name, parameters with their global shapes, dtypes and placements, the mixed
 precision and resharding that set collective sizes and counts), hashes the description
 to 63 bits and the ranks all-reduce (MAX) the digest and its negative on the control
-channel (core/control.py): one exchange of two integers per root, whatever the world
+channel (core/guard/control.py): one exchange of two integers per root, whatever the world
 size, and every rank learns whether all were equal. Only when they were not do the
 ranks exchange more: every rank's digest (8 bytes each), then one description per
 distinct digest, broadcast by the lowest rank holding it, so that every rank names the

@@ -1,4 +1,4 @@
-"""Errors raised where torch's FSDP2 raises for the same misuse (core/torch_errors.py):
+"""Errors raised where torch's FSDP2 raises for the same misuse (core/refusals/torch_errors.py):
 torch's exception type and message first, so code written against torch's catches and
 matches them, and fullshard's guidance after; bad input is also a ValueError."""
 
@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from fullshard import fully_shard
-from fullshard.core.torch_errors import FullyShardArgumentError, torch_first
+from fullshard.core.refusals.torch_errors import FullyShardArgumentError, torch_first
 from fullshard.testing import run_distributed
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from fullshard import fully_shard
-from fullshard.core import structure
-from fullshard.core.structure import ParamShape, UnitShape
+from fullshard.core.guard import structure
+from fullshard.core.guard.structure import ParamShape, UnitShape
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
@@ -101,7 +101,7 @@ def test_the_odd_rank_out_is_named_against_the_others():
 def _channel_traffic_of_two_steps(check: bool):
     """Which control-channel operations two training steps of one model issue, with the
     check of the model or without it."""
-    from fullshard.core.divergence import Guard
+    from fullshard.core.guard.divergence import Guard
 
     if not check:
         Guard.agree_on_model = lambda *_args: None

@@ -1,4 +1,4 @@
-"""The guard one step behind (core/divergence.py, Note [a comparison one step behind]),
+"""The guard one step behind (core/guard/divergence.py, Note [a comparison one step behind]),
 as it runs where the host is ahead of the device: made to run so on CPU ranks here (the
 gloo reductions then carry no digests either, as on NCCL). Each backward's comparison is
 left in flight on the control channel and finished at the next settle or check-in: the

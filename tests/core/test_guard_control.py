@@ -1,4 +1,4 @@
-"""The control channel (core/control.py, Note [one control group]): one gloo group per
+"""The control channel (core/guard/control.py, Note [one control group]): one gloo group per
 set of ranks, shared by the divergence guard and the check-ins of collective functions,
 waiting as long as the process group does; at most one operation in flight."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import fully_shard
-from fullshard.core import control
+from fullshard.core.guard import control
 from fullshard.core.state import unit_of
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed

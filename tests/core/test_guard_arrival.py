@@ -1,4 +1,4 @@
-"""Collective functions that check that every rank called them (core/arrival.py, Note
+"""Collective functions that check that every rank called them (core/guard/arrival.py, Note
 [every rank arrives]): called on one rank, they fail on both in seconds, naming the call;
 ranks at different calls name each other's; the wait is a positive number of seconds."""
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from fullshard import fully_shard
-from fullshard.core import arrival
+from fullshard.core.guard import arrival
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch

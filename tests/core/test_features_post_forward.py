@@ -1,4 +1,4 @@
-"""reshard_after_forward=N (hpZ, core/post_forward.py): after forward a unit keeps its
+"""reshard_after_forward=N (hpZ, core/features/post_forward.py): after forward a unit keeps its
 parameters gathered within groups of N ranks, and backward re-gathers from those; the
 training equals one process's."""
 
@@ -45,7 +45,7 @@ def test_reshard_after_forward_int_parity(case):
 
 def _hpz_collective_sizes():
     from fullshard.core import group as group_module
-    from fullshard.core import post_forward as post_forward_module
+    from fullshard.core.features import post_forward as post_forward_module
 
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -85,7 +85,7 @@ _SUBGROUP_SCRIPT = """
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from fullshard.core import post_forward
+from fullshard.core.features import post_forward
 
 dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
 mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))

@@ -1,5 +1,5 @@
 """Modules torch's own FSDP2 sharded, found before fullshard touches a model
-(core/torch_fsdp.py): the first such submodule is named, and fully_shard refuses the
+(core/refusals/torch_fsdp.py): the first such submodule is named, and fully_shard refuses the
 model by that name."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fullshard import fully_shard
-from fullshard.core.torch_fsdp import sharded_by_torch
+from fullshard.core.refusals.torch_fsdp import sharded_by_torch
 from fullshard.testing import run_distributed
 
 

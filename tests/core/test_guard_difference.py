@@ -1,9 +1,9 @@
-"""The first difference between ranks' exchanged records (core/difference.py): named the
+"""The first difference between ranks' exchanged records (core/guard/difference.py): named the
 same on every rank, consistent when the ranks behind are only stalled, and never an
 entry a rank dropped because a comparison had already shown it agreed everywhere."""
 
-from fullshard.core.difference import CHECK, ELSEWHERE, STALLED, Record, first_difference
-from fullshard.core.ledger import FORWARD_WITH_GRAD, REDUCE_SCATTER, Entry
+from fullshard.core.guard.difference import CHECK, ELSEWHERE, STALLED, Record, first_difference
+from fullshard.core.guard.ledger import FORWARD_WITH_GRAD, REDUCE_SCATTER, Entry
 
 
 def _entries(first: int, last: int, unit: int = 0) -> dict:

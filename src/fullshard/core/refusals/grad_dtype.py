@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_version import FOLLOWS_PARAM_GRAD_DTYPE
+from ...torch_version import FOLLOWS_PARAM_GRAD_DTYPE
 
 
 def refuse_grad_dtype_override(label: str, fqn: str, param: torch.Tensor) -> None:

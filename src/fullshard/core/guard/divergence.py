@@ -11,7 +11,7 @@ a layer skipped on one rank, a forward on some ranks only (an evaluation under
 ``if rank == 0:``), a unit whose output one rank never uses. The guard is always on:
 
 * Every rank records each unit's forward and each collective fullshard issues for the
-  root's units in its ledger (core/ledger.py): host arithmetic, nothing sent.
+  root's units in its ledger (core/guard/ledger.py): host arithmetic, nothing sent.
 * On gloo, every reduce-scatter over all of the root's ranks carries, at the end of each
   rank's chunk, that rank's digest (including this reduction), 8 bits an element, exact
   in any dtype. gloo's reduce-scatter receives every rank's copy of this rank's chunk
@@ -24,9 +24,9 @@ a layer skipped on one rank, a forward on some ranks only (an evaluation under
   reductions; a backward without gradient sync), the ranks compare once when the
   backward's gradients are settled, and after a forward without grad (no backward
   follows). A comparison is one all-reduce (MAX) of ten integers on the control channel
-  (core/control.py): each rank's (kind, phase, count, digest, serial) and their negatives,
+  (core/guard/control.py): each rank's (kind, phase, count, digest, serial) and their negatives,
   so every rank learns at once whether all were equal, whatever the world size. Only
-  when they were not do the ranks exchange their records (core/difference.py).
+  when they were not do the ranks exchange their records (core/guard/difference.py).
 * On an accelerator the comparison does not stop the host (Note [a comparison one step
   behind]); on CPU, where the host is the device, it waits for it at once.
 * A rank that waits in a collective its peers never issue (on gloo, ``wait()`` blocks the
@@ -35,7 +35,7 @@ a layer skipped on one rank, a forward on some ranks only (an evaluation under
   comparison (or their own stall), and the records either name the divergence or show
   the ranks consistent (a peer is merely slower, e.g. saving on its own): the stalled rank
   then waits on and the others compare again. How long anything waits on the channel is
-  the process group's own timeout (core/control.py): a slow rank is waited for as long as
+  the process group's own timeout (core/guard/control.py): a slow rank is waited for as long as
   the collectives of the data would wait for it, and never called divergent.
 
 On NCCL ``wait()`` does not block the host, it only orders the compute stream after the
@@ -93,7 +93,7 @@ import torch
 import torch.distributed as dist
 
 from . import control, structure
-from .comm import keep_groups_past_exit, note_collective
+from ..comm import keep_groups_past_exit, note_collective
 from .difference import CHECK, ELSEWHERE, STALLED, Difference, Record, first_difference
 from .ledger import (BACKWARD, FORWARD, FORWARD_WITH_GRAD, FORWARD_WITHOUT_GRAD, OPERATIONS,
                      PHASE_NAMES, Ledger, digest_elements)
@@ -116,7 +116,7 @@ def debug_enabled(requested: bool) -> bool:
 
 def guarded(ranks: list[int]) -> bool:
     """Whether a root over ``ranks`` gets a guard: more than one rank, each a process of
-    its own talking over a real backend (core/control.py)."""
+    its own talking over a real backend (core/guard/control.py)."""
     return len(ranks) > 1 and control.communicates()
 
 

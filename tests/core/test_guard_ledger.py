@@ -1,9 +1,9 @@
-"""One rank's record of what it did for a root's units (core/ledger.py): the same entries
+"""One rank's record of what it did for a root's units (core/guard/ledger.py): the same entries
 give the same (count, digest) on every rank, any difference changes the digest, the
 entries since the ranks last agreed are kept (at most HISTORY of them) to name it."""
 
-from fullshard.core import ledger as ledger_module
-from fullshard.core.ledger import (ALL_GATHER, BACKWARD, FORWARD, FORWARD_WITH_GRAD,
+from fullshard.core.guard import ledger as ledger_module
+from fullshard.core.guard.ledger import (ALL_GATHER, BACKWARD, FORWARD, FORWARD_WITH_GRAD,
                                    REDUCE_SCATTER, Ledger, unit_code)
 
 UNITS = ["GPT", "layers.0", "layers.1"]  # the root is named by its class

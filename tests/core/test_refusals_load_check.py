@@ -1,5 +1,5 @@
 """A state dict checked against the sharded model before ``load_state_dict`` copies
-anything (core/load_check.py): a missing key (under ``strict``), another shape, or a plain
+anything (core/refusals/load_check.py): a missing key (under ``strict``), another shape, or a plain
 tensor where the model shards is one error naming the key, and the model is untouched."""
 
 import pytest

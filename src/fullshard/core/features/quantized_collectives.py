@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .comm import Pending, _done
+from .. import comm
+from ..comm import Pending, _done
 
 DEFAULT_BLOCK_SIZE = 256
 _LEVELS = 127.0

@@ -2,8 +2,8 @@
 
 Note [one control group]
 Two things compare ranks on the host rather than through the data's collectives: the
-divergence guard (core/divergence.py), whose comparisons must not pair with a collective
-a diverged rank is waiting in, and the check-in of collective functions (core/arrival.py),
+divergence guard (core/guard/divergence.py), whose comparisons must not pair with a collective
+a diverged rank is waiting in, and the check-in of collective functions (core/guard/arrival.py),
 which must not pair with a collective a late rank is waiting in. Both run on one gloo
 group per set of ranks, made by ``fully_shard`` (every rank calls it, so the group can be
 made there; made later, by a call only some ranks reach, it would hang): one group rather
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from .comm import communicates_on
+from ..comm import communicates_on
 
 TIMEOUT_VARIABLE = "FULLSHARD_ARRIVAL_TIMEOUT"
 GROUP_DESC = "fullshard_control"  # what tools that count collectives tell it apart by

@@ -3,7 +3,7 @@ delayed update])."""
 
 import torch
 
-from fullshard.core.pending_shard import PendingShard
+from fullshard.core.features.pending_shard import PendingShard
 
 
 class _Shard:

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fullshard.core import comm
-from fullshard.core.subclass_params import subclass_bytes
+from fullshard.core.features.subclass_params import subclass_bytes
 from fullshard.memory.tracker import fullshard_buffer_bytes
 from fullshard.testing import run_distributed
 from fullshard.testing.counting import count_collectives
@@ -389,7 +389,7 @@ def _first_step(model: nn.Module, params=None) -> None:
 
 def _misuse_worker() -> dict:
     from fullshard import fully_shard
-    from fullshard.core import subclass_params
+    from fullshard.core.features import subclass_params
     torch.manual_seed(0)
     out = {}
 

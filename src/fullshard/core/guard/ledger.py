@@ -4,7 +4,7 @@ Every unit forward and every collective fullshard issues for a root's units is o
 entry: (step, phase, operation, unit, elements). Entries fold into a running digest, so
 two ranks that did the same things have the same (count, digest) and comparing two
 integers compares everything; the entries since the ranks last agreed are kept, so when
-they do not, the first difference can be named (core/divergence.py). Recording is host
+they do not, the first difference can be named (core/guard/divergence.py). Recording is host
 arithmetic on small integers: nothing is sent and nothing waits.
 
 Entries hold integers only (a unit is the CRC-32 of its path from the root, the same on

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .comm import BufferPool, Pending, all_gather
+from ..comm import BufferPool, Pending, all_gather
 
 
 def is_tensor_subclass(t: torch.Tensor) -> bool:

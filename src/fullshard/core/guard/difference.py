@@ -1,8 +1,8 @@
 """What ranks exchange when their digests differ, and the first difference named.
 
-The divergence guard (core/divergence.py) compares ranks by a few integers; only when
+The divergence guard (core/guard/divergence.py) compares ranks by a few integers; only when
 those differ (or a rank is stalled) do the ranks exchange their records: each rank's
-entries since the ranks last agreed (core/ledger.py). ``first_difference`` reads only the
+entries since the ranks last agreed (core/guard/ledger.py). ``first_difference`` reads only the
 exchanged records, so every rank finds the same difference and raises the same error.
 """
 

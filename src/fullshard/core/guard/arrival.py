@@ -13,7 +13,7 @@ waiting in another collective fails at once (its peer went away) instead of wait
 its own timeout with nothing said. The wait is gloo's ``monitored_barrier``, which names the ranks
 that did not arrive and leaves nothing pending behind it.
 
-The check-in runs on the control channel of the whole job (core/control.py, Note [one
+The check-in runs on the control channel of the whole job (core/guard/control.py, Note [one
 control group]), made by the first ``fully_shard`` whose mesh spans the job: on a group of
 its own it never pairs with a collective a late rank is waiting in, which on gloo aborts
 the process ("collective mismatch") and on NCCL can hang or mix data. A comparison of the
@@ -21,7 +21,7 @@ divergence guard still in flight is finished first, so a save never follows a di
 unnamed. Before that channel exists (checkpoints of plain modules) the default group serves
 if it is gloo's; an NCCL job without the channel is not checked. A barrier and one gather
 of two integers per call: cheap beside a save. How long it waits is the process group's
-timeout, or ``FULLSHARD_ARRIVAL_TIMEOUT`` seconds (core/control.py).
+timeout, or ``FULLSHARD_ARRIVAL_TIMEOUT`` seconds (core/guard/control.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import control
-from .comm import CollectiveError, all_gather
+from ..comm import CollectiveError, all_gather
 
 TIMEOUT_VARIABLE = control.TIMEOUT_VARIABLE
 timeout_s = control.timeout_s

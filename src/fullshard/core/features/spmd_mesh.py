@@ -40,7 +40,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .tensor_parallel import TensorParallelLayout, dp_placement, refuse_partial
-from .torch_errors import torch_first
+from ..refusals.torch_errors import torch_first
 
 # Process-global because process groups are: every unit replicated over the same group
 # shares one (replicate, one-rank shard) mesh instead of creating groups of its own

@@ -1,11 +1,11 @@
-"""fullshard.core.mapped: file-backed tensors whose pages go back after each use."""
+"""fullshard.core.features.mapped: file-backed tensors whose pages go back after each use."""
 
 import os
 
 import pytest
 import torch
 
-from fullshard.core.mapped import mapped_empty, page_out
+from fullshard.core.features.mapped import mapped_empty, page_out
 from support.mappings import mapping_rss
 
 

@@ -1,4 +1,4 @@
-"""Which form ``state_dict()`` takes (core/native_state_dict.py): the FSDP1 front converts
+"""Which form ``state_dict()`` takes (core/features/native_state_dict.py): the FSDP1 front converts
 to full tensors at the outermost call only; inside ``native_state_dict()`` every sharded
 module hands out its DTensor shards, whichever front built it."""
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.core.native_state_dict import is_outermost, native_state_dict
+from fullshard.core.features.native_state_dict import is_outermost, native_state_dict
 from fullshard.fsdp1 import FullyShardedDataParallel as FSDP
 from fullshard.testing import run_distributed
 
