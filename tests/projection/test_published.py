@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.projection import published
+from fullshard.projection import ProjectionError, published
+
+from support.catalogue import matches_documented
 
 # src/fullshard/projection/published_runs.csv: 231 published FSDP runs (docs/projection.md
 # names the sources), half of them fitted by projection.fit, half only judging the fit.
@@ -64,3 +66,27 @@ def test_published_shapes_have_the_published_parameter_counts():
     for r in RUNS:
         if r.id in counts:  # MPT's biases are not modelled: 13 vectors of d per block
             assert r.shape.num_params == pytest.approx(counts[r.id], rel=2e-3), r.id
+
+
+def test_the_compile_column_is_read_and_a_wrong_value_is_refused_by_row_and_column(tmp_path):
+    with open(published.RUNS, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["compile"] for r in rows} <= {"none", "blocks", "model"}
+
+    def load_with(value):
+        rows[5]["compile"] = value
+        path = tmp_path / "runs.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        return published.load(path)
+
+    assert load_with("blocks")[5].settings.compile == "blocks"
+    assert load_with("model")[5].settings.compile == "model"
+    for bad in ("yes", "", "Blocks"):
+        with pytest.raises(ProjectionError) as err:
+            load_with(bad)
+        message = f"ProjectionError: {err.value}"
+        assert matches_documented("E380", message) and "\n" not in message, message
+        assert rows[5]["id"] in message and "column compile" in message and repr(bad) in message
