@@ -69,3 +69,24 @@ def test_the_moe_preset_is_projected_with_its_experts():
                                   shape.n_kv_heads, shape.ffn_hidden, shape.vocab_size,
                                   shape.tied, False, learned_positions=shape.learned_positions)
     assert routed.forward > _block(one_expert_dense, "h100", tokens, 64)[0].forward
+
+
+def test_compilation_saves_its_share_of_a_blocks_elementwise_time_and_launches():
+    # Note [what compilation saves]: a compiled block's matrix multiplies and attention are
+    # the eager block's; its elementwise passes and launches are 1 - compile_saving of them
+    from dataclasses import replace
+
+    shape, dev = SHAPES["llama3-8b"], DEVICES["h100"]
+    rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch)
+    eager, full_eager, sel_eager = block_seconds(shape, 16384, 8192, rates, FITTED)
+    compiled, full, sel = block_seconds(shape, 16384, 8192, rates, FITTED, compiled=True)
+    # the same block with no elementwise work and no launches: what compilation cannot touch
+    bare = replace(FITTED, elementwise={k: 0.0 for k in FITTED.elementwise})
+    kernels, _, _ = block_seconds(shape, 16384, 8192,
+                                  replace(rates, overhead=0.0), bare)
+    fusable = (eager.forward + eager.backward) - (kernels.forward + kernels.backward)
+    saved = (eager.forward + eager.backward) - (compiled.forward + compiled.backward)
+    assert 0 < FITTED.compile_saving < 1
+    assert saved == pytest.approx(FITTED.compile_saving * fusable, rel=1e-9)
+    assert compiled.overhead == pytest.approx((1 - FITTED.compile_saving) * eager.overhead)
+    assert full < full_eager and sel < sel_eager  # recomputation runs the fused kernels too

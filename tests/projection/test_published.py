@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fullshard.projection import published
+from fullshard.projection import ProjectionError, published
 
-# src/fullshard/projection/published_runs.csv: 231 published FSDP runs (docs/projection.md
+from support.catalogue import matches_documented
+
+# src/fullshard/projection/published_runs.csv: 239 published FSDP runs (docs/projection.md
 # names the sources), half of them fitted by projection.fit, half only judging the fit.
 
 RUNS = published.load()
@@ -64,3 +66,28 @@ def test_published_shapes_have_the_published_parameter_counts():
     for r in RUNS:
         if r.id in counts:  # MPT's biases are not modelled: 13 vectors of d per block
             assert r.shape.num_params == pytest.approx(counts[r.id], rel=2e-3), r.id
+
+
+def test_the_compile_column_is_read_and_a_wrong_value_is_refused_by_row_and_column(tmp_path):
+    # what each run compiled, as its source says (docs/projection.md): torchtitan's blocks,
+    # KempnerForge's and fms-fsdp's whole model; every other run eager
+    compiled = {r.id: r.settings.compile for r in RUNS if r.settings.compile != "none"}
+    assert compiled == {
+        "tt-h100-llama31-8b-g8-compiled": "blocks", "tt-h100-llama31-8b-g128-compiled": "blocks",
+        "kf-h200-llama3-8b-fsdp2": "model", "kf-h200-llama3-8b-fsdp4": "model",
+        **{f"fms-{gpu}-llama2-{size}-compiled": "model"
+           for gpu in ("a100", "h100") for size in ("7b", "13b")}}
+    with open(published.RUNS, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for bad in ("yes", "", "Blocks"):
+        rows[5]["compile"] = bad
+        path = tmp_path / "runs.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        with pytest.raises(ProjectionError) as err:
+            published.load(path)
+        message = f"ProjectionError: {err.value}"
+        assert matches_documented("E380", message) and "\n" not in message, message
+        assert rows[5]["id"] in message and "column compile" in message and repr(bad) in message

@@ -27,6 +27,17 @@ def test_an_unknown_attention_kernel_is_refused_by_name():
     assert Settings(attention="flash1").attention == "flash1"
 
 
+def test_an_unknown_compile_setting_is_refused_by_name():
+    with pytest.raises(ProjectionError) as err:
+        Settings(compile="inductor")
+    message = f"ProjectionError: {err.value}"
+    assert matches_documented("E381", message) and "'inductor'" in message, message
+    assert "\n" not in message
+    assert [Settings(compile=c).compile for c in ("none", "blocks", "model")] == [
+        "none", "blocks", "model"]
+    assert Settings().compile == "none"  # eager unless a run says otherwise
+
+
 def test_library_errors():
     with pytest.raises(ProjectionError):
         device_named("tpu")

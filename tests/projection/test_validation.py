@@ -20,17 +20,21 @@ STORED = json.loads(validation.VALIDATION.read_text())
 
 
 NAMES = ["matmul ampere", "matmul hopper", "attention ampere", "attention hopper",
-         "elementwise gpt", "elementwise llama", "loss_bytes", "unit_overhead", "flash1"]
+         "elementwise gpt", "elementwise llama", "loss_bytes", "unit_overhead", "flash1",
+         "compile_saving"]
 
 
 def test_a_constant_is_pinned_only_by_runs_whose_steps_its_term_takes_a_share_of():
     # the Llama-style sources: no GPT-style block, 32k-128k vocabularies at long sequences
     # (the loss a few percent of a step), large units (the overhead too), and SDPA's
-    # second-generation flash attention only
+    # second-generation flash attention only; every compiled run is one of theirs
     llama_only = [r for r in RUNS if r.team != "MosaicML"]
     assert dict(zip(NAMES, fit.pinned(llama_only))) == {
         **dict.fromkeys(NAMES, True), "elementwise gpt": False, "loss_bytes": False,
         "unit_overhead": False, "flash1": False}
+    # two compiled runs cannot pin compilation's saving (Note [the prior]): three can
+    compiled = [r for r in RUNS if r.settings.compile != "none"]
+    assert [fit.pinned(compiled[:n])[9] for n in (2, 3)] == [False, True]
     ampere = [r for r in RUNS if r.cluster.device.arch == "ampere"]
     free = dict(zip(NAMES, fit.pinned(ampere)))
     assert not free["matmul hopper"] and not free["attention hopper"] and free["matmul ampere"]
@@ -44,6 +48,8 @@ def test_a_constant_is_pinned_only_by_runs_whose_steps_its_term_takes_a_share_of
     assert ampere[0].settings.attention == "flash1" and shares[8] == pytest.approx(shares[2])
     assert sum(shares[:8]) < 1.01  # shares of one step
     assert fit.term_shares(llama_only[0])[8] == 0.0
+    # compilation's saving moves compiled runs only
+    assert shares[9] == 0.0 and fit.term_shares(compiled[0])[9] > fit.PIN_SHARE
 
 
 def test_a_fit_starts_from_the_prior_and_keeps_it_where_the_runs_cannot_pin_it():

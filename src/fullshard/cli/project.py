@@ -24,7 +24,7 @@ from ..projection.calibrate import (achieved_flops, calibrated_cpu, fit_link,
                                     memory_bandwidth, sweep_collectives)
 from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
-from ..projection.settings import ATTENTION_KERNELS
+from ..projection.settings import ATTENTION_KERNELS, COMPILE
 from ..projection.shapes import hf_shape_fields
 from ..projection.validation import ErrorBand, error_band
 from ..bounds import Bounds, flag_type
@@ -107,6 +107,10 @@ def _arguments(parser: argparse.ArgumentParser, *, planning: bool) -> None:
         parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash2",
                             help="flash attention's generation: flash2 (SDPA, flash-attn 2; "
                                  "default) or flash1 (FlashAttention 1, its Triton port)")
+        parser.add_argument("--compile", choices=COMPILE, default="none",
+                            help="what torch.compile wraps: none (default), blocks (each "
+                                 "block, torchtitan's) or model (the whole model): fused "
+                                 "elementwise kernels, fewer launches")
         parser.add_argument("--ep", type=EP, default=1, metavar="N",
                             help="expert parallelism: a mixture of experts' experts split "
                                  "over N ranks of each shard group, tokens sent to them by "
@@ -282,7 +286,8 @@ def project_main(argv: list[str]) -> int:
                 rows.append(project(shape, cluster, Settings(
                     strategy, args.batch // args.grad_accum, args.seq, args.grad_accum,
                     args.ac, width, reduce, checkpoint_every=args.ac_every,
-                    fused_loss=args.fused_loss, ep=args.ep, attention=args.attention)))
+                    fused_loss=args.fused_loss, ep=args.ep, attention=args.attention,
+                    compile=args.compile)))
         band = error_band()
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard project: {err}", file=sys.stderr)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .comm import collective_seconds
-from .compute import (FITTED, KernelConstants, PassSeconds, block_seconds, embedding_seconds,
-                      head_seconds, rates_for)
+from .compute import (FITTED, KernelConstants, PassSeconds, block_seconds, eager_share,
+                      embedding_seconds, head_seconds, rates_for)
 from .hardware import Cluster, ProjectionError
 from .settings import Settings
 from .shapes import ModelShape
@@ -93,17 +93,21 @@ def compute_seconds(shape: ModelShape, cluster: Cluster, s: Settings,
         return _flat(shape, cluster, s)
     rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch, constants)
     tokens = s.batch * s.seq
-    block, full, selective = block_seconds(shape, tokens, s.seq, rates, constants, s.attention)
+    block, full, selective = block_seconds(shape, tokens, s.seq, rates, constants, s.attention,
+                                           compiled=s.compile != "none")
     blocks = []
     for i in range(shape.n_layers):
         again = full if s.checkpointed(i) else (
             selective if s.checkpointing == "selective" else 0.0)
-        # a fully checkpointed block launches its forward's kernels again
+        # a fully checkpointed block launches its forward's kernels again (block.overhead
+        # is three forwards' launches: one forward, two backward)
         blocks.append(PassSeconds(block.forward, block.backward, again,
-                                  block.overhead + (rates.overhead if s.checkpointed(i)
-                                                    else 0.0)))
-    return [embedding_seconds(shape, tokens, rates)] + blocks \
-        + [head_seconds(shape, tokens, rates, constants)]
+                                  block.overhead * (4 / 3 if s.checkpointed(i) else 1.0)))
+    # a whole compiled model fuses the final norm and the units' launches outside the blocks
+    whole = s.compile == "model"
+    return [embedding_seconds(shape, tokens, rates,
+                              rates.overhead * eager_share(constants, whole))] + blocks \
+        + [head_seconds(shape, tokens, rates, constants, compiled=whole)]
 
 
 def unit_costs(shape: ModelShape, cluster: Cluster, s: Settings,

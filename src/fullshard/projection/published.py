@@ -4,8 +4,8 @@
 Each row is one run as its source reports it: the model's shape, the GPUs (variant, count,
 network), the strategy, micro-batch, accumulation, sequence length, activation
 checkpointing, the attention kernel's generation (``flash1``: FlashAttention 1 or its Triton
-port; ``flash2``: FlashAttention-2, SDPA), reduction dtype, and the tokens/s per GPU
-measured. ``split`` says whether
+port; ``flash2``: FlashAttention-2, SDPA), what torch.compile wrapped (``compile``: ``none``,
+``blocks`` or ``model``), reduction dtype, and the tokens/s per GPU measured. ``split`` says whether
 the row fits the compute model's constants or only judges them; the rule, applied before
 any fitting: within each (team, GPU) group, rows ordered by the SHA-256 of their ``id``
 alternate fit, held-out, fit, ... (``split_of``).
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .compute import FITTED, KernelConstants
-from .hardware import Cluster, Link, device_named
+from .hardware import Cluster, Link, ProjectionError, device_named
 from .project import Projection, project
-from .settings import Settings
+from .settings import COMPILE, Settings
 from .shapes import ModelShape
 
 RUNS = Path(__file__).with_name("published_runs.csv")
@@ -49,6 +49,18 @@ class PublishedRun:
             / self.tokens_per_second - 1
 
 
+def _compile(row: dict) -> str:
+    """The ``compile`` column: what torch.compile wrapped in the run (``settings.COMPILE``),
+    refused by row and column when it is anything else (a typo would silently project a
+    compiled run as an eager one)."""
+    value = (row.get("compile") or "").strip()
+    if value not in COMPILE:
+        raise ProjectionError(f"published run {row['id']}: column compile must be one of "
+                              f"{', '.join(COMPILE)} (what torch.compile wrapped), got "
+                              f"{value!r}; correct that row")
+    return value
+
+
 def _settings(row: dict) -> Settings:
     ac, every = row["checkpointing"], 1
     if ac.startswith("every:"):
@@ -58,7 +70,8 @@ def _settings(row: dict) -> Settings:
                     int(row["grad_accum"]), ac, param_bytes=2,
                     reduce_bytes=2 if row["reduce_dtype"] == "bf16" else 4,
                     checkpoint_every=every, sync_micro_batches=True,
-                    fused_loss=row["loss"] == "fused", attention=row["attention"])
+                    fused_loss=row["loss"] == "fused", attention=row["attention"],
+                    compile=_compile(row))
 
 
 def _run(row: dict) -> PublishedRun:

@@ -1,5 +1,5 @@
 """``Settings``: what a projected run does per rank (strategy, batch, checkpointing, dtypes,
-quantized communication)."""
+quantized communication, attention kernel, compilation)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
 QUANTIZE = ("none", "weights", "grads", "weights,grads")
 ATTENTION_KERNELS = ("flash2", "flash1")  # flash attention's generation (compute.py)
+# what torch.compile wraps: nothing, each block (torchtitan), the whole model (compute.py)
+COMPILE = ("none", "blocks", "model")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class Settings:
     # flash attention's generation: "flash2" (SDPA, flash-attn 2) or "flash1" (FlashAttention
     # 1, its Triton port): Note [attention by kernel, not by sequence length] (compute.py)
     attention: str = "flash2"
+    # torch.compile over "blocks" (each block compiled, torchtitan's) or the whole "model":
+    # its fused kernels move fewer bytes and launch fewer times (Note [what compilation
+    # saves], compute.py)
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -52,6 +58,9 @@ class Settings:
         if self.attention not in ATTENTION_KERNELS:
             raise ProjectionError(f"attention must be one of {', '.join(ATTENTION_KERNELS)} "
                                   f"(flash attention's generation), got {self.attention!r}")
+        if self.compile not in COMPILE:
+            raise ProjectionError(f"compile must be one of {', '.join(COMPILE)} (what "
+                                  f"torch.compile wraps), got {self.compile!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ProjectionError(f"activation checkpointing must be one of "
                                   f"{', '.join(CHECKPOINTING)}, got {self.checkpointing!r}")
