@@ -649,6 +649,12 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E233": message_of(lambda: resolve("--preset", "moe", "--optim.name", "muon")),
         "E236": message_of(lambda: resolve("--optim.name", "muon", "--parallel.offload",
                                            f"disk:{tmp}")),
+        "E367": message_of(lambda: resolve("--parallel.step_in_backward", "true")),
+        "E368": message_of(lambda: resolve("--parallel.offload", "cpu",
+                                           "--parallel.step_in_backward", "true")),
+        "E369": message_of(lambda: resolve("--parallel.offload", "cpu", "--optim.grad_clip",
+                                           "0", "--parallel.delayed_update", "2",
+                                           "--parallel.step_in_backward", "true")),
     }
 
 
