@@ -649,6 +649,12 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E233": message_of(lambda: resolve("--preset", "moe", "--optim.name", "muon")),
         "E236": message_of(lambda: resolve("--optim.name", "muon", "--parallel.offload",
                                            f"disk:{tmp}")),
+        "E367": message_of(lambda: resolve("--parallel.step_in_backward", "true")),
+        "E368": message_of(lambda: resolve("--parallel.offload", "cpu",
+                                           "--parallel.step_in_backward", "true")),
+        "E369": message_of(lambda: resolve("--parallel.offload", "cpu", "--optim.grad_clip",
+                                           "0", "--parallel.delayed_update", "2",
+                                           "--parallel.step_in_backward", "true")),
     }
 
 
@@ -749,6 +755,7 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
 
     from fullshard.cli import main
     from fullshard.cli.memory import _resolve, estimate_parser
+    from fullshard.memory import estimate
     from fullshard.train.config.paths import check_hf_model, check_output_dir, check_text_file
 
     def stderr_of(*argv):
@@ -766,6 +773,10 @@ def _command_line_cases(tmp: str) -> dict[str, str]:
     return {
         "E76": stderr_of("estimate", "--world-size", "0"),
         "E241": stderr_of("estimate", "--preset", "moe", "--world-size", "4", "--ep", "3"),
+        "E366": stderr_of("estimate", "--world-size", "2", "--offload", "disk",
+                          "--delayed-update", "0"),
+        "E365": message_of(lambda: estimate("debug", world_size=2, offload="disk+params",
+                                            delayed_update=True)),
         "E77": message_of(lambda: check_text_file("data", binary)),
         "E78": message_of(lambda: check_output_dir("--out", a_file)),
         "E79": message_of(lambda: check_hf_model("--hf-config", os.path.join(tmp, "gone"))),

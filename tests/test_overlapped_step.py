@@ -286,3 +286,33 @@ def _refuses_a_clip_coefficient():
 
 def test_stepping_in_backward_refuses_a_clip_and_nesting():
     assert all(run_distributed(_refuses_a_clip_coefficient, 2))
+
+
+def _norms_with_handed_gradients():
+    from fullshard.grad_norm import grad_norm, norm_of_grads
+    norms = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = _model({0, 1, 2, 3, "root"})
+        stepper = OverlappedStep(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x, y = token_batch(dist.get_rank(), 6, CFG.vocab_size, CFG.seq_len)
+        loss = lm_loss(model(x), y)
+        with stepper.stepping_in_backward() if in_backward else contextlib.nullcontext():
+            loss.backward()
+        params = list(model.parameters())
+        handed = sum(p.grad is None for p in params)
+        norms.append((grad_norm(params), norm_of_grads(stepper.gradients_of(params)), handed))
+        stepper.step()
+        assert all(g is None for g in stepper.gradients_of(params))  # the step took them
+        stepper.wait()
+    return norms
+
+
+def test_gradients_of_finds_the_gradients_handed_out_during_backward():
+    """After a backward stepping in backward, the parameters' norm over gradients_of is
+    the plain backward's norm to the bit, though most ``.grad`` are gone to the host."""
+    for (plain, plain_all, none), (missing, found, handed) in run_distributed(
+            _norms_with_handed_gradients, 2):
+        assert none == 0 and handed > 0
+        assert torch.equal(plain, plain_all) and torch.equal(found, plain)
+        assert not torch.equal(missing, plain)  # .grad alone misses the handed ones

@@ -59,6 +59,14 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
     return _total_norm(_grads_of(parameters), norm_type)
 
 
+def norm_of_grads(grads: Iterable[torch.Tensor | None], norm_type: float = 2.0
+                  ) -> torch.Tensor:
+    """The norm over all ranks of ``grads`` (None entries left out), as :func:`grad_norm`
+    measures the gradients of parameters; for gradients some of which are no parameter's
+    ``.grad`` any more (``OverlappedStep.gradients_of``)."""
+    return _total_norm([g for g in grads if g is not None], norm_type)
+
+
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What :func:`clip_grad_norm_` multiplies the gradients by (at most 1), on the norm's
     device, as torch's ``clip_grad_norm_`` computes it."""

@@ -117,6 +117,8 @@ class OverlappedStep:
         # during this backward, and their parameters (step() leaves them alone)
         self._from_backward: list[ParamGroup] = []
         self._stepped_in_backward: set[int] = set()
+        # id(parameter) -> the gradient handed to the host thread with it, until step()
+        self._handed: dict[int, torch.Tensor] = {}
         # in the block: id(ShardedParam) -> its group and that group's work
         self._listening: dict[int, _Listened] | None = None
         optimizer.register_state_dict_pre_hook(lambda _opt: self.wait())
@@ -149,7 +151,7 @@ class OverlappedStep:
         moved = self._stepped_in_backward | {id(p) for work in on_host.values()
                                              for _i, p in work}
         self._groups, self._from_backward = self._from_backward, []
-        self._stepped_in_backward = set()
+        self._stepped_in_backward, self._handed = set(), {}
         if not moved:
             opt.step()
             return
@@ -226,6 +228,14 @@ class OverlappedStep:
                 root.backward.on_reduced = None
             self._listening = None
 
+    def gradients_of(self, params) -> list[torch.Tensor | None]:
+        """Each of ``params``' gradient: its ``.grad``, or for a parameter stepped in a
+        ``stepping_in_backward()`` block since the last ``step()``, the gradient handed to
+        the host thread with it (its ``.grad`` is None then); None where it has neither.
+        For a gradient norm over the whole model after such a backward (the host step only
+        reads the gradients: they keep their values)."""
+        return [p.grad if p.grad is not None else self._handed.get(id(p)) for p in params]
+
     def _on_reduced(self, params: list, all_present: bool) -> None:
         """A reduction handed out gradients (core/state.py): step its unit now if it is
         offloaded and every parameter got a gradient."""
@@ -246,6 +256,7 @@ class OverlappedStep:
         group.finish_host_step()  # a step of it still running from before
         hyper, flags = _as_step_sees_them(opt)
         self._stepped_in_backward.update(id(p) for _i, p in work)
+        self._handed.update((id(p), p.grad) for _i, p in work)  # for gradients_of
         self._from_backward.append(
             self._hand_to_host(group, work, hyper, flags, group.copies.landed()))
 

@@ -91,3 +91,70 @@ def test_plan_prints_a_partial_offload_the_trainer_runs_with_the_same_blocks(cap
         model = GPT(cfg.gpt)
     policy_of = unit_offload(model, cfg.parallel)
     assert [policy_of(b) is not None for b in model.layers] == [False] * 10 + [True] * 2
+
+
+def _host_mib(text: str) -> float:
+    line = next(l for l in text.splitlines() if "host memory for offloaded states" in l)
+    return float(line.split()[-2].replace(",", ""))
+
+
+def test_estimate_counts_the_delayed_update_as_the_trainer_runs_it(capsys):
+    """--delayed-update N adds each offloaded block's copy of its shard and second gradient
+    buffer to the host memory, and nothing to the device."""
+    flags = ["--preset", "shakespeare", "--world-size", "2", "--batch", "2", "--offload",
+             "cpu:0.5"]
+    assert estimate_main(flags) == 0
+    exact = capsys.readouterr().out
+    assert estimate_main(flags + ["--delayed-update", "3"]) == 0
+    delayed = capsys.readouterr().out
+    assert ", delayed update," in delayed.splitlines()[0]
+    assert _host_mib(delayed) > _host_mib(exact)
+    peak = [next(l for l in t.splitlines() if "peak per rank" in l) for t in (exact, delayed)]
+    assert peak[0] == peak[1]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["estimate", "--world-size", "2", "--offload", "disk", "--delayed-update", "0"],
+     "--offload disk"),
+    (["plan", "--world-size", "2", "--budget-gib", "1", "--allow-offload", "--offload-dir",
+      ".", "--delayed-update", "0"], "--offload-dir")], ids=["estimate", "plan"])
+def test_the_delayed_update_beside_disk_offload_is_a_usage_error(capsys, argv, names):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fullshard {argv[0]}: --delayed-update: ") and names in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_plan_prints_the_delayed_update_for_an_offloaded_choice(capsys):
+    """The command plan prints runs the delayed update it counted, read back by
+    `fullshard train`'s parser; a choice without offload has nothing to delay."""
+    from fullshard.cli.memory import plan_main
+    from fullshard.cli.train import build_parser, resolve_config
+
+    flags = ["--preset", "shakespeare", "--world-size", "2", "--batch", "1", "--allow-offload",
+             "--delayed-update", "3"]
+    assert plan_main(flags + ["--budget-gib", "0.05"]) == 0
+    command = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "--parallel.offload cpu:" in command, command
+    cfg, _ = resolve_config(build_parser().parse_args(command.split()[2:]))
+    assert cfg.parallel.delayed_update == 3
+    assert plan_main(flags + ["--budget-gib", "8"]) == 0
+    assert "delayed_update" not in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_a_host_budget_counts_the_delayed_copies():
+    """A host budget the exact offload fits and the delayed one does not: plan rules the
+    delayed candidate out where it would have chosen it."""
+    from fullshard.memory import plan
+
+    kwargs = dict(world_size=2, budget_bytes=int(0.03 * 2 ** 30), batch_size=1,
+                  allow_offload=True)
+    exact = plan("shakespeare", **kwargs)
+    host = exact.estimate.host_bytes
+    assert host > 0
+    fits = plan("shakespeare", host_budget_bytes=int(host * 1.1) + 1, **kwargs)
+    assert fits.choice == exact.choice
+    delayed = plan("shakespeare", host_budget_bytes=int(host * 1.1) + 1,
+                   delayed_update=True, **kwargs)
+    assert delayed.choice != exact.choice
+    assert any(nbytes < 0 for _cand, nbytes in delayed.rejected)  # over the host budget

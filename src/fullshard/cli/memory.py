@@ -39,6 +39,7 @@ BUDGET_GIB = flag_type(float, Bounds(0.001, 2 ** 20))  # about 1 MiB to 1 PiB
 MARGIN = flag_type(float, Bounds(0, 10))
 LORA_RANK = flag_type(int, Bounds(0, 2 ** 16))
 EP = flag_type(int, Bounds(1, 2 ** 14))
+DELAY = flag_type(int, Bounds(0, 10 ** 12))  # train's --parallel.delayed_update, on
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-comm", choices=["none", "weights", "grads", "weights,grads"],
                         default="none", help="int8 all-gathers and/or reduce-scatters "
                         "(fullshard train --parallel.quantize): their buffers counted")
+    parser.add_argument("--delayed-update", type=DELAY, metavar="N", help="the offloaded "
+                        "blocks stepped by ZeRO-Offload's delayed update after N exact steps "
+                        "(fullshard train --parallel.delayed_update N): each keeps a copy of "
+                        "its shard and a second gradient buffer in host memory")
     parser.add_argument("--baseline-mib", type=BASELINE_MIB, help="process baseline to add "
                         "(default: 0 on cuda, this process's RSS on cpu)")
 
@@ -97,8 +102,18 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
               "process_baseline": None if args.baseline_mib is None
               else int(args.baseline_mib * 2 ** 20),
               "quantize": args.quantize, "lora_rank": args.lora_rank,
-              "quantize_comm": args.int8_comm}
+              "quantize_comm": args.int8_comm,
+              "delayed_update": args.delayed_update is not None}
     return source, kwargs, pick
+
+
+def _check_delayed_update(args: argparse.Namespace, disk_flag: str | None) -> None:
+    """Refuse the delayed update beside disk offload (``disk_flag`` given), as the
+    library does: a unit whose states live in files is stepped in step() itself."""
+    if args.delayed_update is not None and disk_flag is not None:
+        raise ConfigError(f"--delayed-update: the delayed update delays the host step of "
+                          f"CPU-offloaded blocks, and {disk_flag} steps the optimizer states "
+                          "from files in step() itself; drop one of the two")
 
 
 def _check_trainable(args: argparse.Namespace, states_on_disk: bool) -> None:
@@ -159,6 +174,8 @@ def estimate_main(argv: list[str]) -> int:
         print(format_zero_table(args.params, args.world_size))
         return 0
     _check_trainable(args, states_on_disk=args.offload.startswith("disk"))
+    _check_delayed_update(args, f"--offload {args.offload}"
+                          if args.offload.startswith("disk") else None)
     source, kwargs, pick = _resolve(args)
     kwargs["offload"] = args.offload
     if args.sweep:
@@ -240,6 +257,7 @@ def plan_main(argv: list[str]) -> int:
     if args.offload_dir is not None and not args.allow_offload:
         parser.error("--offload-dir: offload is considered only with --allow-offload; add it")
     _check_trainable(args, states_on_disk=args.offload_dir is not None)
+    _check_delayed_update(args, None if args.offload_dir is None else "--offload-dir")
     source, kwargs, pick = _resolve(args)
     del kwargs["activation_checkpointing"]
     batch, seq = kwargs.pop("batch_size"), kwargs.pop("seq_len")
@@ -263,5 +281,7 @@ def plan_main(argv: list[str]) -> int:
                                  else os.path.dirname(args.hf_config) or ".")
     model = f"--model hf:{folder} " if args.hf_config \
         else f"--preset {args.preset} " if args.preset else ""
-    print(f"fullshard train {model}" + result.train_flags(pick["dtype"]))
+    delayed = (f" --parallel.delayed_update {args.delayed_update}"
+               if args.delayed_update is not None and result.choice.offload else "")
+    print(f"fullshard train {model}" + result.train_flags(pick["dtype"]) + delayed)
     return 0

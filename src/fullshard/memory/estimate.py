@@ -72,6 +72,7 @@ class MemoryEstimate:
                     "disk+params": ", offload (states and parameters on disk)"}.get(
                     s["offload"], f", offload {s['offload']}" if s["offload"] != "none"
                     else ""))
+                + (", delayed update" if s.get("delayed_update") else "")
                 + (f", {s['quantize']} weights" if s.get("quantize") else "")
                 + (f", LoRA rank {s['lora_rank']} ({self.trainable_params / 1e6:,.1f}M "
                    "trainable)" if s.get("lora_rank") else "") + f", {s['device']}")
@@ -97,7 +98,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
              process_baseline: int | None = None, loss_of: LossOf | None = None,
              quantize: str | None = None, lora_rank: int = 0,
              quantize_comm: str = "none", ep: int = 1,
-             reduces_in_flight: int = 1) -> MemoryEstimate:
+             reduces_in_flight: int = 1, delayed_update: bool = False) -> MemoryEstimate:
     """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
 
     Args:
@@ -149,6 +150,10 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             block's routed rows, twice) are not counted.
         reduces_in_flight: gradient reductions left in flight, each holding its send
             buffer (``set_reduce_scatter_max_input_buffers``; Note [reductions in flight]).
+        delayed_update: the offloaded units stepped by ``OverlappedStep(delayed=True)``
+            (``fullshard train --parallel.delayed_update N``): each keeps a copy of its
+            shard and a second gradient buffer on the host (Note [the delayed update]),
+            counted in ``host_bytes``. CPU offload only: disk offload steps in ``step()``.
     """
     _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank,
                ep)
@@ -160,7 +165,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
                            reshard_after_forward=reshard_after_forward, offload=offload,
                            optimizer=optimizer, device=device, bucket_numel=bucket_numel,
                            process_baseline=process_baseline, quantize_comm=quantize_comm,
-                           ep=ep, reduces_in_flight=reduces_in_flight)
+                           ep=ep, reduces_in_flight=reduces_in_flight,
+                           delayed_update=delayed_update)
 
 
 @dataclass(frozen=True)
@@ -222,7 +228,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                     process_baseline: int | None = None,
                     quantize_comm: str = "none", ep: int = 1,
-                    reduces_in_flight: int = 1) -> MemoryEstimate:
+                    reduces_in_flight: int = 1, delayed_update: bool = False
+                    ) -> MemoryEstimate:
     """``estimate`` of a traced step: fullshard's schedule replayed over it."""
     check_reduces_in_flight(reduces_in_flight, "estimate: reduces_in_flight",
                             wrong_type=ValueError)
@@ -233,6 +240,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                          f"{ep > 1}")
     raf = _reshard_rule(strategy, reshard_after_forward, world_size)
     offload = offload_mode(offload)
+    check_delayed_update(offload, delayed_update)
     if quantize_comm not in ("none", "weights", "grads", "weights,grads"):
         raise ValueError("estimate: quantize_comm must be none, weights, grads or "
                          f"weights,grads, got {quantize_comm!r}")
@@ -259,7 +267,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         quantize_grads=DEFAULT_BLOCK_SIZE if "grads" in words else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
         keep_unsharded=strategy == "zero1" and reshard_after_forward is None,
-        reduces_in_flight=reduces_in_flight)
+        reduces_in_flight=reduces_in_flight, delayed_update=bool(delayed_update))
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
     peaks = replay.run()
     if process_baseline is None:
@@ -278,7 +286,18 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                   "seq_len": step.seq_len, "optimizer": optimizer, "offload": offload,
                   "activation_checkpointing": step.activation_checkpointing,
                   "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank,
-                  "quantize_comm": quantize_comm, "ep": ep})
+                  "quantize_comm": quantize_comm, "ep": ep,
+                  "delayed_update": bool(delayed_update) and offload != "none"})
+
+
+def check_delayed_update(offload: str, delayed_update: bool) -> None:
+    """Refuse the delayed update beside disk offload (an ``offload_mode``), as
+    ``OverlappedStep(delayed=True)`` does (Note [the delayed update])."""
+    if delayed_update and offload.startswith("disk"):
+        raise ValueError(f"estimate: delayed_update=True delays the host step of CPU-offloaded "
+                         f"units, and offload={offload!r} steps the optimizer states from files "
+                         "in step() itself, with nothing to delay; use offload 'cpu' or "
+                         "'cpu:FRACTION', or drop delayed_update.")
 
 
 def offloaded_units(units: list[nn.Module], offload: str) -> frozenset[int]:

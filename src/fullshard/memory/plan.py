@@ -67,7 +67,7 @@ import torch.nn as nn
 
 from ..gpt import GroupedExperts, MoE
 from ..core.state import DEFAULT_BUCKET_NUMEL
-from .estimate import MemoryEstimate, block_units
+from .estimate import MemoryEstimate, block_units, check_delayed_update
 from .candidate import Candidate
 from .plan_search import Judge, blocks_stay_apart
 
@@ -210,6 +210,8 @@ def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size
 
     ``batch_size`` is the per-rank batch wanted per optimizer step; smaller micro-batches
     reach it by gradient accumulation. Other keywords go to ``estimate``."""
+    if offload_dir is not None:  # the disk candidates cannot run the delayed update
+        check_delayed_update("disk", estimate_kwargs.get("delayed_update", False))
     trace_keys = ("mp_policy", "loss_of", "quantize", "lora_rank")
     trace_kwargs = {k: v for k, v in estimate_kwargs.items() if k in trace_keys}
     replay_kwargs = {k: v for k, v in estimate_kwargs.items() if k not in trace_keys}

@@ -37,6 +37,7 @@ from ..core.schedule import GatherPlan, PrefetchOrder, backward_is_done, gather_
 from ..whole_matrix.recipe import owners_by_cost, step_cost
 from .activations import StepTrace
 from .reduction_replay import ReductionReplay
+from .delayed_copies import allocate_delayed_copies
 from .byte_ledger import (ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, OPTIMIZER,
                           SHARDED_PARAMS, UNSHARDED, BytePool, ByteLedger, Peak, round_up)
 from .run_settings import ReplayGroup, RunSettings
@@ -96,6 +97,7 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
                      3 * chunk * s.optimizer_states * s.param_dtype.itemsize, True)
     if paged_shard:  # one unit's shard paged in at a time, counted throughout
         ledger.alloc("paged shard", SHARDED_PARAMS, paged_shard, True)
+    allocate_delayed_copies(ledger, groups, s)  # Note [the delayed update]
     return on_disk * s.optimizer_states * s.param_dtype.itemsize + disk_param_bytes
 
 

@@ -35,6 +35,8 @@ class RunSettings:
     quantize_weights: int = 0   # set_quantized_communication: block size (0: off)
     quantize_grads: int = 0
     reduces_in_flight: int = 1  # set_reduce_scatter_max_input_buffers (Note [reductions in flight])
+    # OverlappedStep(delayed=True): each offloaded group's copy and second gradient buffer
+    delayed_update: bool = False
 
     @property
     def shard_device(self) -> torch.device:

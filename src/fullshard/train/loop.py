@@ -16,6 +16,7 @@ same tokens; rank 0 prints them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -34,6 +35,7 @@ from ..optim import ELEMENTWISE_OPTIMIZERS
 from ..overlapped_step import OverlappedStep
 from ..whole_matrix.recipe import muon_matrices
 from . import checkpoints
+from .backward_steps import BackwardSteps
 from .config.schema import ConfigError, OptimConfig, TrainConfig, to_toml
 from .data import EpochSampler, validation_batches
 from .launch.launcher import StopRequest, Worker, restart_count
@@ -134,6 +136,9 @@ class Trainer:
                            for o in self.optimizers]
         self.stepping = [o.step if s is None else s.step
                          for o, s in zip(self.optimizers, self.overlapped)]
+        # --parallel.step_in_backward (Note [the trainer's step in backward])
+        self.in_backward = (BackwardSteps(self.overlapped)
+                            if cfg.parallel.step_in_backward else None)
         # every rank skips an overflowing step and backs off alike (train/scaler.py)
         self.scaler = (AgreedGradScaler(worker.device.type)
                        if cfg.parallel.precision == "fp16" else None)
@@ -275,9 +280,16 @@ class Trainer:
                 loss = lm_loss(self.workload.logits(x).float(), y)
                 balance = aux_loss(self.model)  # mixture-of-experts blocks' load balancing
                 loss = (loss if balance is None else loss + balance.float()) / accum
-            with self.memory.phase("backward"):
+            with self.memory.phase("backward"), self._stepping_in_backward(micro == accum - 1):
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
+        if self.in_backward is not None:  # no clip, no scaler: refused by the config
+            with self.memory.phase("optimizer"):
+                grad_norm = self.in_backward.grad_norm(self.model.parameters())
+                for optimizer, step in zip(self.optimizers, self.stepping):
+                    step()
+                    optimizer.zero_grad(set_to_none=True)
+            return total, grad_norm
         with self.memory.phase("optimizer"):
             if self.scaler is not None:
                 for optimizer in self.optimizers:
@@ -292,6 +304,14 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.update()
         return total, grad_norm
+
+    def _stepping_in_backward(self, reduces: bool):
+        """Around a micro-batch's backward: the offloaded blocks step as it hands out
+        their gradients where asked and ``reduces`` (Note [the trainer's step in
+        backward])."""
+        if self.in_backward is None:
+            return contextlib.nullcontext()
+        return self.in_backward.during(reduces)
 
     def _clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The global gradient norm, and the clip coefficient left for the optimizer

@@ -210,6 +210,13 @@ class ParallelConfig:
     thread while the next forward runs, each block's forward waiting for its own step
     (fullshard.OverlappedStep: the same values as stepping them all first). false: the
     whole step ends before the next forward starts."""
+    step_in_backward: bool = False
+    """With overlap_step and --parallel.offload cpu or cpu:FRACTION, hand each offloaded
+    block to the host thread as soon as the last micro-batch's backward hands out its
+    gradients, its step overlapping the rest of backward too (fullshard.OverlappedStep.
+    stepping_in_backward: the same values). Needs optim.grad_clip 0, a precision other
+    than fp16 and delayed_update -1: a clip or loss-scale coefficient is known only after
+    the whole backward."""
     delayed_update: int = field(default=-1, metadata=within(-1, BIG))
     """-1: off. N >= 0: with overlap_step and --parallel.offload cpu or cpu:FRACTION, ZeRO-
     Offload's one-step delayed update after N exact steps: the next forward and backward
@@ -367,6 +374,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"which fullshard does not combine with {asked}; choose full_shard, "
                           "shard_grad_op or zero1, or lora.base fp32")
     _check_expert_parallel(cfg)
+    _check_step_in_backward(cfg)
     offload = cfg.parallel.offload
     _check_offload_fraction(offload)
     if offload not in ("none", "cpu") and not offload.startswith("cpu:") \
@@ -419,6 +427,36 @@ def _check_offload_fraction(offload: str) -> None:
             raise ConfigError(f"parallel.offload: {offload} gives disk offload a fraction, "
                               "which only CPU offload takes; write cpu:FRACTION, or "
                               "disk:PATH for all of it")
+
+
+def _check_step_in_backward(cfg: TrainConfig) -> None:
+    """parallel.step_in_backward steps CPU-offloaded blocks on OverlappedStep's host thread
+    during backward (Note [the host step overlapped with backward]): refuse it where no
+    block is stepped there, or where the step needs what exists only after backward."""
+    parallel = cfg.parallel
+    if not parallel.step_in_backward:
+        return
+    if not parallel.offload.startswith("cpu"):
+        raise ConfigError(f"parallel.step_in_backward: steps the CPU-offloaded blocks on a host "
+                          f"thread during backward, and parallel.offload {parallel.offload} "
+                          "steps none there (disk:PATH steps in the optimizer step itself); "
+                          "use parallel.offload cpu or cpu:FRACTION, or leave "
+                          "step_in_backward false")
+    after = ([f"the gradient clip (optim.grad_clip {cfg.optim.grad_clip})"]
+             if cfg.optim.grad_clip > 0 else []) \
+        + (["the fp16 loss scale (parallel.precision fp16)"]
+           if parallel.precision == "fp16" else [])
+    if after:
+        raise ConfigError(f"parallel.step_in_backward: a block stepped during backward cannot "
+                          f"apply {' or '.join(after)}, known only after the whole backward; "
+                          "set optim.grad_clip 0 and a precision other than fp16, or leave "
+                          "step_in_backward false")
+    if not parallel.overlap_step or parallel.delayed_update >= 0:
+        raise ConfigError("parallel.step_in_backward: runs on the host thread of "
+                          "parallel.overlap_step true with parallel.delayed_update -1 (the "
+                          "delayed update hands each block out in the step, after copying "
+                          "what the next forward reads); set both so, or leave "
+                          "step_in_backward false")
 
 
 def _is_number(text: str) -> bool:
