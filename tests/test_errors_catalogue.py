@@ -650,6 +650,7 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
         "E236": message_of(lambda: resolve("--optim.name", "muon", "--parallel.offload",
                                            f"disk:{tmp}")),
         "E367": message_of(lambda: resolve("--parallel.step_in_backward", "true")),
+        "E385": message_of(lambda: resolve("--parallel.delayed_update", "0")),
         "E368": message_of(lambda: resolve("--parallel.offload", "cpu",
                                            "--parallel.step_in_backward", "true")),
         "E369": message_of(lambda: resolve("--parallel.offload", "cpu", "--optim.grad_clip",

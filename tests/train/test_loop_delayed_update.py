@@ -36,3 +36,17 @@ def test_a_delayed_run_resumes_exactly(tmp_path):
     straight, resumed = runs["straight"], runs["resumed"]
     assert len(straight) == 6 and straight[-1] < straight[0]
     assert resumed[-3:] == straight[-3:]
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({}, "parallel.offload none"),
+    ({"parallel.offload": "cpu", "parallel.overlap_step": False}, "parallel.overlap_step false"),
+    ({"parallel.offload": "cpu:0.5", "optim.name": "muon"}, "optim.name muon"),
+])
+def test_a_delay_no_block_or_only_some_would_take_is_refused_naming_why(fields, named):
+    from fullshard.train.config.flags import apply_overrides
+    from fullshard.train.config.schema import ConfigError, get_preset, validate
+    cfg = apply_overrides(get_preset("debug"), {**fields, "parallel.delayed_update": 1}, "test")
+    with pytest.raises(ConfigError, match="parallel.delayed_update 1: ") as info:
+        validate(cfg)
+    assert named in str(info.value)

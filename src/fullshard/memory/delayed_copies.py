@@ -4,7 +4,7 @@ its second gradient buffer, in the replay's ledger (memory/replay.py).
 Under ``OverlappedStep(delayed=True)`` (Note [the delayed update] in delayed_update.py)
 every CPU-offloaded group that the host thread steps keeps, from its first delayed step
 on, a ``PendingShard``: a copy of its flat shard that its gathers read while the host
-step writes the shard (core/pending_shard.py; one buffer, reused, pinned where the
+step writes the shard (core/features/pending_shard.py; one buffer, reused, pinned where the
 compute device is CUDA), and a second sharded gradient buffer: the next backward writes
 it while the host step reads the one handed out. A group that keeps persistent gradients
 keeps both buffers for good (``GradReduction.hand_off_kept``); a group that gets fresh

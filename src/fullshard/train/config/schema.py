@@ -375,6 +375,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           "shard_grad_op or zero1, or lora.base fp32")
     _check_expert_parallel(cfg)
     _check_step_in_backward(cfg)
+    _check_delayed_update(cfg)
     offload = cfg.parallel.offload
     _check_offload_fraction(offload)
     if offload not in ("none", "cpu") and not offload.startswith("cpu:") \
@@ -457,6 +458,26 @@ def _check_step_in_backward(cfg: TrainConfig) -> None:
                           "delayed update hands each block out in the step, after copying "
                           "what the next forward reads); set both so, or leave "
                           "step_in_backward false")
+
+
+def _check_delayed_update(cfg: TrainConfig) -> None:
+    """parallel.delayed_update delays the step of the blocks OverlappedStep steps on its host
+    thread (Note [the delayed update]): refuse it where there are none, rather than train
+    exactly under a flag that says otherwise, or delay only some of the model."""
+    parallel = cfg.parallel
+    if parallel.delayed_update < 0:
+        return
+    missing = ([f"parallel.offload {parallel.offload} (it needs cpu or cpu:FRACTION)"]
+               if not parallel.offload.startswith("cpu") else []) \
+        + (["parallel.overlap_step false"] if not parallel.overlap_step else []) \
+        + ([f"optim.name {cfg.optim.name} (Muon steps the hidden matrices exactly, in the "
+            "optimizer step)"] if cfg.optim.name != "adamw" else [])
+    if missing:
+        raise ConfigError(f"parallel.delayed_update {parallel.delayed_update}: delays the step "
+                          f"of the CPU-offloaded blocks on the host thread, and with "
+                          f"{' and '.join(missing)} no block or only some would be delayed; "
+                          "use parallel.offload cpu or cpu:FRACTION, overlap_step true and "
+                          "optim.name adamw, or leave delayed_update -1")
 
 
 def _is_number(text: str) -> bool:
