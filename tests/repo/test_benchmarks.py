@@ -93,7 +93,7 @@ def test_scale_benchmark_prints_a_row_per_world_size_with_shards_summing_to_the_
     assert rows[0][2] == rows[1][2]  # N x rank 0's shard bytes: the model, at both sizes
 
 
-@pytest.mark.extended  # two benchmark processes: ~40 s of make test's ten minutes
+@pytest.mark.extended  # a benchmark run: make test's ten minutes are nearly spent
 def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
     proc = _bench("overlapped_step.py", "--shape", "tiny", "--rounds", "1", "--block", "3")
     assert "| fullshard, OverlappedStep |" in proc.stdout
@@ -106,7 +106,7 @@ def test_overlapped_step_benchmark_steps_the_same_bits_as_stepping_first():
     assert "step first vs delayed (one step stale): " in proc.stdout, proc.stdout
 
 
-@pytest.mark.extended  # two benchmark processes: ~40 s of make test's ten minutes
+@pytest.mark.extended  # a benchmark run: make test's ten minutes are nearly spent
 def test_step_hooks_benchmark_times_both_steps_and_their_difference():
     proc = _bench("step_hooks.py", "--params", "20", "--steps", "3", one_thread=True)
     lines = proc.stdout.splitlines()
