@@ -5,6 +5,7 @@ dtypes and values must be equal bit for bit, then an SGD step on each (a few ste
 bf16 parameters accumulating fp32 gradients, with and without a ``MixedPrecisionPolicy``
 (an fp32 or bf16 ``reduce_dtype``, or fp32 parameters computing in bf16 whose gradient is
 narrowed to bf16), ``grad_dtype=None``, a ``grad_dtype`` set on the sharded parameter
+after ``fully_shard``, an explicit ``grad_dtype`` kept through ``model.to(torch.bfloat16)``
 after ``fully_shard``, and microbatches accumulated without gradient sync. torch 2.15 only:
 before it torch's FSDP2 ignores the attribute, and so does fullshard (the last test)."""
 
@@ -27,7 +28,8 @@ needs_215 = pytest.mark.skipif(not FOLLOWS_PARAM_GRAD_DTYPE,
 
 # case: (parameter dtype, {parameter name: grad_dtype}, policy fields, set after sharding,
 #        microbatches per step without sync before the synced one); "twice" in the name:
-#        the first layer runs twice per forward (autograd adds its gradients up)
+#        the first layer runs twice per forward (autograd adds its gradients up); "to(bf16)"
+#        in the name: the sharded model is converted to bf16 before training
 CASES = {
     "fp32 grads of bf16 params": (torch.bfloat16, {"0.weight": torch.float32,
                                                    "2.bias": torch.float32}, {}, False, 0),
@@ -46,6 +48,8 @@ CASES = {
         torch.float32, {"2.weight": torch.bfloat16}, {"param_dtype": torch.bfloat16}, False, 1),
     "bf16 grads of fp32 params used twice": (torch.float32, {"0.weight": torch.bfloat16},
                                              {}, False, 0),
+    "an explicit fp32 kept through to(bf16) after sharding": (
+        torch.float32, {"0.weight": torch.float32}, {}, False, 0),
     "bf16 grads of fp32 params, without sync": (
         torch.float32, {"0.weight": torch.bfloat16, "2.bias": torch.bfloat16}, {}, False, 2),
 }
@@ -99,7 +103,11 @@ def _side_by_side(case: str, steps: int = 3) -> list:
             named = dict(model.named_parameters())
             for name, grad_dtype in grad_dtypes.items():
                 named[name].grad_dtype = grad_dtype
+        if "to(bf16)" in case:
+            model.to(torch.bfloat16)
         models.append(model)
+    if "to(bf16)" in case:
+        dtype = torch.bfloat16
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     seen = []
     for step in range(steps):
@@ -143,6 +151,8 @@ def test_gradients_follow_grad_dtype_as_torch_fully_shard_does(world):
     assert seen["bf16 grads of fp32 params computing in bf16"][0]["0.bias"] == torch.float32
     assert seen["set after sharding"][0]["0.weight"] == torch.float32
     assert seen["grad_dtype None, bf16 compute"][0]["0.weight"] == torch.bfloat16
+    converted = seen["an explicit fp32 kept through to(bf16) after sharding"][0]
+    assert (converted["0.weight"], converted["0.bias"]) == (torch.float32, torch.bfloat16)
     assert seen["accumulated without sync"][-1]["0.bias"] == torch.float32
 
 
