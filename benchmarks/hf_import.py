@@ -26,7 +26,20 @@ beside what the rank must hold (its shards) and the largest tensor of the model.
 it, the rise of the whole resident set (``VmHWM`` after the import over ``VmRSS``
 before it, the high-water mark reset first): pages of files mapped into the process
 count there, as they do against a job's memory limit.
-``--cold`` drops the folder from the page cache before every import. One untimed import
+Both sides start from the same state, set untimed before each of them:
+
+- the page cache: by default rank 0 reads every file once through a small buffer (all
+  of the files in the page cache: warm); with ``--cold`` it drops their pages
+  (``posix_fadvise(POSIX_FADV_DONTNEED)``);
+- the process's memory: the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``, so every
+  allocation of a tensor's size gets fresh pages from the kernel and gives them back
+  when freed, as in a process importing once. Without it glibc raises its threshold as
+  the process frees memory and keeps what it freed, and "read once" took 0.025 s into
+  memory a previous side had already touched or 0.17 s into fresh pages (the baseline's
+  bimodal figures: 0.03 or 0.15-0.17 s), whatever the page cache held.
+
+Each side's median is printed with its spread (fastest-slowest), and the median of the
+rounds' ratios (each round's import over the same round's baseline). One untimed import
 first pays for what a process does once (imports; transformers builds its table of every
 architecture's conversions, about 0.4 s here, at the first load as ``from_pretrained``
 does).
@@ -67,6 +80,24 @@ def _save(folder: str, layers: int, hidden: int) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_config(layers, hidden)).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="100MB")
+
+
+def _warm(folder: str) -> None:
+    """Bring every file of the folder into the page cache, through one small buffer (no
+    memory the size of the files is allocated or touched)."""
+    buffer = bytearray(4 << 20)
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+
+
+def _set_page_cache(folder: str, cold: bool) -> None:
+    """The files' pages dropped from the page cache (``cold``), or all of them in it."""
+    if cold:
+        evict_from_page_cache(folder)
+    else:
+        _warm(folder)
 
 
 def _read_once(folder: str) -> None:
@@ -132,8 +163,8 @@ def worker(folder: str, repeats: int, cold: bool, dtype: torch.dtype) -> dict:
     _streamed(folder, dtype)  # once untimed: imports, and transformers' table of conversions
     for i in range(repeats):
         for op in ops[i % 3:] + ops[:i % 3]:
-            if cold and rank == 0:
-                evict_from_page_cache(folder)
+            if rank == 0:  # the same page-cache state before every side, untimed
+                _set_page_cache(folder, cold)
             dist.barrier()
             t = time.perf_counter()
             if op == "read once":
@@ -156,11 +187,15 @@ def memory_worker(folder: str, cold: bool, dtype: torch.dtype, measured: str) ->
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if cold and dist.get_rank() == 0:
-        evict_from_page_cache(folder)
+    if dist.get_rank() == 0:
+        _set_page_cache(folder, cold)
     dist.barrier()
     return _streamed(folder, dtype, True) if measured == "load_hf" else \
         _broadcast(folder, True)
+
+
+def _load(averages: tuple[float, ...]) -> str:
+    return "/".join(f"{x:.1f}" for x in averages)
 
 
 def main() -> None:
@@ -174,6 +209,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="drop the folder from the page cache before every import")
     args = parser.parse_args()
+    load_before = os.getloadavg()
+    # fresh pages for every tensor-sized allocation in the ranks (read at their start)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     with tempfile.TemporaryDirectory(prefix="fullshard-hf-import-") as root:
         folder = os.path.join(root, "llama")
         _save(folder, args.layers, args.hidden)
@@ -193,13 +231,21 @@ def main() -> None:
     print(f"Llama, {args.layers} layers, hidden {args.hidden}: {nbytes / 1e6:.0f} MB of bf16 "
           f"in {files} safetensors files into {args.dtype} shards; world size "
           f"{args.world_size}; "
-          f"{'cold' if args.cold else 'warm'} page cache; medians of {args.repeats}\n")
-    print("| import | median s | / reading the files once |\n|---|---:|---:|")
+          f"{'cold' if args.cold else 'warm'} page cache, set before every side; medians of "
+          f"{args.repeats}; MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}; "
+          f"load average (1, 5, 15 min) {_load(load_before)} before, {_load(os.getloadavg())} after\n")
+    print("| import | median s | fastest-slowest s | median / reading the files once | "
+          "median of the rounds' ratios |\n|---|---:|---:|---:|---:|")
+
+    def row(name: str, values: list[float]) -> None:
+        ratios = [v / r for v, r in zip(values, times["read once"])]
+        print(f"| {name} | {med(values):.3f} | {min(values):.3f}-{max(values):.3f} | "
+              f"{med(values) / read:.2f} | {med(ratios):.2f} |")
     for op in ("read once", "load_hf", "rank 0 + broadcast"):
-        print(f"| {op} | {med(times[op]):.2f} | {med(times[op]) / read:.2f} |")
-    alone = max(med(r["extra"]["load_hf alone"]) for r in ranks)
-    print(f"| load_hf alone (slowest rank; building and sharding left out) | {alone:.2f} | "
-          f"{alone / read:.2f} |")
+        row(op, times[op])
+    # the slowest rank's, round by round
+    alone = [max(vals) for vals in zip(*(r["extra"]["load_hf alone"] for r in ranks))]
+    row("load_hf alone (slowest rank; building and sharding left out)", alone)
     print(f"\n| rank | its {args.dtype} shards MB | largest tensor MB | RssAnon rise, load_hf MB | "
           "/ (shards + largest) | RSS rise, load_hf MB | / shards | "
           "RssAnon rise, rank 0 + broadcast MB |\n|---|---:|---:|---:|---:|---:|---:|---:|")

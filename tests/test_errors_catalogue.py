@@ -909,9 +909,11 @@ _TESTED_ELSEWHERE = {
            "test_misuse_names_the_parameter_and_what_to_do",
     "E47": "tests/core/test_features_tensor_parallel.py::"
            "test_misuse_names_the_parameter_and_what_to_do",
-    # refused from torch 2.15 only; accepted (as torch does) before it
-    "E338": "tests/core/test_refusals_grad_dtype.py::"
-            "test_a_grad_dtype_torch_would_follow_is_refused_naming_the_parameter",
+    # torch 2.15 or later only: before it no grad_dtype is followed
+    "E362": "tests/core/test_features_grad_dtype.py::"
+            "test_grad_dtype_on_a_parameter_gathered_beside_the_flat_buffers_is_refused",
+    "E363": "tests/core/test_features_grad_dtype.py::"
+            "test_grad_dtype_none_with_unused_params_as_zeros_is_refused_as_torch_refuses_it",
     **{code: "tests/core/test_features_subclass_params.py::"
               "test_misuse_is_one_line_naming_the_parameter_on_every_rank"
        for code in ("E105", "E106", "E107", "E108", "E109", "E110", "E111")},

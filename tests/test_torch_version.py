@@ -9,6 +9,8 @@ import importlib
 import pytest
 import torch
 
+from fullshard.torch_version import FOLLOWS_PARAM_GRAD_DTYPE
+
 VERSION = torch.__version__
 
 
@@ -84,3 +86,15 @@ def test_the_autograd_engine_takes_end_of_backward_callbacks():
 def test_the_cpu_flash_attention_op_the_estimator_traces_exists():
     assert hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"), _changed(
         "aten._scaled_dot_product_flash_attention_for_cpu", "it is gone")
+
+
+@pytest.mark.skipif(not FOLLOWS_PARAM_GRAD_DTYPE, reason="grad_dtype is followed from 2.15")
+def test_a_tensor_says_whether_its_grad_dtype_was_set():
+    name = "Tensor._has_grad_dtype_override"
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    assert p._has_grad_dtype_override is False, _changed(name, "set on a fresh parameter")
+    p.grad_dtype = None
+    assert p._has_grad_dtype_override is True, _changed(name, "unset after grad_dtype=None")
+    q = torch.nn.Parameter(torch.zeros(2))
+    q.grad_dtype = torch.float32  # equal to its dtype, still explicit
+    assert q._has_grad_dtype_override is True, _changed(name, "unset after an explicit dtype")

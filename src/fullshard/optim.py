@@ -166,6 +166,8 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
                 local_params.append(p)
                 continue
             grad = p.grad
+            if grad is not None and grad.dtype != local.dtype:  # Note [a parameter's grad_dtype]
+                local.grad_dtype = grad.dtype
             local.grad = grad._local_tensor if grad is not None else None
             state = opt.state.pop(p, None)
             local_state = local_states(state)

@@ -11,8 +11,7 @@ refused at import. The differences handled, each named by a constant below:
   ``param_dtype``; gradients accumulated without sync (``set_requires_gradient_sync(
   False)``) are accumulated in that dtype too. Before 2.15 both happen in ``param_dtype``.
 * ``FOLLOWS_PARAM_GRAD_DTYPE`` (2.15): torch's FSDP2 follows a parameter's own
-  ``grad_dtype``; fullshard refuses one that differs from the parameter's dtype (Note
-  [a parameter's grad_dtype]).
+  ``grad_dtype``, and so does fullshard (Note [a parameter's grad_dtype]).
 * Names added in 2.15 exist in fullshard on every supported version, with 2.15's
   behaviour: ``MixedPrecisionPolicy.param_dtype_override_fn``,
   ``FSDPModule.finalize_backward`` and ``GradientReductionHandle``,
@@ -46,6 +45,9 @@ installed torch and fails naming the torch version and the name if a release cha
 * ``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_modules`` (or the same
   name in ``_fully_shard``, where a torch calls it from there): while ``install()`` is in
   effect a guard there refuses, by name, torch's ``fully_shard`` over fullshard units.
+* ``Tensor._has_grad_dtype_override`` (2.15 on): whether ``grad_dtype`` was set, which its
+  value cannot tell (an explicit one equal to the dtype, or ``None``); torch's FSDP2 reads
+  it to decide which parameters' policy to follow (Note [a parameter's grad_dtype]).
 """
 
 from __future__ import annotations

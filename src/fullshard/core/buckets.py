@@ -48,6 +48,7 @@ def _compatible(a: "UnitState", b: "UnitState", root: "UnitState | None") -> boo
                    and a.unshard_in_backward == b.unshard_in_backward)
     return (a.mesh == b.mesh and same_rule and same_reduce and a.mp_policy == b.mp_policy
             and ga.storage.dtype == gb.storage.dtype
+            and ga.reduce_dtype == gb.reduce_dtype  # a grad_dtype may widen one's
             and ga.storage.device == gb.storage.device
             and (ga.offload, ga.compute_device) == (gb.offload, gb.compute_device)
             and (ga.quantize_weights, ga.quantize_grads) == (gb.quantize_weights,

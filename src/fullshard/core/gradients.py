@@ -35,6 +35,7 @@ import torch.distributed as dist
 from .comm import (BufferPool, HostCopies, Pending, all_reduce_sum, reduce_scatter_sum,
                    skips_collectives, traced)
 from .features import grad_norms
+from .features.grad_dtype import accumulation_dtypes, sharded_grad_dtypes
 from .guard.divergence import Guard
 from .guard.ledger import DIGEST_NUMEL, REDUCE_SCATTER_OWN_GROUP, digest_elements
 from .param import ShardedParam
@@ -147,7 +148,8 @@ class PendingReduce:
                  dest: torch.Tensor, replicate_pg: dist.ProcessGroup | None = None,
                  options: ReduceOptions = DEFAULT_REDUCE, partial: "PartialSum | None" = None,
                  copies: HostCopies | None = None, held: list[torch.Tensor] = (),
-                 data_parallel_size: int = 1, measure_norms: bool = False):
+                 data_parallel_size: int = 1, measure_norms: bool = False,
+                 grad_dtypes: list | None = None):
         self.unit_name = unit_name
         self.params = params
         self.handed_out = False  # the gradients became the parameters' .grad
@@ -170,6 +172,9 @@ class PendingReduce:
         # offloaded: measure the shard's norms on the device before the copy to the host
         # (Note [gradient norms measured before the copy to the host])
         self._measure_norms = measure_norms
+        # each .grad's dtype where a grad_dtype sets one: ``dest`` is then in the reduced
+        # dtype, and each shard is cast on its own (Note [a parameter's grad_dtype])
+        self._grad_dtypes = grad_dtypes
 
     def finish(self, patience=None) -> "UnknownPresence | None":
         """Average the reduction into the sharded ``.grad``s; what is returned (when some
@@ -258,6 +263,8 @@ class PendingReduce:
             for p, view in zip(self.params, self._views):
                 p.sharded_param.grad = view
             return unknown
+        if self._grad_dtypes is not None:  # cast before any add, as torch's FSDP2 does
+            shards = [s.to(d) for s, d in zip(shards[:len(self.params)], self._grad_dtypes)]
         for p, shard in zip(self.params, shards):
             current = p.sharded_param.grad
             if current is None:
@@ -339,6 +346,7 @@ class _Packed(NamedTuple):
     comm: object                 # the unit's custom reduce-scatter, or None
     inspected: bool              # the chunk's digest is compared in the collective
     pooled: bool                 # ``full`` is the pool's (else its allocator's: held)
+    grad_dtypes: list | None     # each sharded .grad's dtype, where a grad_dtype sets one
 
 
 class ReducedGroup(Protocol):
@@ -482,19 +490,24 @@ class GradReduction:
             return None
         w = g.world_size
         ref = trainable[0].unsharded_local
-        full, had_grad, numel, plan, comm, inspected, pooled = self._pack(trainable, options)
+        full, had_grad, numel, plan, comm, inspected, pooled, grad_dtypes = self._pack(
+            trainable, options)
         reduce_dtype = full.dtype
         # a staged ``full`` is held, not pooled (Note [staging buffers from the process group])
         own, held = ([full], []) if pooled else ([], [full])
         pg = g.reduce_scatter_pg  # Note [a reduce-scatter group of its own]
-        dest, views = self._grad_destination(trainable, numel, g.storage.dtype,
-                                             g.storage.device)
+        if grad_dtypes is None:
+            dest, views = self._grad_destination(trainable, numel, g.storage.dtype,
+                                                 g.storage.device)
+        else:  # each shard is cast from the reduced dtype (Note [a parameter's grad_dtype])
+            dest, views = self._new_grad_buffer(numel, reduce_dtype, g.storage.device), None
         # what every reduction below hands its PendingReduce; the buffers it holds and
         # whether it all-reduces across replicas after the collective differ
         pending_reduce = functools.partial(
             PendingReduce, g.unit_name, trainable, had_grad, pool=g.pool, views=views,
-            dest=dest, options=options, copies=g.copies, measure_norms=g.offload is not None,
-            data_parallel_size=self.data_parallel_size)
+            dest=dest, options=options, copies=g.copies,
+            measure_norms=g.offload is not None and grad_dtypes is None,
+            data_parallel_size=self.data_parallel_size, grad_dtypes=grad_dtypes)
         across = {"replicate_pg": g.replicate_pg, "partial": self.partial_sum}
         if plan.all_reduce:  # Note [shard groups of one rank]
             if not options.all_reduce:  # hold the local sum back: PendingReduce keeps it
@@ -539,6 +552,8 @@ class GradReduction:
         reduce_dtype = g.reduce_dtype or ref.dtype
         if len({g.dtype for g in grads}) > 1:  # some were accumulated in reduce_dtype
             grads = [g.to(reduce_dtype) for g in grads]
+        grad_dtypes = (sharded_grad_dtypes(g, trainable, reduce_dtype, options.unused_as_zeros)
+                       if any(p.grad_policy.explicit for p in trainable) else None)
         grads = [p.layout.rank_major(w, g) for p, g in zip(trainable, grads)]
         # one row per rank, kept (Note [the reduction's tail, one row per rank])
         flags = self._presence_flags(had_grad, grads[0], w)
@@ -546,7 +561,8 @@ class GradReduction:
         comm = None if skips_collectives(w) else g.reduce_scatter_comm
         plan = reduce_plan(shard_size=w, replicated=g.replicate_pg is not None,
                            backend=dist.get_backend(g.pg), reduce_dtype=reduce_dtype,
-                           compute_device=ref.device, grad_dtype=g.storage.dtype,
+                           compute_device=ref.device,
+                           grad_dtype=g.storage.dtype if grad_dtypes is None else reduce_dtype,
                            grad_device=g.storage.device)
         if plan.all_reduce and options.all_reduce:
             g._record("all-reduce", w * numel)
@@ -578,21 +594,31 @@ class GradReduction:
         del grads  # the unsharded gradients die here, before the receive buffers exist
         for p in trainable:
             p.unsharded_param.grad = None
-        return _Packed(full, had_grad, numel, plan, comm, inspected, pooled)
+        return _Packed(full, had_grad, numel, plan, comm, inspected, pooled, grad_dtypes)
 
     def accumulate_unsharded(self) -> None:
         """Without gradient sync: move this backward's unsharded gradients into a
         per-parameter accumulator in ``reduce_dtype`` (bf16 sums lose precision fast), so
-        AccumulateGrad starts fresh next time; the synced backward reduces the sum."""
-        if self.group.reduce_dtype is None or self.group.reduce_dtype == self.group.compute_dtype:
-            return  # accumulating in .grad itself is exact enough
-        for p in self.group.trainable():
+        AccumulateGrad starts fresh next time; the synced backward reduces the sum. A unit
+        with an explicit ``grad_dtype`` accumulates each parameter in its own accumulation
+        dtype (Note [a parameter's grad_dtype])."""
+        g = self.group
+        trainable = g.trainable()
+        followed = any(p.grad_policy.explicit for p in trainable)
+        dtypes = accumulation_dtypes(g, trainable) if followed else None
+        if not followed:
+            if g.reduce_dtype is None or g.reduce_dtype == g.compute_dtype:
+                return  # accumulating in .grad itself is exact enough
+            dtypes = [g.reduce_dtype] * len(trainable)
+        for p, dtype in zip(trainable, dtypes):
             grad = p.local_grad(p.unsharded_param.grad)
             if grad is None:
                 continue
+            if followed and p.accumulated_grad is None and dtype in (None, grad.dtype):
+                continue  # AccumulateGrad adds the next one in .grad, in its dtype
             p.unsharded_param.grad = None
             if p.accumulated_grad is None:
-                p.accumulated_grad = grad.to(self.group.reduce_dtype)
+                p.accumulated_grad = grad.to(dtype)
             else:
                 p.accumulated_grad += grad
 

@@ -138,6 +138,7 @@ from .features.mapped import page_out
 from .features.quantized_collectives import quantized_all_gather
 from .storage import ShardStorage, UnshardedBuffer
 from .gradients import GradReduction
+from .features.grad_dtype import follow as follow_grad_dtypes
 from .param import ShardedParam
 from .features.pending_shard import PendingShard
 from .features.post_forward import PostForwardShard
@@ -336,6 +337,7 @@ class ParamGroup:
                 # a default reduction follows the parameters' new dtype (module.to(float64)
                 # after fully_shard), as torch's FSDP2 reads it at lazy init
                 self.reduce_dtype = policy.reduce_dtype_for(self.storage.dtype)
+                follow_grad_dtypes(self)  # Note [a parameter's grad_dtype]
                 self.batch.reduce_dtype = self.reduce_dtype
         for p in self.subclass.params if self.subclass is not None else ():
             p.readopt(None)

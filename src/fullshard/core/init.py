@@ -24,7 +24,7 @@ from ..policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, a
                         as_offload_policy)
 from .guard import arrival, divergence
 from .buckets import merge_small_units
-from .refusals.grad_dtype import refuse_grad_dtype_override
+from .features.grad_dtype import follow as follow_grad_dtypes
 from .group import GroupState, ParamGroup, outside_special_modes
 from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve_mesh
 from .refusals.torch_errors import FullyShardArgumentError, torch_first
@@ -307,7 +307,6 @@ def _collect_params(module: nn.Module, label: str, ignored: set[nn.Parameter],
                     "the modules that share it together: apply fully_shard to their common "
                     "parent only (e.g. leave tied embeddings to the root).")
             check_subclass_param(label, fqn, p)
-            refuse_grad_dtype_override(label, fqn, p)
             if not (p.is_floating_point() or p.is_complex()):
                 raise ValueError(
                     f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; fullshard "
@@ -367,8 +366,7 @@ def lazy_init(unit: UnitState, all_units: list[UnitState], bucket_numel: int) ->
         _check_no_hooks_set_after_sharding(u.group)
         u.group.reshard()
         _readopt_if_replaced(u.group)
-        for p in u.group.params:  # set on the sharded parameter after fully_shard
-            refuse_grad_dtype_override(u.name, p.fqn, p.sharded_param)
+        follow_grad_dtypes(u.group)  # Note [a parameter's grad_dtype]
     merge_small_units(all_units, bucket_numel, root=unit)
     root = RootState(unit, all_units)
     root.start_iteration()

@@ -70,6 +70,7 @@ raises naming the parameter instead of training on silently.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -81,6 +82,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from .features.grad_dtype import UNSET, GradDtype
+from .features.grad_dtype import give as give_grad_dtype
+from .features.grad_dtype import read as read_grad_dtype
 from .features.subclass_params import KeptDtypeShard, SubclassShard, has_all_gather_hooks
 from .features.spmd_mesh import SpmdDims, spmd_layout
 from .features.tensor_parallel import local_grad, sharded_layout
@@ -209,6 +213,12 @@ class ShardedParam:
         # its .grad came only from reductions whose presence flags are not read yet (Note
         # [gradient presence flags]): zeros that may go back to None
         self.presence_unknown = False
+        # Note [a parameter's grad_dtype]: its policy, carried by the sharded parameter,
+        # and what the unsharded parameter's grad_dtype is set to (from lazy init)
+        self.grad_policy: GradDtype = read_grad_dtype(param)
+        self.unsharded_grad_policy: GradDtype = UNSET
+        # sharded-gradient specs in dtypes other than the parameter's (by dtype)
+        self._grad_specs: dict[torch.dtype, DTensorSpec] = {}
         # Note [tensor-subclass parameters]: gathered through the subclass's own hooks, or
         # in its own dtype beside a unit computing in another (param_dtype_override_fn)
         self.extension: SubclassShard | None = (
@@ -246,6 +256,7 @@ class ShardedParam:
         # Gradients reuse the parameter's own spec object: DTensor's sharding cache then
         # matches them by identity instead of comparing specs field by field.
         self.spec = self.sharded_param._spec
+        give_grad_dtype(self.sharded_param, self.grad_policy)
         track(self)
         self.register(self.sharded_param)
 
@@ -296,8 +307,16 @@ class ShardedParam:
         self._adopt(current)
 
     def _adopt(self, current: DTensor) -> None:
+        # a replacement loses grad_dtype: it is given the policy the old one carried (Note
+        # [a parameter's grad_dtype])
+        for param in (self.sharded_param, current):
+            found = read_grad_dtype(param) if param is not None else UNSET
+            if found.explicit:
+                self.grad_policy = found
+        give_grad_dtype(current, self.grad_policy)
         self.sharded_param = current
         self.spec = current._spec
+        self._grad_specs.clear()
         track(self)
         self.register(current)
 
@@ -310,6 +329,8 @@ class ShardedParam:
         if self.tp_spec is not None:  # the module sees its TP DTensor again
             value = DTensor(value, self.tp_spec, requires_grad=False)
         self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
+        if self.unsharded_grad_policy.explicit:  # Note [a parameter's grad_dtype]
+            self.unsharded_param.grad_dtype = self.unsharded_grad_policy.dtype
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` the value every owning module sees under this parameter's name."""
@@ -322,8 +343,16 @@ class ShardedParam:
         return lay.valid(padded_grad_shard.view(lay.padded_shape(lay.rows_per_rank)))
 
     def sharded_grad(self, padded_grad_shard: torch.Tensor) -> DTensor:
-        """Wrap this rank's reduced gradient rows as a DTensor matching the sharded param."""
-        return DTensor(self.grad_rows(padded_grad_shard), self.spec, requires_grad=False)
+        """Wrap this rank's reduced gradient rows as a DTensor matching the sharded param
+        (in the rows' dtype, which a ``grad_dtype`` may make another than the param's)."""
+        rows = self.grad_rows(padded_grad_shard)
+        spec = self.spec
+        if rows.dtype != spec.tensor_meta.dtype:
+            spec = self._grad_specs.get(rows.dtype)
+            if spec is None:
+                spec = self._grad_specs[rows.dtype] = dataclasses.replace(
+                    self.spec, tensor_meta=self.spec.tensor_meta._replace(dtype=rows.dtype))
+        return DTensor(rows, spec, requires_grad=False)
 
     def local_is_shard(self) -> bool:
         """Whether the registered DTensor's local tensor is still this rank's rows of the
