@@ -4,6 +4,7 @@
     python benchmarks/gpu.py --workloads G2 --impls fullshard,fsdp2
     python benchmarks/gpu.py --tiny --device cpu      # the same code on CPU, tiny shapes
     python benchmarks/gpu.py --workloads G2 --impls fullshard,fullshard-symm  # symmetric memory on/off
+    python benchmarks/gpu.py --workloads G2 --impls plain,fsdp2,fullshard,fullshard-graph
 
 Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused AdamW):
   G1 compute-bound: d=1536, 24 layers, 12 heads, vocab 32000, batch 8 x 1024
@@ -14,7 +15,12 @@ Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused Ad
 Implementations: plain (one device, no sharding), fsdp2 (torch's fully_shard), fullshard,
 megatron (Megatron-FSDP 0.6.1's fully_shard, ZeRO-3, one unit per block; CUDA only, G1 and
 G2: it has no CPU offload, and compiled blocks are not its unit class; skipped with the
-reason where it cannot run or is not installed).
+reason where it cannot run or is not installed). On request: fullshard-symm (all-gathers
+into NCCL symmetric memory) and fullshard-graph (the whole step captured once by
+``fullshard.capture_step`` and replayed: Note [capturing the steady step]; CUDA only, not
+G3, whose offload it refuses; its optimizer is the fused AdamW with ``capturable=True``,
+its warm-up steps train on the first batch before the timed ones, so its losses are not
+the others', and its step is not split into phases).
 
 Each (implementation, workload) runs in its own set of processes (world size = every
 visible GPU), so memory figures start clean. On one GPU fullshard runs its collectives
@@ -52,7 +58,8 @@ from fullshard.testing import free_port  # noqa: E402
 IMPLS = ("plain", "fsdp2", "fullshard", "megatron")
 # on request only (--impls): fullshard with its all-gathers into NCCL symmetric memory
 # (set_symm_mem_for_comm), to measure against "fullshard"
-EXTRA_IMPLS = ("fullshard-symm",)
+# fullshard's step captured in one CUDA graph and replayed (fullshard.capture_step)
+EXTRA_IMPLS = ("fullshard-symm", "fullshard-graph")
 H100_BF16_DENSE_TFLOPS = 989.0
 
 
@@ -108,7 +115,7 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
         return model.to(device)
     if impl == "megatron":
         return model  # sharded with its optimizer: _megatron
-    if impl in ("fullshard", "fullshard-symm"):
+    if impl in ("fullshard", "fullshard-symm", "fullshard-graph"):
         from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from fullshard.testing import collectives_at_one_rank
         # one GPU: gather and reduce as FSDP2 does at world size 1 (its collectives run on
@@ -228,8 +235,9 @@ def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = Non
     model = build(impl, w, device)
     if impl == "megatron":
         model, optim = _megatron(model, device)
-    else:
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # CPU too (offload)
+    else:  # fused on CPU too (offload); a captured step keeps its step count on the device
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True,
+                                  capturable=impl == "fullshard-graph")
     clip_and_step = _clip_and_step(impl, w, model, optim)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if impl == "plain"
                 else torch.autocast(device.type, enabled=False))
@@ -240,8 +248,11 @@ def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = Non
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "clip": [], "optimizer": []}
+    captured = None  # fullshard-graph: the captured step, replayed by step()
 
     def step(x, y, split: bool) -> float:
+        if captured is not None:  # one graph: no phase boundary to synchronize at
+            return captured(x, y).item()
         marks = [time.perf_counter()]
 
         def mark():
@@ -262,6 +273,8 @@ def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = Non
 
     n_split = 3
     batches = _batches(w, device, w.warmup + w.steps + n_split)
+    if impl == "fullshard-graph":
+        captured = _capture(model, optim, loss_of, clip_and_step, batches[0], w.warmup)
     losses, times = [], []
     for i, (x, y) in enumerate(batches[:w.warmup + w.steps]):
         _sync(device)
@@ -287,9 +300,25 @@ def run(impl: str, w: Workload, peak_tflops: float, profile_to: str | None = Non
         "tokens_per_s": tokens * world / (step_ms / 1e3),
         "mfu": tokens * w.cfg.flops_per_token(w.seq) / (step_ms / 1e3) / (peak_tflops * 1e12),
         "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
-        "phases_ms": {k: statistics.median(v) for k, v in phases.items()},
+        "phases_ms": {k: statistics.median(v) if v else float("nan") for k, v in phases.items()},
         "losses": losses, "params": w.cfg.num_params(),
     }
+
+
+def _capture(model, optim, loss_of, clip_and_step, batch, warmup: int):
+    """fullshard.capture_step of one whole step (forward, backward, clip, optimizer,
+    zero_grad) on copies of ``batch``, after ``warmup`` eager steps on it."""
+    import fullshard
+
+    def whole_step(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        clip_and_step(lambda: None)
+        optim.zero_grad(set_to_none=True)
+        return loss
+    x, y = batch
+    return fullshard.capture_step(whole_step, x.clone(), y.clone(), model=model,
+                                  optimizer=optim, warmup=max(warmup, 2))
 
 
 def _device_name(device: torch.device) -> str:
@@ -363,6 +392,15 @@ def _megatron_skipped(w: Workload, device: str) -> str | None:
     return None
 
 
+def _graph_skipped(w: Workload, device: str) -> str | None:
+    """Why fullshard.capture_step does not run ``w`` here, or None."""
+    if device != "cuda":
+        return "a CUDA graph needs CUDA"
+    if w.offload:
+        return "capture_step refuses CPU offload (docs/errors.md E374)"
+    return None
+
+
 def table(results: dict[tuple[str, str], dict]) -> str:
     rows = ["| workload | impl | step ms | tokens/s | MFU | peak alloc GiB | peak reserved GiB "
             "| fwd / bwd / clip / optim ms | vs FSDP2 | vs plain | last loss |",
@@ -386,7 +424,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="G1,G2,G3,G4")
     parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"of {', '.join(IMPLS + EXTRA_IMPLS)}; {EXTRA_IMPLS[0]} on request only")
+                        help=f"of {', '.join(IMPLS + EXTRA_IMPLS)}; "
+                             f"{', '.join(EXTRA_IMPLS)} on request only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"])
     parser.add_argument("--nproc", type=int, help="processes (default: every visible GPU)")
@@ -412,6 +451,11 @@ def main() -> None:
         for impl in args.impls.split(","):
             if impl == "plain" and WORKLOADS[workload].offload:
                 continue  # a plain loop does not offload
+            if impl == "fullshard-graph" and (why := _graph_skipped(WORKLOADS[workload],
+                                                                    args.device)):
+                print(f"fullshard-graph on {workload}: skipped ({why})", file=sys.stderr,
+                      flush=True)
+                continue
             if impl == "fullshard-symm" and args.device != "cuda":
                 print(f"fullshard-symm on {workload}: skipped (symmetric memory needs CUDA "
                       "and NCCL)", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from .whole_matrix import register_whole_matrix_optimizer
 from .fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from .grad_norm import clip_grad_norm_
 from .overlapped_step import OverlappedStep
+from .captured import CapturedStep, CaptureError, capture_step
 from .torch_names import InstallOrderWarning, install, uninstall
 from .activation_checkpointing import apply_activation_checkpointing
 from .fsdp1 import (FSDP, BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
@@ -35,6 +36,9 @@ __all__ = [
     "share_comm_ctx",
     "clip_grad_norm_",
     "OverlappedStep",
+    "capture_step",
+    "CapturedStep",
+    "CaptureError",
     "register_whole_matrix_optimizer",
     "install",
     "uninstall",

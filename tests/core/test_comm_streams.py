@@ -5,7 +5,6 @@ collectives]). What only a GPU shows (the copies overlapping compute, no block r
 under a read) stays for the CUDA lane."""
 
 import pytest
-import contextlib
 import weakref
 
 import torch
@@ -19,61 +18,9 @@ from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import collectives_at_one_rank, run_distributed
 from fullshard.testing.models import token_batch
 from fullshard.testing.parity import check_parity
+from support.recording_streams import RecordingStreams, RecordedStream
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
-
-
-class _Event:
-    def __init__(self, log, stream):
-        self.stream = stream
-        log.append(("record", stream.name, self))
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-class _Stream:
-    def __init__(self, streams, name):
-        self.streams, self.name = streams, name
-
-    def wait_stream(self, other):
-        self.streams.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event):
-        self.streams.log.append(("wait_event", self.name, event))
-
-    def record_event(self):
-        return _Event(self.streams.log, self)
-
-
-class RecordingStreams:
-    """What HostCopies uses of ``torch.cuda``: streams, events, the current stream."""
-
-    def __init__(self):
-        self.log = []
-        self.made = 0
-        self.current = _Stream(self, "compute")
-
-    def Stream(self, device):  # noqa: N802 - torch.cuda's name
-        self.made += 1
-        return _Stream(self, ("to_host", "to_device")[self.made - 1] if self.made <= 2
-                       else f"stream{self.made}")
-
-    def current_stream(self, device=None):
-        return self.current
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        before, self.current = self.current, stream
-        self.log.append(("enter", stream.name))
-        try:
-            yield
-        finally:
-            self.current = before
-            self.log.append(("leave", stream.name))
 
 
 def test_the_copy_stream_waits_for_reads_on_every_compute_stream():
@@ -81,7 +28,7 @@ def test_the_copy_stream_waits_for_reads_on_every_compute_stream():
     (share_comm_ctx): a gather from stage B must not reuse a block stage A still reads."""
     fake = RecordingStreams()
     copies = HostCopies(torch.device("cpu"), streams=fake)
-    stage_a, stage_b = fake.current, _Stream(fake, "stage_b")
+    stage_a, stage_b = fake.current, RecordedStream(fake, "stage_b")
     with copies.to_device():
         pass
     copies.reads_done()  # stage A copied out of the gathered buffer

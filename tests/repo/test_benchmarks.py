@@ -41,6 +41,26 @@ def test_gpu_benchmark_runs_each_implementation_to_the_same_losses(tmp_path):
     assert "megatron on G1: skipped (" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.extended
+def test_gpu_benchmark_captured_step_reaches_capture_step_and_only_the_device_is_refused():
+    """fullshard-graph is skipped on CPU by the driver; its worker, run here on CPU, hands
+    capture_step a model, a capturable optimizer and inputs it accepts, and is refused
+    for the device alone (docs/errors.md E373): what a GPU session would capture."""
+    from fullshard.testing import free_port
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+         f"--master_port={free_port()}", str(ROOT / "benchmarks" / "gpu.py"), "--worker",
+         "--impl", "fullshard-graph", "--workload", "G2", "--tiny"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "BENCH_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert ("CaptureError: fullshard.capture_step: FSDPLlama computes on cpu: a CUDA graph "
+            "captures CUDA work only" in proc.stderr), proc.stderr[-2000:]
+    skipped = _bench("gpu.py", "--tiny", "--device", "cpu", "--workloads", "G2",
+                     "--impls", "fullshard-graph")
+    assert "fullshard-graph on G2: skipped (a CUDA graph needs CUDA)" in skipped.stderr
+
+
 @pytest.mark.slow
 def test_trainer_benchmark_times_the_trainer_beside_a_plain_loop():
     proc = _bench("trainer.py", "--preset", "debug", "--rounds", "1", "--block", "2")

@@ -16,7 +16,7 @@ LAYERS = [
     {"policies", "gpt", "errors", "bounds"},               # plain data, a plain model, checks
     {"core"},                                              # the runtime
     {"fsdp_module", "api", "placement_meshes"},            # the FSDP2 front
-    {"optim", "step_calls", "overlapped_step", "delayed_update", "whole_matrix", "offload", "grad_norm", "wrap",
+    {"optim", "step_calls", "overlapped_step", "captured", "delayed_update", "whole_matrix", "offload", "grad_norm", "wrap",
      "activation_checkpointing",
      "checkpoint", "torch_names"},
     {"fsdp1"},                                             # the FSDP1 front, on the above

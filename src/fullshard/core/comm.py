@@ -472,6 +472,12 @@ class HostCopies:
         caller = self._streams.current_stream(self.device)
         self._reads[caller] = caller.record_event()
 
+    def forget_reads(self) -> None:
+        """Drop the compute streams' read events once the device has finished them (the
+        caller synchronized): a CUDA graph's capture may not wait on an event recorded
+        before it began (Note [capturing the steady step] in captured/)."""
+        self._reads.clear()
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (device) into ``dst`` (pinned host memory) without blocking; the
         values are readable after ``settle()``."""

@@ -172,6 +172,9 @@ class Guard:
         # set around a user's unshard() where the host waits in collectives: compare
         # before its gather (Note [an unshard() on some ranks only])
         self.compare_first = False
+        # set while a CUDA graph captures a step: record, exchange nothing (a graph
+        # replays no host work; Note [capturing the steady step] in captured/)
+        self.quiet = False
         self.lagged = lagged
         key = tuple(self.ranks)
         self.channel = control.prepare(self.ranks)  # made by fully_shard: found here
@@ -191,7 +194,7 @@ class Guard:
         """Record a collective about to be issued (debug mode: compare first)."""
         phase = self.phase()
         self.ledger.record(phase, OPERATIONS[operation], unit, numel)
-        if self.debug or self.compare_first:
+        if (self.debug or self.compare_first) and not self.quiet:
             self.check(phase)
 
     def forward(self, unit: int) -> None:
@@ -224,8 +227,8 @@ class Guard:
         """``phase`` ended: compare, unless a reduction's digests already showed every
         rank agreeing on everything recorded. A lagged guard finishes the comparison
         before this one now and leaves this one in flight, unless ``at_once``."""
-        if self.ledger.agreed == self.ledger.count:
-            return
+        if self.ledger.agreed == self.ledger.count or self.quiet:
+            return  # quiet: the records wait for the check after the capture
         if not self.lagged or at_once:
             self.check(phase)
             return
