@@ -981,7 +981,7 @@ def test_every_entry_tested_elsewhere_is_compared_with_its_documented_text():
 
 def _compares(code: str, test_file: Path) -> bool:
     text = test_file.read_text()
-    return "matches_documented(" in text and re.search(rf"[\"']{code}[\"']", text) is not None
+    return "matches_documented(" in text and re.search(rf"[\"']{code}\b", text) is not None
 
 
 def test_every_test_named_for_an_entry_exists():
