@@ -5,9 +5,10 @@ gradient buffer (Note [the delayed update]), beside its shard, gradients and sta
 import pytest
 import torch
 
-from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.gpt import GPTConfig, lm_loss
 from fullshard.memory import estimate
 from fullshard.testing import run_distributed
+from support.offloaded_gpt import gpt_offloaded_as_the_trainer_does, storages_of
 
 BATCH, SEQ = 1, 64
 CFG = GPTConfig(vocab_size=256, seq_len=SEQ, d_model=320, n_layers=3, n_heads=4)
@@ -15,37 +16,16 @@ FRACTION = f"cpu:{2 / 3!r}"  # the last 2 of 3 blocks on the host, each a group 
 KWARGS = dict(world_size=2, batch_size=BATCH, seq_len=SEQ, device="cpu", process_baseline=0)
 
 
-def _storages(tensors) -> dict[int, int]:
-    """The distinct storages under ``tensors`` (DTensors: their local pieces), by address."""
-    found = {}
-    for t in tensors:
-        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-        found[s.data_ptr()] = s.nbytes()
-    return found
-
-
 def train_delayed(offload: str) -> dict:
     """3 steps of ``OverlappedStep(delayed=True)`` over the trainer's per-unit policies for
     ``--parallel.offload offload``: the host bytes the offloaded units hold by kind, the
     gradients as every backward from the second on wrote them (the two kept buffers take
     turns), the copies as ``delayed_state_dict`` shows them."""
-    import dataclasses
-
     import torch.distributed as dist
 
-    from fullshard import OverlappedStep, fully_shard
-    from fullshard.train.config.schema import get_preset
-    from fullshard.train.model import unit_offload
+    from fullshard import OverlappedStep
 
-    with torch.device("meta"):
-        model = GPT(CFG)
-    policy_of = unit_offload(model, dataclasses.replace(get_preset("debug").parallel,
-                                                        offload=offload))
-    for layer in model.layers:
-        fully_shard(layer, offload_policy=policy_of(layer))
-    fully_shard(model, offload_policy=policy_of(model))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = gpt_offloaded_as_the_trainer_does(CFG, offload)
     opt = OverlappedStep(torch.optim.AdamW(model.parameters(), lr=1e-3), delayed=True)
     gen = torch.Generator().manual_seed(dist.get_rank())
     grads, copies = {}, {}
@@ -55,14 +35,14 @@ def train_delayed(offload: str) -> dict:
         groups = [g for g in model._unit.root.members if g.offload is not None]
         params = [sp.sharded_param for g in groups for sp in g.params]
         if step:
-            grads.update(_storages(p.grad for p in params if p.grad is not None))
+            grads.update(storages_of(p.grad for p in params if p.grad is not None))
         opt.step()
-        copies.update(_storages(opt.delayed_state_dict()["pending"].values()))
+        copies.update(storages_of(opt.delayed_state_dict()["pending"].values()))
         opt.zero_grad(set_to_none=True)
     opt.wait()
-    return {"sharded parameters": sum(_storages(g.flat_shard for g in groups).values()),
+    return {"sharded parameters": sum(storages_of(g.flat_shard for g in groups).values()),
             "copies": sum(copies.values()), "gradients": sum(grads.values()),
-            "optimizer states": sum(_storages(v for p in params
+            "optimizer states": sum(storages_of(v for p in params
                                               for k, v in opt.state[p].items()
                                               if k != "step").values())}
 

@@ -18,6 +18,7 @@ from fullshard.memory import MemoryTracker, estimate, plan, tune_cpu_allocator
 from fullshard.testing import memory as testing_memory
 from fullshard.testing import run_distributed
 from fullshard.gpt import GPT, GPTConfig, lm_loss
+from support.offloaded_gpt import gpt_offloaded_as_the_trainer_does, storages_of
 
 BATCH, SEQ = 1, 64
 MIB = 2 ** 20
@@ -180,11 +181,7 @@ def test_quantized_communication_estimate_within_10_percent_of_measured_peak():
 
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages under ``tensors`` (DTensors: their local pieces)."""
-    storages = {}
-    for t in tensors:
-        s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
+    return sum(storages_of(tensors).values())
 
 
 def train_partially_offloaded(cfg: GPTConfig, offload: str) -> dict:
@@ -193,22 +190,9 @@ def train_partially_offloaded(cfg: GPTConfig, offload: str) -> dict:
     and (from the first step) every state alive, the bytes of the sharded parameters,
     gradients and optimizer states of the units kept on the device and of those
     offloaded."""
-    import dataclasses
-
     import torch.distributed as dist
 
-    from fullshard.train.config.schema import get_preset
-    from fullshard.train.model import unit_offload
-
-    with torch.device("meta"):
-        model = GPT(cfg)
-    policy_of = unit_offload(model, dataclasses.replace(get_preset("debug").parallel,
-                                                        offload=offload))
-    for layer in model.layers:
-        fully_shard(layer, offload_policy=policy_of(layer))
-    fully_shard(model, offload_policy=policy_of(model))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = gpt_offloaded_as_the_trainer_does(cfg, offload)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
     held = {}

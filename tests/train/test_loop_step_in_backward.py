@@ -11,7 +11,7 @@ from fullshard.train.config.flags import apply_overrides
 from fullshard.train.config.schema import ConfigError, get_preset, validate
 from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
-from support.train_runs import QUIET
+from support.train_runs import QUIET, straight_and_resumed
 
 RUNS = {"cpu": {"parallel.offload": "cpu"},
         "half, two micro-batches": {"parallel.offload": "cpu:0.5", "batch.grad_accum": 2}}
@@ -65,21 +65,9 @@ def test_stepping_in_backward_trains_as_the_default_trainer(tmp_path):
             assert rank[name, False][2] == 0 and rank[name, True][2] > 0, (name, rank)
 
 
-def _resume(out: str) -> dict[str, list[float]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    worker = Worker(rank, world, rank, world, torch.device("cpu"))
-    fields = {**QUIET, "parallel.offload": "cpu", "parallel.step_in_backward": True,
-              "optim.grad_clip": 0.0, "batch.batch_size": 2}
-    runs = {}
-    for name, legs in {"straight": [(6, False)], "resumed": [(3, False), (6, True)]}.items():
-        for steps, resume in legs:
-            cfg = apply_overrides(get_preset("debug"), {**fields, "steps": steps,
-                                                        "checkpoint.every": 3}, "test")
-            trainer = Trainer(cfg, f"{out}/{name}", worker)
-            trainer.run(resume=resume)
-        if trainer.log is not None:
-            runs[name] = [r["loss"] for r in trainer.log.records if "loss" in r]
-    return runs
+def _resume(out: str) -> dict[str, list[float]] | None:
+    return straight_and_resumed(out, {"parallel.offload": "cpu", "parallel.step_in_backward": True,
+                                      "optim.grad_clip": 0.0, "batch.batch_size": 2})[0]
 
 
 @pytest.mark.slow
