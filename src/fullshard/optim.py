@@ -81,15 +81,18 @@ def local_step_enabled() -> bool:
     return _enabled
 
 
-def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
-    """The ShardedParam behind optimizer parameter ``p`` (None for other tensors), after
-    checking the invariant of Note [one storage is the shard]: ``p`` is the parameter the
-    model holds and its local tensor is the shard the all-gather sends."""
+def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, j: int):
+    """The ShardedParam behind optimizer parameter ``p``, ``param_groups[i]['params'][j]``
+    (None for other tensors), after checking the invariant of Note [one storage is the
+    shard]: ``p`` is the parameter the model holds and its local tensor is the shard the
+    all-gather sends. The place is formatted only for an error: this runs for every
+    parameter at every step."""
     owner = owner_of(p)
     if owner is None:
         stale = stale_owner(p)
         if stale is None:
             return None
+        where = f"param_groups[{i}]['params'][{j}]"
         raise RuntimeError(
             f"fullshard: {type(opt).__name__} {where} is parameter '{stale.fqn}' as it was "
             "before the module replaced it (load_state_dict(assign=True) or a reassignment "
@@ -98,7 +101,7 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, where: str):
             "assign=True, which copies into the existing parameters.")
     if owner.extension is not None and not owner.sharded_param.requires_grad:
         raise RuntimeError(
-            f"fullshard: {type(opt).__name__} {where} is parameter '{owner.fqn}', a frozen "
+            f"fullshard: {type(opt).__name__} param_groups[{i}]['params'][{j}] is parameter '{owner.fqn}', a frozen "
             f"{type(owner.sharded_param._local_tensor).__name__} weight that gathers through "
             "its tensor subclass (a quantized base); an optimizer must not hold it. Build "
             "the optimizer over the trainable parameters only: "
@@ -124,8 +127,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
         _check_not_built_before_sharding(opt)
         _check_can_step_shards(opt)
         needs_whole = _NEEDS_WHOLE[opt] = whole_matrix.needs_whole_matrices(opt)
-    owners = [[_owner_for_step(opt, p, f"param_groups[{i}]['params'][{j}]")
-               for j, p in enumerate(group["params"])]
+    owners = [[_owner_for_step(opt, p, i, j) for j, p in enumerate(group["params"])]
               for i, group in enumerate(opt.param_groups)]
     if any(o is not None for group in owners for o in group):
         step_calls.guard(opt, _restore)  # undoes the swap of a step that raises
@@ -280,15 +282,18 @@ def _mark_stepped(opt: torch.optim.Optimizer) -> None:
     on disk]: the disk step gives back its chunks as it goes, the rest go here)."""
     if not any_tracked():
         return
+    stepped = []  # one call raises every counter: a call per parameter was most of this
     for group in opt.param_groups:
         for p in group["params"]:
             owner = owner_of(p)
             if owner is None:
                 continue
             if p.grad is not None:  # what torch's optimizers step
-                increment_version(p._local_tensor)
+                stepped.append(p._local_tensor)
             if getattr(owner.offload, "params", False):
                 page_out(p._local_tensor)
+    if stepped:
+        increment_version(stepped)
 
 
 def _refuse_disk_states(opt: torch.optim.Optimizer, owner) -> None:
