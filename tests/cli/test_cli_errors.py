@@ -121,7 +121,7 @@ def test_help_lists_every_field_with_its_docstring_and_the_launch_flags(capsys):
             assert f"--{prefix}{f.name.replace('_', '-')} " in text, f.name
             assert docs[f.name] in flat, (f.name, docs[f.name])
             listed += 1
-    assert listed == 53
+    assert listed == 54
     assert not re.search(r"^\s*-h, --help", text.split("configuration fields")[1], re.M)
 
 
