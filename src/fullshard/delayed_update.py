@@ -92,8 +92,19 @@ def refuse_disk_offload(optimizer: torch.optim.Optimizer) -> None:
                     "OverlappedStep without delayed=True.")
 
 
-def _key(index: int, position: int) -> str:
-    return f"{index}.{position}"
+def _offloaded_params(optimizer: torch.optim.Optimizer, groups: dict[int, ParamGroup]):
+    """Each CPU-offloaded parameter of ``optimizer`` with its key ``"param group
+    index.position"`` and its live group (``groups``: the live groups by ShardedParam id)."""
+    for index, param_group in enumerate(optimizer.param_groups):
+        for position, p in enumerate(param_group["params"]):
+            group = _group_of(p, groups)
+            if group is not None:
+                yield f"{index}.{position}", p, group
+
+
+def distinct(groups) -> list[ParamGroup]:
+    """``groups`` without repeats, in their order (a group appears once per parameter)."""
+    return list(dict.fromkeys(groups))
 
 
 def pending_views(optimizer: torch.optim.Optimizer, groups: dict[int, ParamGroup]) -> dict:
@@ -101,15 +112,11 @@ def pending_views(optimizer: torch.optim.Optimizer, groups: dict[int, ParamGroup
     ``"param group index.position"`` and a DTensor of that copy shaped like the
     parameter (``groups``: the live groups by ShardedParam id)."""
     views = {}
-    for index, param_group in enumerate(optimizer.param_groups):
-        for position, p in enumerate(param_group["params"]):
-            group = _group_of(p, groups)
-            if group is None or not group.reads_pending:
-                continue
+    for key, p, group in _offloaded_params(optimizer, groups):
+        if group.reads_pending:
             local = group.delayed.view_of(p._local_tensor, group.storage)
-            views[_key(index, position)] = DTensor.from_local(
-                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                run_check=False)
+            views[key] = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                            stride=p.stride(), run_check=False)
     return views
 
 
@@ -117,12 +124,8 @@ def load_pending(optimizer: torch.optim.Optimizer, groups: dict[int, ParamGroup]
                  pending: dict) -> None:
     """Put copies saved by ``pending_views`` back: every unit of ``optimizer`` gathers its
     copy (or its shard where none was saved) until the next ``step()``."""
-    known = {}
-    for index, param_group in enumerate(optimizer.param_groups):
-        for position, p in enumerate(param_group["params"]):
-            group = _group_of(p, groups)
-            if group is not None:
-                known[_key(index, position)] = (p, group)
+    known = {key: (p, group) for key, p, group in _offloaded_params(optimizer, groups)}
+    saved = {}  # key -> the saved copy's local tensor, checked against its parameter
     for key, value in pending.items():
         local = value.to_local() if isinstance(value, DTensor) else value
         p = known.get(key, (None, None))[0]
@@ -132,18 +135,17 @@ def load_pending(optimizer: torch.optim.Optimizer, groups: dict[int, ParamGroup]
                 f"shape {tuple(local.shape)}) matches no CPU-offloaded parameter shard of "
                 "this optimizer; load the state saved from an optimizer over the same "
                 "parameters, in the same order, at the same world size.")
-    for group in {id(g): g for _p, g in known.values()}.values():
+        saved[key] = local
+    for group in distinct(g for _p, g in known.values()):
         group.stop_delayed_read()
     started = set()
     for key, (p, group) in known.items():
-        if key not in pending:
+        if key not in saved:
             continue
-        value = pending[key]
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if id(group) not in started:
+        if group not in started:
             group.start_delayed_read()  # the shard as loaded, for parameters not saved
-            started.add(id(group))
-        group.delayed.view_of(p._local_tensor, group.storage).copy_(local)
+            started.add(group)
+        group.delayed.view_of(p._local_tensor, group.storage).copy_(saved[key])
 
 
 def _group_of(p: torch.Tensor, groups: dict[int, ParamGroup]) -> ParamGroup | None:
@@ -161,7 +163,7 @@ def read_copies_of(stepped: dict[ParamGroup, list], groups: dict[int, ParamGroup
     tensor-subclass parameters, which gather on their own, waits for its step instead."""
     if any(g.compute_device.type == "cuda" for g in stepped):
         torch.cuda.synchronize()  # the copy-ins of the last forward and backward read them
-    for group in {id(g): g for g in groups.values()}.values():
+    for group in distinct(groups.values()):
         if group in stepped and group.subclass is None:
             group.start_delayed_read()
         else:

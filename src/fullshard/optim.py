@@ -81,6 +81,11 @@ def local_step_enabled() -> bool:
     return _enabled
 
 
+def _place(i: int, j: int) -> str:
+    """Where an optimizer holds a parameter, as its messages name it."""
+    return f"param_groups[{i}]['params'][{j}]"
+
+
 def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, j: int):
     """The ShardedParam behind optimizer parameter ``p``, ``param_groups[i]['params'][j]``
     (None for other tensors), after checking the invariant of Note [one storage is the
@@ -92,16 +97,15 @@ def _owner_for_step(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, j: int)
         stale = stale_owner(p)
         if stale is None:
             return None
-        where = f"param_groups[{i}]['params'][{j}]"
         raise RuntimeError(
-            f"fullshard: {type(opt).__name__} {where} is parameter '{stale.fqn}' as it was "
+            f"fullshard: {type(opt).__name__} {_place(i, j)} is parameter '{stale.fqn}' as it was "
             "before the module replaced it (load_state_dict(assign=True) or a reassignment "
             "installs a new tensor): stepping it would no longer change the model. Create "
             "the optimizer after such a load and load its state then, or load without "
             "assign=True, which copies into the existing parameters.")
     if owner.extension is not None and not owner.sharded_param.requires_grad:
         raise RuntimeError(
-            f"fullshard: {type(opt).__name__} param_groups[{i}]['params'][{j}] is parameter '{owner.fqn}', a frozen "
+            f"fullshard: {type(opt).__name__} {_place(i, j)} is parameter '{owner.fqn}', a frozen "
             f"{type(owner.sharded_param._local_tensor).__name__} weight that gathers through "
             "its tensor subclass (a quantized base); an optimizer must not hold it. Build "
             "the optimizer over the trainable parameters only: "
@@ -219,7 +223,7 @@ def _check_not_built_before_sharding(opt: torch.optim.Optimizer) -> None:
             unit = SHARDED_ORIGINALS.get(p)
             if unit is not None:
                 raise RuntimeError(
-                    f"fullshard: {type(opt).__name__} param_groups[{i}]['params'][{j}] (shape "
+                    f"fullshard: {type(opt).__name__} {_place(i, j)} (shape "
                     f"{tuple(p.shape)}) is a parameter that fully_shard({unit}) replaced by a "
                     "sharded DTensor: the optimizer was created before fully_shard and would "
                     "update a tensor the model no longer uses. Create the optimizer after "

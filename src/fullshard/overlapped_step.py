@@ -63,9 +63,9 @@ from torch.autograd.graph import increment_version
 from .core.group import ParamGroup
 from .core.param import owner_of
 from .core.hooks import ensure_root
-from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots, unit_of
-from .delayed_update import (check_delay_after, load_pending, pending_views, read_copies_of,
-                             refuse_disk_offload, stop_delayed_read)
+from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots, units_in
+from .delayed_update import (check_delay_after, distinct, load_pending, pending_views,
+                             read_copies_of, refuse_disk_offload, stop_delayed_read)
 from .optim import ELEMENTWISE_OPTIMIZERS, _local_view, local_states, state_after_step
 from .step_calls import step_alone
 from . import optim
@@ -80,6 +80,8 @@ class _Listened(NamedTuple):
     with backward]), and its parameters in the optimizer as (param group index, parameter)."""
     group: ParamGroup
     work: list
+
+
 # modules whose state_dict / load_state_dict already wait for host steps
 _WAITING_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -172,7 +174,7 @@ class OverlappedStep:
         parameters as updated, as after an exact step (Note [the delayed update])."""
         self.wait()
         groups, _order = _groups_in_order()
-        for group in set(groups.values()):
+        for group in distinct(groups.values()):
             group.stop_delayed_read()
 
     def delayed_state_dict(self) -> dict:
@@ -188,9 +190,9 @@ class OverlappedStep:
         ``fully_shard`` root holding the optimizer's parameters; loading it drops the
         copies) and the optimizer. Sets ``model``'s units up if no forward has yet."""
         self.wait()
-        top = next((u for u in map(unit_of, model.modules()) if u is not None), None)
-        if top is not None:
-            ensure_root(top)  # made, the root batches its units as a first forward would
+        units = units_in(model)
+        if units:
+            ensure_root(units[0])  # made, the root batches its units as a first forward would
         groups, _order = _groups_in_order()
         load_pending(self.optimizer, groups, state["pending"])
         self.steps = int(state["steps"])
@@ -422,4 +424,3 @@ def _wait_in_state_dicts(group: ParamGroup) -> None:
             # delayed update])
             module.register_load_state_dict_post_hook(stop_delayed_read)
             _WAITING_MODULES.add(module)
-

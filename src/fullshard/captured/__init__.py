@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from ..core.guard.divergence import BACKWARD, Guard
-from .checks import refuse_device, refuse_uncapturable, units_of
+from ..core.state import units_in
+from .checks import refuse_device, refuse_uncapturable
 from .errors import CaptureError
 from .inputs import StaticInputs
 from .numbers import GroupNumbers
@@ -129,7 +130,7 @@ def _ready_for_capture(model: nn.Module, device: torch.device) -> list[Guard]:
     """Nothing recorded before the capture is waited inside it; the guards have
     compared everything the warm-up did. The guards of the model's roots."""
     torch.cuda.synchronize(device)
-    roots = list(dict.fromkeys(u.root for u in units_of(model) if u.root is not None))
+    roots = list(dict.fromkeys(u.root for u in units_in(model) if u.root is not None))
     guards = []
     for root in roots:
         root.copies.forget_reads()

@@ -8,15 +8,10 @@ import torch
 from torch import nn
 
 from ..core.guard.divergence import debug_enabled
-from ..core.state import UnitState, unit_of
+from ..core.state import UnitState, units_in
 from .errors import CaptureError
 
 MIN_WARMUP = 2  # the last two eager steps are compared (steady.py)
-
-
-def units_of(model: nn.Module) -> list[UnitState]:
-    """The fullshard units in ``model``, in module order (the same on every rank)."""
-    return [u for u in map(unit_of, model.modules()) if u is not None]
 
 
 def compute_device(model: nn.Module, units: list[UnitState]) -> torch.device:
@@ -67,7 +62,7 @@ def refuse_uncapturable(model: nn.Module, optimizers: Sequence[torch.optim.Optim
             f"fullshard.capture_step: warmup={warmup}: at least {MIN_WARMUP} eager steps "
             "run before capture, so that the last two can be compared; torch's examples "
             "warm up 3")
-    units = units_of(model)
+    units = units_in(model)
     _host_work(units)
     _optimizers(optimizers)
     return compute_device(model, units)

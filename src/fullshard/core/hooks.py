@@ -84,7 +84,7 @@ from .init import lazy_init
 from .refusals.load_check import own_hook
 from .guard.ledger import BACKWARD, Ledger, unit_code
 from .schedule import BackwardSignals
-from .state import RootState, UnitState, unit_of
+from .state import RootState, UnitState, units_in
 
 
 def install(unit: UnitState) -> None:
@@ -138,7 +138,7 @@ def ensure_root(unit: UnitState) -> RootState:
     """Lazy init: the first unit to run (forward or ``unshard()``) becomes the root."""
     if unit.root is not None:
         return unit.root
-    units = [u for u in map(unit_of, unit.module.modules()) if u is not None]
+    units = units_in(unit.module)
     names = {m: n for n, m in unit.module.named_modules()}
     for u in units:
         u.rename(names[u.module])

@@ -30,7 +30,8 @@ from .mesh import check_units_fit_root, data_parallel_mesh, mesh_device, resolve
 from .refusals.torch_errors import FullyShardArgumentError, torch_first
 from .param import SHARDED_ORIGINALS, ParamRef, ShardedParam, is_sharded_param
 from .schedule import after_forward_rule
-from .features.subclass_params import check_subclass_param, check_subclass_unit, has_all_gather_hooks
+from .features.subclass_params import (check_subclass_param, check_subclass_unit,
+                                       has_all_gather_hooks)
 from .state import RootState, UnitState, attach_unit, unit_of
 from .features.spmd_mesh import SpmdDims
 from .features.tensor_parallel import is_foreign_dtensor, refuse_unrelated_tp_mesh

@@ -40,6 +40,12 @@ def unit_of(module: nn.Module) -> "UnitState | None":
     return module.__dict__.get(_UNIT_KEY)
 
 
+def units_in(module: nn.Module) -> "list[UnitState]":
+    """The units ``fully_shard`` made in ``module`` and below it, in module order (the
+    same on every rank)."""
+    return [u for u in map(unit_of, module.modules()) if u is not None]
+
+
 def attach_unit(module: nn.Module, unit: "UnitState") -> None:
     """Make ``unit`` the state ``unit_of(module)`` returns (once, at shard time)."""
     module.__dict__[_UNIT_KEY] = unit
@@ -61,7 +67,8 @@ class UnitState:
         self.root: RootState | None = None
         self.pre_backward_hook = None  # set by hooks.install
         self.bucket_numel = DEFAULT_BUCKET_NUMEL  # used when this unit becomes the root
-        self.debug = debug  # as the root: compare before every collective (core/guard/divergence.py)
+        # as the root: compare before every collective (core/guard/divergence.py)
+        self.debug = debug
         self.own_params: list = group.params if group is not None else []
         # Per iteration:
         self.requires_gradient_sync = True  # False: keep unsharded grads, reduce later

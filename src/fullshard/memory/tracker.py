@@ -31,18 +31,14 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ..core.state import unit_of
+from ..core.state import units_in
 from .baseline import usage_bytes, warm_baseline_bytes
 from .process import peak_rss_bytes, reset_peak_rss
 
 
 def fullshard_buffer_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes fullshard holds for ``model`` right now, by kind (read-only)."""
-    return _buffer_bytes(_units_of(model), list(model.parameters()))
-
-
-def _units_of(model: nn.Module) -> list:
-    return [u for u in map(unit_of, model.modules()) if u is not None]
+    return _buffer_bytes(units_in(model), list(model.parameters()))
 
 
 def _buffer_bytes(units: list, params: list[torch.Tensor]) -> dict[str, int]:
@@ -113,7 +109,7 @@ class MemoryTracker:
         """Sample fullshard's buffers of ``model`` at phase edges and before each unit's
         forward (after fullshard has gathered it and issued the prefetch)."""
         self.model = model
-        self._units = _units_of(model)
+        self._units = units_in(model)
         self._params = list(model.parameters())
         for unit in self._units:
             self._hooks.append(unit.module.register_forward_pre_hook(

@@ -99,10 +99,15 @@ def accumulation_dtypes(group, trainable: list) -> list | None:
     has an explicit ``grad_dtype``; else None (the unit's reduce dtype applies)."""
     if not any(p.grad_policy.explicit for p in trainable):
         return None
-    policy = group.mp_policy
-    reduce_dtype = policy.reduce_dtype if policy is not None else None
+    reduce_dtype = _policy_reduce_dtype(group)
     return [accumulation_dtype(p.grad_policy, reduce_dtype, group.storage.dtype)
             for p in trainable]
+
+
+def _policy_reduce_dtype(group) -> torch.dtype | None:
+    """The ``reduce_dtype`` the unit's MixedPrecisionPolicy sets; None where it sets none."""
+    policy = group.mp_policy
+    return policy.reduce_dtype if policy is not None else None
 
 
 def follow(group) -> None:
@@ -125,8 +130,7 @@ def follow(group) -> None:
     trainable = group.trainable()
     if not any(p.grad_policy.explicit for p in trainable):
         return
-    policy = group.mp_policy
-    reduce_dtype = policy.reduce_dtype if policy is not None else None
+    reduce_dtype = _policy_reduce_dtype(group)
     compute = group.compute_dtype
     if reduce_dtype is None:
         base = group.reduce_dtype or group.storage.dtype
@@ -149,8 +153,7 @@ def refuse_unused_as_zeros(group) -> None:
     """Raise where zeros for unused parameters have no dtype every rank agrees on: a
     ``grad_dtype=None`` parameter without a ``reduce_dtype`` (torch 2.15 refuses it too).
     It depends on the configuration only, so every rank raises together."""
-    policy = group.mp_policy
-    if policy is not None and policy.reduce_dtype is not None:
+    if _policy_reduce_dtype(group) is not None:
         return
     for p in group.trainable():
         if p.grad_policy.explicit and p.grad_policy.dtype is None:
@@ -162,4 +165,5 @@ def refuse_unused_as_zeros(group) -> None:
                 "already have.",
                 f"fully_shard({group.unit_name}): parameter '{p.fqn}' has grad_dtype=None "
                 "and set_reduce_scatter_unused_params(True) reduces it as zeros where it is "
-                "unused; give it a grad_dtype or the unit a MixedPrecisionPolicy(reduce_dtype=...)."))
+                "unused; give it a grad_dtype or the unit a "
+                "MixedPrecisionPolicy(reduce_dtype=...)."))
