@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -51,6 +52,13 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
     # parent attaches to the failure.
     fault_log = open(_fault_log(init_file, rank), "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.enable(file=fault_log, all_threads=True)
+    # What the C++ runtime prints before it aborts ("terminate called after throwing an
+    # instance of 'gloo::EnforceNotMet'", glibc's heap checks) goes to file descriptor 2
+    # from a thread Python never sees; kept in a file, its tail is attached to the failure
+    # of a rank that died, and the whole of it is written to the caller's stderr after.
+    rank_stderr = os.open(_stderr_log(init_file, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(rank_stderr, 2)
+    os.close(rank_stderr)
 
     torch.set_num_threads(1)
     try:
@@ -113,7 +121,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 p.kill()
         for r, (ok, tb) in list(outcomes.items()):
             if not ok and tb.startswith(_EXITED):
-                outcomes[r] = (False, tb + _read_fault_log(init_file, r))
+                outcomes[r] = (False, tb + _read_stderr_tail(init_file, r)
+                               + _read_fault_log(init_file, r))
+        _replay_stderr(init_file, world_size)
     failures = {r: tb for r, (ok, tb) in outcomes.items() if not ok}
     if failures:
         report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
@@ -130,6 +140,36 @@ _EXITED = "process exited with code"
 
 def _fault_log(init_file: str, rank: int) -> str:
     return f"{init_file}.rank{rank}.fault"
+
+
+def _stderr_log(init_file: str, rank: int) -> str:
+    return f"{init_file}.rank{rank}.stderr"
+
+
+STDERR_TAIL_LINES = 30
+
+
+def _read_stderr(init_file: str, rank: int) -> str:
+    try:
+        with open(_stderr_log(init_file, rank), errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _replay_stderr(init_file: str, world_size: int) -> None:
+    """Each rank's stderr, its lines marked with the rank, on the caller's stderr."""
+    for r in range(world_size):
+        text = _read_stderr(init_file, r)
+        if text:
+            sys.stderr.write("".join(f"[rank {r}] {line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
+
+
+def _read_stderr_tail(init_file: str, rank: int) -> str:
+    lines = _read_stderr(init_file, rank).strip().splitlines()
+    tail = "\n".join(lines[-STDERR_TAIL_LINES:])
+    return f"\nits last {STDERR_TAIL_LINES} lines of stderr at most:\n{tail}" if tail else ""
 
 
 def _read_fault_log(init_file: str, rank: int) -> str:
