@@ -82,12 +82,13 @@ def test_plan_puts_optimizer_states_on_disk_when_the_host_is_the_limit(tmp_path)
     assert f"--parallel.offload disk:{tmp_path}" in chosen.train_flags("bf16")
     table = est.table()
     assert "offload (states on disk)" in table and "disk for optimizer states" in table
-    # with 20 GiB of host, states on disk still leave the fp32 shards and gradients (about
-    # 30 GiB): parameters go to disk as well, and the flags say so
-    chosen = plan(LLAMA_8B, offload_dir=str(tmp_path), **{**kwargs, "host_budget_bytes": 20 * gib})
+    # with 24 GiB of host, states on disk still leave the fp32 shards and gradients (about
+    # 30 GiB, 35 GiB in the pinned allocator's power-of-two blocks): parameters go to disk
+    # as well, and the flags say so
+    chosen = plan(LLAMA_8B, offload_dir=str(tmp_path), **{**kwargs, "host_budget_bytes": 24 * gib})
     assert chosen.choice is not None and chosen.choice.params_on_disk, chosen.explain()
     est = chosen.estimate
-    assert est.host_bytes * 1.1 <= 20 * gib
+    assert est.host_bytes * 1.1 <= 24 * gib
     assert est.disk_bytes == pytest.approx(12 * per_rank, rel=0.01)  # states and fp32 shards
     flags = chosen.train_flags("bf16")
     assert f"--parallel.offload disk:{tmp_path} --parallel.offload_params true" in flags

@@ -113,11 +113,12 @@ def test_70b_qlora_fits_two_24gb_gpus_with_offload_and_checkpointing(capsys):
     assert fewer.total * 1.1 > budget
     # everything offloaded fits too, and holds on each rank's host half the NF4 blocks
     # (16 GiB), half the fp32 embedding and output layer (4 GiB), the adapters' shards
-    # and AdamW states (5 GiB); the partial offload keeps the embedding and output layer
-    # and 80 - k blocks on the GPU
+    # and AdamW states (5 GiB), and what the pinned allocator's power-of-two blocks add to
+    # the pinned flat shards and gradients (about 2 GiB); the partial offload keeps the
+    # embedding and output layer and 80 - k blocks on the GPU
     full = estimate(LLAMA_70B, offload="cpu", activation_checkpointing=True, **kw)
     assert full.total * 1.1 <= budget
-    assert 22 * GIB < full.host_bytes < 28 * GIB
+    assert 22 * GIB < full.host_bytes < 31 * GIB
     assert result.estimate.host_bytes < full.host_bytes - 4 * GIB
     # without offload the quantized shards alone take most of the GPU: nothing fits
     assert plan(LLAMA_70B, budget_bytes=budget, **kw).choice is None

@@ -627,8 +627,10 @@ class GradReduction:
                          device: torch.device) -> torch.Tensor:
         """Sharded gradients beside the flat shard (its ``dtype``, on its ``device``);
         pinned when offloaded from CUDA, so the copy from the device does not block (Note
-        [streams and events])."""
-        pin = device.type == "cpu" and self.group.compute_device.type == "cuda"
+        [streams and events]), unless the policy says ``pin_memory=False``."""
+        offload = self.group.offload
+        pin = (device.type == "cpu" and self.group.compute_device.type == "cuda"
+               and offload is not None and offload.pin_memory)
         return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
 
 

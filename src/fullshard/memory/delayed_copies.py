@@ -31,6 +31,6 @@ def allocate_delayed_copies(ledger: ByteLedger, groups: list[ReplayGroup],
         if not s.offloads(layout) or not layout.trainable or layout.subclass:
             continue
         ledger.alloc(("delayed copy", g.index), SHARDED_PARAMS,
-                     layout.shard_numel * s.param_dtype.itemsize, True)
+                     s.host_buffer_bytes(layout.shard_numel * s.param_dtype.itemsize), True)
         ledger.alloc(("second gradients", g.index), GRADIENTS,
-                     layout.reduce_numel * s.param_dtype.itemsize, True)
+                     s.host_buffer_bytes(layout.reduce_numel * s.param_dtype.itemsize), True)

@@ -267,7 +267,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         quantize_grads=DEFAULT_BLOCK_SIZE if "grads" in words else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
         keep_unsharded=strategy == "zero1" and reshard_after_forward is None,
-        reduces_in_flight=reduces_in_flight, delayed_update=bool(delayed_update))
+        reduces_in_flight=reduces_in_flight, delayed_update=bool(delayed_update),
+        pinned_host=device == "cuda")
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
     peaks = replay.run()
     if process_baseline is None:

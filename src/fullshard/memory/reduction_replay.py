@@ -75,8 +75,10 @@ class ReductionReplay:
         s, numel = self.settings, group.layout.reduce_numel
         group.persistent_grads = self.pool.keeps(numel)
         if not self.ledger.holds(("grad", group.index)):
+            nbytes = numel * s.param_dtype.itemsize
+            on_host = s.offloads(group.layout)
             self.ledger.alloc(("grad", group.index), GRADIENTS,
-                              numel * s.param_dtype.itemsize, s.offloads(group.layout))
+                              s.host_buffer_bytes(nbytes) if on_host else nbytes, on_host)
 
     def _plan(self, group: "ReplayGroup") -> ReducePlan:
         s = self.settings

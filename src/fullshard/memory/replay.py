@@ -69,13 +69,17 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
     on_disk = 0  # trainable shard elements whose states live on disk
     disk_param_bytes = paged_shard = 0  # params=True: on disk, largest paged in
     for g in groups:
-        shard = g.layout.shard_numel * s.param_dtype.itemsize \
-            + round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))
+        flat = g.layout.shard_numel * s.param_dtype.itemsize
+        beside = round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))  # not pinned
+        shard = flat + beside
         if s.params_on_disk:  # Note [parameters on disk]: resident while copied in
             disk_param_bytes += shard
             paged_shard = max(paged_shard, shard)
+        elif s.offloads(g.layout):  # Note [pinned host blocks]
+            ledger.alloc(("shard", g.index), SHARDED_PARAMS,
+                         s.host_buffer_bytes(flat) + beside, True)
         else:
-            ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard, s.offloads(g.layout))
+            ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard)
         trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
         if s.states_on_disk:
             on_disk += trainable

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.schedule import frees_after_forward, shard_device_for
+from .pinned import pinned_block_bytes
 from .units import GroupLayout
 
 
@@ -37,6 +38,7 @@ class RunSettings:
     reduces_in_flight: int = 1  # set_reduce_scatter_max_input_buffers (Note [reductions in flight])
     # OverlappedStep(delayed=True): each offloaded group's copy and second gradient buffer
     delayed_update: bool = False
+    pinned_host: bool = False   # CUDA compute: host shards and gradients pinned (pinned.py)
 
     @property
     def shard_device(self) -> torch.device:
@@ -49,6 +51,10 @@ class RunSettings:
 
     def shard_device_of(self, layout: GroupLayout) -> torch.device:
         return shard_device_for(self.offloads(layout), self.device)
+
+    def host_buffer_bytes(self, nbytes: int) -> int:
+        """What a host buffer fullshard pins takes (Note [pinned host blocks])."""
+        return pinned_block_bytes(nbytes) if self.pinned_host else nbytes
 
 
 @dataclass
