@@ -186,7 +186,13 @@ def _lightning(impl: str, out) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, script, impl, str(out)], env=env, cwd=out,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # torch's own run can abort at interpreter exit, after its results are written: a gloo
+    # worker thread dropping a collective's tensors takes the GIL while the interpreter
+    # finalizes (Note [collectives settle before exit] in core/comm.py, which fullshard's
+    # run waits out). The reference's results stand; fullshard's run must exit cleanly.
+    exit_race = (impl == "torch" and done.returncode == -6
+                 and "terminate called without an active exception" in done.stderr)
+    assert done.returncode == 0 or exit_race, done.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
