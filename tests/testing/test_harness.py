@@ -50,6 +50,7 @@ def test_an_aborting_rank_reports_what_it_printed_last():
     assert "terminate called after throwing an instance of 'boom'" in report
 
 
+@pytest.mark.slow
 def test_what_ranks_print_to_stderr_reaches_the_callers_stderr(capfd):
     assert run_distributed(_print_to_stderr, 2, timeout=30) == [0, 1]
     err = capfd.readouterr().err
