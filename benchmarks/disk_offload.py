@@ -1,9 +1,10 @@
 """Optimizer states on disk (DiskOffloadPolicy) against CPU offload (CPUOffloadPolicy).
 
     OMP_NUM_THREADS=1 python benchmarks/disk_offload.py [--dir PATH] [--steps 8]
-        [--memory-model w3] [--world-size 2] [--tiny]
+        [--memory-model w3] [--world-size 2] [--tiny] [--parts time,overlap,memory]
 
-Three figures, each printed with the command's settings:
+Four figures, each printed with the command's settings (``--parts`` picks them; time and
+memory by default):
 
 1. Step time, W1 (GPT d=512, 8 layers, vocab 8192, batch 8 x 128 per rank, AdamW): a
    CPU-offloaded and a disk-offloaded copy of the model train side by side in the same
@@ -17,6 +18,11 @@ Three figures, each printed with the command's settings:
    the states and the parameters on disk (``params=True``), each in fresh processes,
    against the bytes moved to disk (the AdamW states of the rank's shards less the three
    staging chunks; then also the fp32 parameter shards).
+4. Overlap (``--parts overlap``): step time with the offloaded units stepped on
+   ``OverlappedStep``'s host thread while the next forward runs, against the step inside
+   ``optimizer.step()``, for CPU offload and for states on disk (blocks of ``--block``
+   steps per model, each ending with a wait, so no model's host work runs in another's
+   time).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, fully_shard
+from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, OverlappedStep, fully_shard
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.offload import disk_states_of
 from fullshard.testing import run_distributed
@@ -87,6 +93,38 @@ def _interleaved(directory: str, steps: int, cfg: GPTConfig) -> dict:
             "staging": files.staging_bytes, "chunks": len(states.chunks)}
 
 
+def _overlapped(directory: str, rounds: int, cfg: GPTConfig, block: int) -> dict:
+    """Step time with each offloaded unit's step on OverlappedStep's host thread against
+    the step inside ``optimizer.step()``, for CPU offload and for states on disk. Each
+    model trains ``block`` steps in a row and then waits for its host steps, so the host
+    work of one model never runs in another's time; the time per step is the block's."""
+    kinds = {"cpu": lambda: CPUOffloadPolicy(),
+             "disk": lambda: DiskOffloadPolicy(path=directory, chunk_numel=CHUNK)}
+    runs = {}
+    for kind, policy in kinds.items():
+        for overlap in (False, True):
+            model, opt = _sharded(cfg, policy())
+            runs[(kind, overlap)] = (model, opt, OverlappedStep(opt) if overlap else opt)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    times: dict = {key: [] for key in runs}
+    order = list(runs)
+    for r in range(rounds + 1):  # the first round warms up (it creates the states)
+        for key in order[r % len(order):] + order[:r % len(order)]:
+            model, opt, stepper = runs[key]
+            dist.barrier()
+            began = time.perf_counter()
+            for _ in range(block):
+                x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
+                lm_loss(model(x), x).backward()
+                stepper.step()
+                opt.zero_grad()
+            if stepper is not opt:
+                stepper.wait()
+            if r:
+                times[key].append((time.perf_counter() - began) / block)
+    return {f"{kind}{'+overlap' if overlap else ''}": v for (kind, overlap), v in times.items()}
+
+
 def _peak_rss(kind: str, directory: str, model: str, steps: int) -> dict:
     cfg, batch = MEMORY_MODELS[model]
     policy = (CPUOffloadPolicy() if kind == "cpu" else
@@ -128,8 +166,12 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--memory-model", choices=sorted(MEMORY_MODELS), default="w3")
     ap.add_argument("--memory-steps", type=int, default=3)
-    ap.add_argument("--parts", default="time,memory", help="time (step time and disk "
-                    "throughput), memory (peak RSS), or both")
+    ap.add_argument("--parts", default="time,memory", help="a comma-separated choice of "
+                    "time (step time and disk throughput), overlap (the step on "
+                    "OverlappedStep's host thread against inside optimizer.step) and memory "
+                    "(peak RSS)")
+    ap.add_argument("--block", type=int, default=3, help="overlap: steps each model trains "
+                    "in a row before the next model's turn")
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT for both parts (checks "
                     "the script; the figures mean nothing)")
     args = ap.parse_args()
@@ -143,6 +185,8 @@ def main() -> None:
 
     if "time" in args.parts:
         _time_and_throughput(args, directory, world, step_model)
+    if "overlap" in args.parts:
+        _overlap(args, directory, world, step_model)
     if "memory" in args.parts:
         _memory(args, directory, world)
     if not args.dir:
@@ -175,6 +219,17 @@ def _time_and_throughput(args, directory: str, world: int, step_model: GPTConfig
           f"written {r['written'] / 1e6:,.0f} MB; {world} ranks share the disk)")
     print(f"  dd direct I/O, one process: write {wr:,.0f} MB/s, read {rd:,.0f} MB/s")
 
+
+
+def _overlap(args, directory: str, world: int, step_model: GPTConfig) -> None:
+    out = run_distributed(_overlapped, world, directory, args.steps, step_model, args.block,
+                          timeout=1800)
+    med = {k: statistics.median(v) * 1e3 for k, v in out[0].items()}
+    print(f"\n{'tiny' if args.tiny else 'W1'} step time with OverlappedStep, {args.steps} "
+          f"interleaved rounds of {args.block} steps per model (rank 0, median per step):")
+    for kind, what in (("cpu", "CPU offload"), ("disk", "states on disk")):
+        print(f"  {what:15s} in optimizer.step {med[kind]:8.1f} ms   on the host thread "
+              f"{med[kind + '+overlap']:8.1f} ms   ratio {med[kind + '+overlap'] / med[kind]:5.2f}")
 
 
 def _memory(args, directory: str, world: int) -> None:

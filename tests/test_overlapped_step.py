@@ -4,7 +4,6 @@
 unit's step and no other; state dicts and a resume see the stepped values."""
 
 import contextlib
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from support.catalogue import matches_documented
+from support.host_steps import forward_against_slow_last_step, host_steps_slowed
 
 CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=16, n_layers=4, n_heads=2)
 
@@ -88,78 +88,54 @@ def _forward_waits_per_unit():
     """The last block's host step is slow: the first block's forward must start before it
     ends, the last block's forward only after."""
     model = _model({0, 1, 2, 3})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stepper = OverlappedStep(opt)
-    events = []
-    real = overlapped_step._step_unit
-
-    def slow_last(opt_, items, hyper, flags, unit_name, ready=None):
-        if unit_name.endswith("layers.3"):
-            time.sleep(1.0)
-        real(opt_, items, hyper, flags, unit_name, ready)
-        events.append(("stepped", unit_name, time.monotonic()))
-
-    overlapped_step._step_unit = slow_last
-    for i, layer in enumerate(model.layers):
-        layer.register_forward_pre_hook(
-            lambda *_a, i=i: events.append(("forward", f"layers.{i}", time.monotonic())))
-    x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
-    lm_loss(model(x), y).backward()
-    stepper.step()
-    events.clear()
-    lm_loss(model(x), y).backward()
-    def first(kind, suffix):
-        return next(t for k, name, t in events if k == kind and name.endswith(suffix))
-    last_step = first("stepped", "layers.3")
-    return first("forward", "layers.0") < last_step <= first("forward", "layers.3"), \
-        sorted({name for _k, name, _t in events})
+    stepper = OverlappedStep(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return forward_against_slow_last_step(model, stepper, "_step_unit", CFG.vocab_size,
+                                          CFG.seq_len)
 
 
 def test_each_forward_waits_for_its_own_units_step_only():
     for waited, names in run_distributed(_forward_waits_per_unit, 2):
         assert waited, names
+        assert names == [f"layers.{i}" for i in range(4)], names
 
 
 def _state_dicts_wait():
     """State dicts taken right after step() (a checkpoint) hold the stepped values, and
     a model resumed from them trains on as the uninterrupted one does."""
-    real = overlapped_step._step_unit
-
-    def slow(*args):
-        time.sleep(0.2)
-        real(*args)
-
     results = []
     for overlapped in (False, True):
-        overlapped_step._step_unit = slow if overlapped else real
-        model = _model({0, 1, 2, 3, "root"})
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        stepper = OverlappedStep(opt) if overlapped else opt
-        x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
-        for _ in range(2):
-            lm_loss(model(x), y).backward()
-            stepper.step()
-            opt.zero_grad()
-        saved_model = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        saved_opt = opt.state_dict()
-        saved_opt = {(i, k): (v.full_tensor() if hasattr(v, "full_tensor") else v)
-                     for i, entry in saved_opt["state"].items() for k, v in entry.items()}
-        # resume: a new model and optimizer loaded from the states, trained one step more
-        resumed = _model({0, 1, 2, 3, "root"})
-        resumed.load_state_dict(model.state_dict())
-        ropt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
-        ropt.load_state_dict(opt.state_dict())
-        rstepper = OverlappedStep(ropt) if overlapped else ropt
-        lm_loss(resumed(x), y).backward()
-        rstepper.step()
-        rstepper.wait() if overlapped else None
-        after = {k: v.full_tensor() for k, v in resumed.state_dict().items()}
-        results.append((saved_model, saved_opt, after))
-    overlapped_step._step_unit = real
+        with host_steps_slowed("_step_unit", 0.2, on=overlapped):
+            results.append(_state_dicts_once(overlapped))
     (m0, o0, a0), (m1, o1, a1) = results
     return ([k for k in m0 if not torch.equal(m0[k], m1[k])],
             [k for k in o0 if not torch.equal(torch.as_tensor(o0[k]), torch.as_tensor(o1[k]))],
             [k for k in a0 if not torch.equal(a0[k], a1[k])])
+
+
+def _state_dicts_once(overlapped):
+    model = _model({0, 1, 2, 3, "root"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper = OverlappedStep(opt) if overlapped else opt
+    x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+    for _ in range(2):
+        lm_loss(model(x), y).backward()
+        stepper.step()
+        opt.zero_grad()
+    saved_model = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()
+    saved_opt = {(i, k): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                 for i, entry in saved_opt["state"].items() for k, v in entry.items()}
+    # resume: a new model and optimizer loaded from the states, trained one step more
+    resumed = _model({0, 1, 2, 3, "root"})
+    resumed.load_state_dict(model.state_dict())
+    ropt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    ropt.load_state_dict(opt.state_dict())
+    rstepper = OverlappedStep(ropt) if overlapped else ropt
+    lm_loss(resumed(x), y).backward()
+    rstepper.step()
+    rstepper.wait() if overlapped else None
+    after = {k: v.full_tensor() for k, v in resumed.state_dict().items()}
+    return saved_model, saved_opt, after
 
 
 @pytest.mark.slow
@@ -256,7 +232,7 @@ def _same_bits_in_backward(offloaded, kind, micro):
 
 @pytest.mark.parametrize("world,offloaded,kind,micro", [
     (2, {0, 1, 2, 3, "root"}, "foreach", 1),
-    (3, {1, 2, 3}, "sgd", 1),
+    pytest.param(3, {1, 2, 3}, "sgd", 1, marks=pytest.mark.slow),
     (2, {0, 1, 2, 3}, "tensor_lr", 2),  # accumulation: only the last backward steps
 ])
 def test_stepping_in_backward_gives_the_same_bits_and_steps_during_backward(

@@ -79,16 +79,18 @@ def check_delay_after(delay_after, delayed: bool) -> None:
 
 
 def refuse_disk_offload(optimizer: torch.optim.Optimizer) -> None:
-    """The delayed update steps CPU-offloaded units on the host thread; a unit offloaded to
-    disk is stepped in ``step()`` itself, so nothing of it could be delayed."""
+    """The delayed update keeps a copy of each delayed unit's shard in host memory for the
+    next forward to read; disk offload is there to keep the host free of what it can
+    page out, so its units are not delayed (their exact step runs on the host thread)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             owner = owner_of(p)
             if owner is not None and isinstance(owner.offload, DiskOffloadPolicy):
                 raise ValueError(
                     f"fullshard.OverlappedStep(delayed=True): parameter {owner.fqn} is "
-                    "offloaded to disk (DiskOffloadPolicy), whose step runs in step() and "
-                    "cannot be delayed; offload it with CPUOffloadPolicy, or use "
+                    "offloaded to disk (DiskOffloadPolicy), whose step is not delayed (a "
+                    "delayed unit keeps a second copy of its shard in host memory); offload "
+                    "it with CPUOffloadPolicy, or use "
                     "OverlappedStep without delayed=True.")
 
 

@@ -150,13 +150,13 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
                    if o is not None and isinstance(o.offload, DiskOffloadPolicy)]
     if disk_policy and not swapping:
         _refuse_disk_states(opt, disk_policy[0][1])
-    on_disk = [(p, o) for p, o in disk_policy if _states_on_disk(o)]
+    on_disk = [(p, o) for p, o in disk_policy if states_on_disk(o)]
     replaced = _run_closure_first(args, kwargs) if swapping else None
     finish_all_pending_reduces()  # gradients left in flight by set_is_last_backward(False)
     if not swapping:
         return replaced
     if on_disk:  # Note [optimizer states on disk]: these step first, a chunk at a time
-        step_on_disk(opt, [(p, o.offload) for p, o in on_disk],
+        step_on_disk(opt, on_disk,
                      lambda: step_calls.step_alone(opt))
     swaps = []
     for group, group_owners in zip(opt.param_groups, owners):
@@ -164,7 +164,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
         local_params = []
         swapped = False
         for p, owner in zip(params, group_owners):
-            if _states_on_disk(owner):
+            if states_on_disk(owner):
                 swapped = True  # stepped above; the ordinary step must not see it
                 continue
             local = _local_view(p) if owner is not None else None
@@ -190,7 +190,7 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs):
     return replaced
 
 
-def _states_on_disk(owner) -> bool:
+def states_on_disk(owner) -> bool:
     """Whether the parameter behind ``owner`` (None: not fullshard's) steps on disk. An
     empty shard (fewer rows than ranks) has no element to keep there: it steps with the
     ordinary step, so its states exist (empty) on this rank as on the others and state

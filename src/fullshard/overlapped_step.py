@@ -9,7 +9,9 @@ once, through ``opt.step()`` (the optimizer's hooks run once, as usual), hands e
 offloaded unit's shards to one host thread, unit by unit in the order forward gathers
 them, and returns. The next forward starts at once; each offloaded unit's gather waits for
 that unit's step alone (``ParamGroup.finish_host_step``), so the first blocks compute while
-the host steps the later ones.
+the host steps the later ones. Units whose optimizer states are on disk go the same way,
+their states streamed through the files unit by unit (Note [the disk step on the host
+thread] in offload/optimizer_states.py).
 
 Exact: the values are those ``opt.step()`` gives, bit for bit. An elementwise optimizer
 (``ELEMENTWISE_OPTIMIZERS``) updates each parameter from its own gradient and states
@@ -63,10 +65,13 @@ from torch.autograd.graph import increment_version
 from .core.group import ParamGroup
 from .core.param import owner_of
 from .core.hooks import ensure_root
-from .core.state import finish_all_pending_reduces, finish_host_steps, live_roots, units_in
+from .core.state import (finish_all_pending_reduces, finish_host_steps, groups_in_order,
+                         live_roots, units_in)
 from .delayed_update import (check_delay_after, distinct, load_pending, pending_views,
                              read_copies_of, refuse_disk_offload, stop_delayed_read)
-from .optim import ELEMENTWISE_OPTIMIZERS, _local_view, local_states, state_after_step
+from .offload import disk_states
+from .optim import (ELEMENTWISE_OPTIMIZERS, _local_view, local_states, state_after_step,
+                    states_on_disk)
 from .step_calls import step_alone
 from . import optim
 from .policies import DiskOffloadPolicy
@@ -149,9 +154,15 @@ class OverlappedStep:
         on_host = _host_stepped(opt)
         delays = self.delayed and self.steps > self.delay_after
         if self.delayed:  # Note [the delayed update]: copies only of units stepped now
-            read_copies_of(on_host if delays else {}, _groups_in_order()[0])
+            read_copies_of(on_host if delays else {}, groups_in_order()[0])
+        # Note [the disk step on the host thread]: every parameter whose states are on
+        # disk leaves the device step, stepped on the host or (no gradient) not at all
+        on_disk = [(p, owner_of(p)) for group in opt.param_groups for p in group["params"]
+                   if states_on_disk(owner_of(p))]
+        stores = {id(p): (states, i) for states in disk_states(opt, on_disk) if on_disk
+                  for i, p in enumerate(states.params)}
         moved = self._stepped_in_backward | {id(p) for work in on_host.values()
-                                             for _i, p in work}
+                                             for _i, p in work} | set(stores)
         self._groups, self._from_backward = self._from_backward, []
         self._stepped_in_backward, self._handed = set(), {}
         if not moved:
@@ -167,13 +178,13 @@ class OverlappedStep:
                 group["params"] = params
         hyper, flags = _as_step_sees_them(opt)
         for group, work in on_host.items():
-            self._groups.append(self._hand_to_host(group, work, hyper, flags, None))
+            self._groups.append(self._hand_to_host(group, work, hyper, flags, None, stores))
 
     def catch_up(self) -> None:
         """Finish the host steps and drop the copies: the next forward computes with the
         parameters as updated, as after an exact step (Note [the delayed update])."""
         self.wait()
-        groups, _order = _groups_in_order()
+        groups, _order = groups_in_order()
         for group in distinct(groups.values()):
             group.stop_delayed_read()
 
@@ -182,7 +193,7 @@ class OverlappedStep:
         ``delayed=True`` (Note [the delayed update]): the step count, and the copies the
         next forward computes with, as DTensors shaped like the parameters (keys
         ``"param group index.position"`` in the optimizer)."""
-        groups, _order = _groups_in_order()
+        groups, _order = groups_in_order()
         return {"steps": self.steps, "pending": pending_views(self.optimizer, groups)}
 
     def load_delayed_state_dict(self, state: dict, model: nn.Module) -> None:
@@ -193,7 +204,7 @@ class OverlappedStep:
         units = units_in(model)
         if units:
             ensure_root(units[0])  # made, the root batches its units as a first forward would
-        groups, _order = _groups_in_order()
+        groups, _order = groups_in_order()
         load_pending(self.optimizer, groups, state["pending"])
         self.steps = int(state["steps"])
 
@@ -263,16 +274,24 @@ class OverlappedStep:
             self._hand_to_host(group, work, hyper, flags, group.copies.landed()))
 
     def _hand_to_host(self, group: ParamGroup, work: list, hyper: list, flags: dict,
-                      ready) -> ParamGroup:
+                      ready, stores: dict | None = None) -> ParamGroup:
         """Give ``work`` (the unit's (param group index, parameter) pairs) to the host
-        thread, their gradients with them."""
+        thread, their gradients with them; ``stores``: the DiskStates and index of each
+        parameter whose states are on disk, by id."""
         opt = self.optimizer
         items = []
+        disk: dict = {}  # DiskStates -> {parameter index: local gradient}
         for index, p in work:
             grad = p.grad
             p.grad = None  # handed to the host step: nothing may change it meanwhile
+            store = stores.get(id(p)) if stores else None
+            if store is not None:
+                disk.setdefault(store[0], {})[store[1]] = grad._local_tensor
+                continue
             items.append((index, p, p._local_tensor, grad._local_tensor, opt.state.get(p)))
-        group.host_step = self._pool.submit(_step_unit, opt, items, hyper, flags,
+        chunks = [(states, states.chunks_of(sorted(grads)), grads)
+                  for states, grads in disk.items()]
+        group.host_step = self._pool.submit(_step_group, opt, items, chunks, hyper, flags,
                                             group.unit_name, ready)
         _wait_in_state_dicts(group)
         return group
@@ -296,29 +315,12 @@ class OverlappedStep:
         return getattr(self.optimizer, name)
 
 
-def _groups_in_order() -> tuple[dict[int, ParamGroup], dict[ParamGroup, int]]:
-    """Every live group by its ShardedParams' ids, and the groups' order: their units'
-    order under each root (the order forward gathers them). A group is what reduces
-    together: a unit's batch (Note [buckets: units gather together])."""
-    groups: dict[int, ParamGroup] = {}
-    order: dict[ParamGroup, int] = {}
-    for root in live_roots():
-        for unit in root.units:
-            group = unit.batch
-            if group is None or group in order:
-                continue
-            order[group] = len(order)
-            for sharded in group.params:
-                groups[id(sharded)] = group
-    return groups, order
-
-
 def _listen_on_roots(opt: torch.optim.Optimizer, listener
                      ) -> tuple[list, dict[int, _Listened]]:
     """Tell every root holding a CPU-offloaded parameter of ``opt`` to call ``listener``
     as reductions hand out gradients; the roots, and each listened group with its
     parameters in ``opt`` by the id of every ShardedParam of the group."""
-    groups, _order = _groups_in_order()
+    groups, _order = groups_in_order()
     work_of: dict[ParamGroup, list] = {}
     for index, param_group in enumerate(opt.param_groups):
         for p in param_group["params"]:
@@ -345,16 +347,16 @@ def _as_step_sees_them(opt: torch.optim.Optimizer) -> tuple[list[dict], dict]:
 
 
 def _host_stepped(opt: torch.optim.Optimizer) -> dict[ParamGroup, list]:
-    """The parameters ``opt`` steps that a CPU-offloaded group holds, per group, groups in
-    the order forward gathers them."""
-    groups, order = _groups_in_order()
+    """The parameters ``opt`` steps that a CPU- or disk-offloaded group holds, per group,
+    groups in the order forward gathers them."""
+    groups, order = groups_in_order()
     found: dict[ParamGroup, list] = {}
     for index, param_group in enumerate(opt.param_groups):
         for p in param_group["params"]:
             owner = owner_of(p)
-            if (owner is None or owner.offload is None
-                    or isinstance(owner.offload, DiskOffloadPolicy)
-                    or p.grad is None or _local_view(p) is None):
+            if owner is None or owner.offload is None or p.grad is None:
+                continue
+            if not states_on_disk(owner) and _local_view(p) is None:
                 continue
             group = groups.get(id(owner))
             if group is not None:
@@ -372,6 +374,46 @@ def _frozen(value):
     return value
 
 
+def _step_group(opt: torch.optim.Optimizer, items: list, disk: list, hyper: list[dict],
+                flags: dict, unit_name: str, ready=None) -> None:
+    """The host thread's work for one group: its CPU-offloaded parameters (``items``), then
+    those whose states are on disk (``disk``: (DiskStates, chunks, gradients) each)."""
+    if items or not disk:
+        _step_unit(opt, items, hyper, flags, unit_name, ready)
+    if disk:
+        _step_on_disk(opt, disk, hyper, flags, unit_name)
+
+
+def _shadow(opt: torch.optim.Optimizer, hyper: list[dict], flags: dict, groups=None):
+    """A copy of ``opt`` whose step sees only what its own ``param_groups`` and ``state``
+    hold: the hyperparameters and step flags frozen at ``step()``, parameter group
+    ``i`` empty unless ``groups`` says what it holds."""
+    shadow = object.__new__(type(opt))
+    shadow.__dict__.update(opt.__dict__)
+    shadow.state = defaultdict(dict)
+    shadow.param_groups = ([{**hyper[index], "params": params} for index, params in groups.items()]
+                           if groups is not None else
+                           [{**group, "params": []} for group in hyper])
+    for name in _STEP_FLAGS:
+        value = flags.get(name)
+        setattr(shadow, name, None if value is None else value.cpu())
+    return shadow
+
+
+def _step_on_disk(opt: torch.optim.Optimizer, disk: list, hyper: list[dict], flags: dict,
+                  unit_name: str) -> None:
+    """Step a unit's parameters whose states are on disk, chunk by chunk, as
+    ``DiskStates.step`` does inside ``opt.step()`` (Note [the disk step on the host thread])."""
+    try:
+        for states, chunks, grads in disk:
+            shadow = _shadow(opt, hyper, flags)
+            states.step_chunks(opt, shadow, lambda: step_alone(shadow), chunks, grads)
+            increment_version([states.params[i]._local_tensor for i in grads])
+    except Exception as error:
+        raise RuntimeError(f"fullshard: the optimizer step of unit {unit_name} on the host "
+                           f"thread (OverlappedStep) failed: {error}") from error
+
+
 def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags: dict,
                unit_name: str, ready=None) -> None:
     """The host thread's work for one unit: ``opt``'s step over the unit's local shards,
@@ -380,23 +422,18 @@ def _step_unit(opt: torch.optim.Optimizer, items: list, hyper: list[dict], flags
     try:
         if ready is not None:
             ready.synchronize()
-        shadow = object.__new__(type(opt))
-        shadow.__dict__.update(opt.__dict__)
-        shadow.state = defaultdict(dict)
         by_group: dict[int, list] = {}
-        before = []  # per item: the local states handed to the step, to see what it made
+        handed = {}  # the local states handed to the step
+        before = []  # per item: their values, to see what the step made
         for index, _p, local, grad, state in items:
             local.grad = grad
             by_group.setdefault(index, []).append(local)
             local_state = local_states(state)
             if local_state:
-                shadow.state[local] = local_state
+                handed[local] = local_state
             before.append(tuple(local_state.values()) if local_state else None)
-        shadow.param_groups = [{**hyper[index], "params": params}
-                               for index, params in by_group.items()]
-        for name in _STEP_FLAGS:
-            value = flags.get(name)
-            setattr(shadow, name, None if value is None else value.cpu())
+        shadow = _shadow(opt, hyper, flags, by_group)
+        shadow.state.update(handed)
         step_alone(shadow)
         for (_index, p, local, _grad, state), values in zip(items, before):
             local.grad = None

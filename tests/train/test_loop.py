@@ -35,8 +35,12 @@ def test_strategies_accumulation_and_recomputation_train_the_same_model(tmp_path
         "states_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}"},
         "params_on_disk": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}",
                            "parallel.offload_params": True},
+        # the disk step inside the optimizer step, not on the host thread (overlap_step)
+        "states_on_disk_in_step": {"batch.batch_size": 4, "parallel.offload": f"disk:{states}",
+                                   "parallel.overlap_step": False},
     }
     losses = run_distributed(_variants, 2, variants)[0]
+    assert losses["states_on_disk"] == losses["states_on_disk_in_step"]  # to the bit
     reference = losses.pop("full_shard")
     assert len(reference) == 4 and reference[-1] < reference[0]
     for name, got in losses.items():

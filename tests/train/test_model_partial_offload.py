@@ -33,7 +33,7 @@ def _both(fraction: str) -> dict[str, list[float]]:
             for name, value in {"device": "none", "partial": fraction}.items()}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_partial_offload_trains_as_nothing_offloaded(world):
     losses = run_distributed(_both, world, "cpu:0.5")[0]
     assert len(losses["device"]) == 4 and losses["device"][-1] < losses["device"][0]

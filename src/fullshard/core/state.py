@@ -145,6 +145,23 @@ def live_roots() -> list["RootState"]:
     return list(_LIVE_ROOTS.values())
 
 
+def groups_in_order() -> tuple[dict[int, ParamGroup], dict[ParamGroup, int]]:
+    """Every live group by its ShardedParams' ids, and the groups' order: their units'
+    order under each root (the order forward gathers them). A group is what reduces
+    together: a unit's batch (Note [buckets: units gather together])."""
+    groups: dict[int, ParamGroup] = {}
+    order: dict[ParamGroup, int] = {}
+    for root in live_roots():
+        for unit in root.units:
+            group = unit.batch
+            if group is None or group in order:
+                continue
+            order[group] = len(order)
+            for sharded in group.params:
+                groups[id(sharded)] = group
+    return groups, order
+
+
 def finish_host_steps(owners=None) -> None:
     """Wait for the optimizer steps running on a host thread (Note [the host step
     overlapped with the next forward]): every one, or those of the groups holding any of

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..core.state import groups_in_order
 from ..policies import DiskOffloadPolicy
 from .optimizer_states import DiskStates
 
@@ -16,30 +17,47 @@ from .optimizer_states import DiskStates
 _STATES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict]" = weakref.WeakKeyDictionary()
 
 
-def step_on_disk(opt: torch.optim.Optimizer,
-                 params: list[tuple[DTensor, DiskOffloadPolicy]],
+def step_on_disk(opt: torch.optim.Optimizer, params: list[tuple[DTensor, object]],
                  run_step: Callable[[], None]) -> None:
     """Step ``params`` (the optimizer's disk-offloaded parameters, in ``param_groups``
-    order, with their units' policies) chunk by chunk; ``run_step`` runs ``opt``'s own
-    step over whatever ``param_groups`` hold at the time."""
-    by_policy: dict[DiskOffloadPolicy, list[DTensor]] = {}
-    for p, policy in params:
-        by_policy.setdefault(policy, []).append(p)
+    order, with their ShardedParams) chunk by chunk; ``run_step`` runs ``opt``'s own step
+    over whatever ``param_groups`` hold at the time."""
+    for states in disk_states(opt, params):
+        states.step(opt, run_step)
+
+
+def disk_states(opt: torch.optim.Optimizer, params: list[tuple[DTensor, object]]
+                ) -> list[DiskStates]:
+    """The stores of ``params`` (every parameter of ``opt`` whose states are on disk, in
+    ``param_groups`` order, with its ShardedParam), one per policy: made at their first
+    step, made again (from the values) when the parameters or their units' order change,
+    dropped for policies no parameter has any more. Each lays its parameters out unit by
+    unit in the order forward gathers the units (Note [the disk step on the host thread])."""
+    groups, order = groups_in_order()
+    by_policy: dict[DiskOffloadPolicy, list[tuple[int, int, DTensor]]] = {}
+    for position, (p, owner) in enumerate(params):
+        group = groups.get(id(owner))
+        unit = order[group] if group is not None else len(order)
+        by_policy.setdefault(owner.offload, []).append((unit, position, p))
     current = _STATES.get(opt)
     if current is None:
         current = _STATES[opt] = {}
         opt.register_state_dict_post_hook(_fill_state_dict)
     for policy in [k for k in current if k not in by_policy]:  # parameters gone from opt
         _drop(opt, current, policy)
-    for policy, group in by_policy.items():
+    found = []
+    for policy, entries in by_policy.items():
+        entries.sort(key=lambda e: e[:2])
+        units, group = [e[0] for e in entries], [e[2] for e in entries]
         states = current.get(policy)
-        if states is not None and states.key != tuple(id(p) for p in group):
+        if states is not None and states.key != tuple(zip(map(id, group), units)):
             _drop(opt, current, policy)  # param_groups changed: start over from the values
             states = None
         if states is None:
             states = current[policy] = DiskStates(
-                group, policy, f"DiskOffloadPolicy(path={policy.path!r})")
-        states.step(opt, run_step)
+                group, units, policy, f"DiskOffloadPolicy(path={policy.path!r})")
+        found.append(states)
+    return found
 
 
 def _drop(opt, current: dict, policy) -> None:

@@ -1,8 +1,9 @@
 """StateFiles: one rank's optimizer-state files on disk, read and written by one I/O thread.
 
 Each state name (``exp_avg``, ``exp_avg_sq``, ...) has a file laid out as a flat array
-over every disk-offloaded element of the optimizer, in parameter order; chunk ``c`` is
-elements ``[c * chunk_numel, (c + 1) * chunk_numel)`` of each file. Reads and writes go
+over every disk-offloaded element of the optimizer, in the order the chunks give; chunk
+``c`` is the extent ``extents[c]`` (first element, elements) of each file, at most
+``chunk_numel`` long and starting on an ALIGN-element boundary. Reads and writes go
 through staging buffers: ``SETS`` sets of one aligned host buffer per state name, chunk
 ``c`` using set ``c % SETS`` (Note [optimizer states on disk] says why three).
 
@@ -77,11 +78,15 @@ def _close(fds: dict, io: ThreadPoolExecutor) -> None:
 class StateFiles:
     """The files under one ``DiskOffloadPolicy.path`` for one optimizer on one rank."""
 
-    def __init__(self, path: str, total_numel: int, chunk_numel: int, label: str):
+    def __init__(self, path: str, extents: list[tuple[int, int]], chunk_numel: int,
+                 label: str):
         self.label = label                    # names the policy in errors
-        self.chunk_numel = chunk_numel
-        self.n_chunks = max(1, -(-total_numel // chunk_numel))
-        self.capacity = self.n_chunks * chunk_numel   # elements each file holds
+        self.chunk_numel = chunk_numel        # staging buffer elements (a multiple of ALIGN)
+        # each chunk's (first element, elements) in the files, both multiples of ALIGN:
+        # O_DIRECT transfers whole aligned blocks, so a short chunk moves its rounded size
+        self.extents = [(start, min(chunk_numel, -(-numel // ALIGN) * ALIGN))
+                        for start, numel in extents] or [(0, chunk_numel)]
+        self.capacity = max(start + numel for start, numel in self.extents)  # per file
         self.directory = path                 # where the (unnamed) files are
         self.direct = hasattr(os, "O_DIRECT")
         self._fds: dict[str, int] = {}         # state name -> fd (O_DIRECT where allowed)
@@ -153,8 +158,9 @@ class StateFiles:
         """Queue the write (from) or read (into) staging set ``chunk % SETS`` of every
         state file; the caller waits on the future before touching that set again."""
         staged = self.staged(chunk)
-        jobs = [(self._fds[name], _as_bytes(staged[name]),
-                 self._offset(name, chunk * self.chunk_numel)) for name in self._fds]
+        start, numel = self.extents[chunk]
+        jobs = [(self._fds[name], _as_bytes(staged[name][:numel]), self._offset(name, start))
+                for name in self._fds]
         # a plain function: the I/O thread must hold no reference to this object (the
         # last one dropped there would run the finalizer on the thread it joins)
         future = self._io.submit(_transfer, write, jobs)

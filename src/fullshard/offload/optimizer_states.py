@@ -34,6 +34,30 @@ are the truth: they are copied into the staging sets, stepped and written, and r
 by placeholders. That one rule covers loading before the first step and after later
 ones. A step's pieces of one parameter each get a copy of the parameter's small states
 as they were before the step (they advance together; the last piece's are kept).
+
+Note [the disk step on the host thread]
+The files are laid out unit by unit, in the order forward gathers the units (each
+parameter's unit is its group's place in that order, core/state.groups_in_order), and
+every unit starts a chunk of its own on an ALIGN boundary: a chunk never holds two units'
+states, so one unit's chunks step without touching another's. That is what lets
+``OverlappedStep`` (overlapped_step.py) treat a disk-offloaded unit as it treats a
+CPU-offloaded one: ``step()`` takes every parameter whose states are on disk out of the
+device step and hands each unit to the host thread, in forward order; the host thread
+steps the unit's chunks (``step_chunks``) with a copy of the optimizer whose groups hold
+the hyperparameters as ``step()`` saw them, and the next forward's gather of the unit
+waits for that unit alone. Units stepped in forward order read the files in order, so
+the read-ahead of the next chunk (the next unit's first, past a unit's last) and the
+read of chunk 0 after the last write carry over from one unit to the next as they do
+within one step; a unit skipped (no gradient) makes the next one queue its own read.
+The padding costs less than ALIGN elements per unit. While a unit's step runs, the host
+thread owns the files: every read from outside the pipeline (``values_of``, which state
+dicts, a lookup by name and ``materialize`` go through) first waits for the host steps.
+The results are those of ``optimizer.step()`` bit for bit: an elementwise update of the
+same pieces with the same gradients, states and hyperparameters. What the overlap leaves
+to ``step()`` itself: ``stepping_in_backward()`` hands out CPU-offloaded units only (a
+disk unit's read-ahead runs in forward order, backward reduces in reverse), so disk units
+step on the host thread when ``step()`` is called; the delayed update refuses disk units
+(E345).
 """
 
 from __future__ import annotations
@@ -45,6 +69,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..core.features.mapped import page_out
+from ..core.state import finish_host_steps
 from ..policies import DiskOffloadPolicy
 from .files import ALIGN, StateFiles
 
@@ -56,17 +81,35 @@ class Piece(NamedTuple):
     offset: int   # where the range starts inside its chunk
 
 
-def _pieces(numels: list[int], chunk_numel: int) -> list[list[Piece]]:
-    chunks: list[list[Piece]] = [[]]
-    used = 0
+class Chunk(NamedTuple):
+    start: int            # its first element in the files
+    pieces: list[Piece]   # what it holds, in order from element 0 of the chunk
+
+    @property
+    def numel(self) -> int:
+        return self.pieces[-1].offset + self.pieces[-1].stop - self.pieces[-1].start
+
+
+def _chunks(numels: list[int], units: list[int], chunk_numel: int) -> list[Chunk]:
+    """The parameters' local shards laid end to end, cut into chunks of at most
+    ``chunk_numel`` elements (a multiple of ALIGN). Each unit (``units[i]``: parameter
+    ``i``'s, equal for neighbours of one unit) starts a chunk of its own on an ALIGN
+    boundary of the files, so that a unit's states step without its neighbours' (Note
+    [the disk step on the host thread])."""
+    chunks: list[Chunk] = []
+    used = chunk_numel  # the last chunk is full: the next piece starts a new one
+    unit = None
     for i, n in enumerate(numels):
+        if units[i] != unit:
+            unit, used = units[i], chunk_numel
         start = 0
         while start < n:
             if used == chunk_numel:
-                chunks.append([])
+                at = 0 if not chunks else -(-(chunks[-1].start + chunks[-1].numel) // ALIGN) * ALIGN
+                chunks.append(Chunk(at, []))
                 used = 0
             take = min(n - start, chunk_numel - used)
-            chunks[-1].append(Piece(i, start, start + take, used))
+            chunks[-1].pieces.append(Piece(i, start, start + take, used))
             start += take
             used += take
     return chunks
@@ -118,47 +161,83 @@ class _EntryOnDisk(dict):
 class DiskStates:
     """One optimizer's disk-offloaded parameters under one ``DiskOffloadPolicy``."""
 
-    def __init__(self, params: list[DTensor], policy: DiskOffloadPolicy, label: str):
+    def __init__(self, params: list[DTensor], units: list[int], policy: DiskOffloadPolicy,
+                 label: str):
+        """``params`` grouped by unit (``units[i]``: the order forward gathers parameter
+        ``i``'s unit in), in the order their states are laid out in the files."""
         self.params = params
-        self.key = tuple(id(p) for p in params)
+        self.units = units
+        self.key = tuple(zip(map(id, params), units))
         numels = [p._local_tensor.numel() for p in params]
-        self.starts = [sum(numels[:i]) for i in range(len(numels))]
         # O_DIRECT-aligned for any dtype, and no larger than the states need
         chunk = -(-max(1, min(policy.chunk_numel, sum(numels))) // ALIGN) * ALIGN
-        self.files = StateFiles(policy.path, sum(numels), chunk, label)
-        self.chunks = _pieces(numels, chunk)
+        self.chunks = _chunks(numels, units, chunk)
+        self.starts = [0] * len(params)  # each parameter's first element in the files
+        for c in reversed(self.chunks):
+            for pc in c.pieces:
+                if pc.start == 0:
+                    self.starts[pc.index] = c.start + pc.offset
+        # each unit's chunks: what a host-thread step of the unit steps
+        self.unit_chunks: dict[int, range] = {}
+        for c, chunk_ in enumerate(self.chunks):
+            u = units[chunk_.pieces[0].index]
+            first = self.unit_chunks.get(u, range(c, c)).start
+            self.unit_chunks[u] = range(first, c + 1)
+        self.files = StateFiles(policy.path, [(c.start, c.numel) for c in self.chunks],
+                                chunk, label)
         self.on_disk: list[tuple[str, ...]] = [() for _ in params]  # state names in the files
         self.params_on_disk = [policy.params for _ in params]  # Note [parameters on disk]
-        self._prefetched = None  # the read of chunk 0 queued after the last step's writes
+        # the chunk whose read (if it needs one) is queued already: the next one after a
+        # chunk steps, chunk 0 after the last step's writes (it overlaps the next forward)
+        self._queued: int | None = None
+
+    def chunks_of(self, indices: list[int]) -> range:
+        """The chunks of the units of parameters ``indices`` (one unit's, as a host-thread
+        step hands them over)."""
+        ranges = [self.unit_chunks[self.units[i]] for i in indices]
+        return range(min(r.start for r in ranges), max(r.stop for r in ranges))
 
     # -- the step ----------------------------------------------------------------------
 
     def step(self, opt: torch.optim.Optimizer, run_step: Callable[[], None]) -> None:
         """Step every disk-offloaded parameter of ``opt``, a chunk at a time (their
         gradients are ready; the caller then steps the other parameters)."""
+        grads = {i: _local(p.grad) for i, p in enumerate(self.params) if p.grad is not None}
+        self.step_chunks(opt, opt, run_step, range(len(self.chunks)), grads)
+
+    def step_chunks(self, opt: torch.optim.Optimizer, stepper: torch.optim.Optimizer,
+                    run_step: Callable[[], None], chunks: range,
+                    grads: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Step the parameters in ``chunks`` (a unit's, or all) with their local gradients
+        ``grads`` (by parameter index; one without steps nothing, as torch skips it).
+        ``run_step`` runs ``stepper``'s step over what its ``param_groups`` hold; ``stepper``
+        is ``opt`` itself, or on the host thread a copy with its own groups and state
+        (overlapped_step.py). ``opt.state`` holds the entries. Returns the pieces stepped."""
+        indices = sorted({pc.index for c in chunks for pc in self.chunks[c].pieces})
         group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-        states = [opt.state.get(p) or {} for p in self.params]
-        real = [{k: _local(v) for k, v in s.items()
-                 if _is_per_element(v, p._local_tensor) and not _local(v).is_meta}
-                for p, s in zip(self.params, states)]
-        small = [{k: v for k, v in s.items() if not _is_per_element(v, p._local_tensor)}
-                 for p, s in zip(self.params, states)]
+        states = {i: opt.state.get(self.params[i]) or {} for i in indices}
+        real = {i: {k: _local(v) for k, v in states[i].items()
+                    if _is_per_element(v, self.params[i]._local_tensor) and not _local(v).is_meta}
+                for i in indices}
+        small = {i: {k: v for k, v in states[i].items()
+                     if not _is_per_element(v, self.params[i]._local_tensor)} for i in indices}
         stepped_small: dict[int, dict] = {}
         stepped_names: dict[int, tuple[str, ...]] = {}
-        saved = [group["params"] for group in opt.param_groups]
-        files = self.files
+        stepped: list[torch.Tensor] = []
+        saved = [group["params"] for group in stepper.param_groups]
+        files, last = self.files, len(self.chunks) - 1
         try:
-            if self._prefetched is None:
-                self._read(0, real)
-            self._prefetched = None
-            for c, pieces in enumerate(self.chunks):
+            if self._queued != chunks.start:
+                self._read(chunks.start, real)
+            self._queued = None
+            for c in chunks:
                 staged = files.claim(c)  # read in, or its previous chunk written out
-                if c + 1 < len(self.chunks):
-                    self._read(c + 1, real)
-                lists: list[list[torch.Tensor]] = [[] for _ in opt.param_groups]
+                if c < last:
+                    self._queued = c + 1 if self._read(c + 1, real) else None
+                lists: list[list[torch.Tensor]] = [[] for _ in stepper.param_groups]
                 taken: list[tuple[Piece, torch.Tensor]] = []
                 dirty = False
-                for pc in pieces:
+                for pc in self.chunks[c].pieces:
                     p = self.params[pc.index]
                     rows = slice(pc.offset, pc.offset + pc.stop - pc.start)
                     for name, full in real[pc.index].items():
@@ -167,24 +246,26 @@ class DiskStates:
                         dirty = True
                     names = tuple(real[pc.index]) or self.on_disk[pc.index]
                     dirty = dirty or bool(names)
-                    if p.grad is None:
+                    grad = grads.get(pc.index)
+                    if grad is None:
                         continue  # not stepped (torch skips it too); its states stay as read
                     piece = p._local_tensor.view(-1)[pc.start:pc.stop]
-                    piece.grad = _local(p.grad).reshape(-1)[pc.start:pc.stop]
+                    piece.grad = grad.reshape(-1)[pc.start:pc.stop]
                     if names:
-                        opt.state[piece] = {**{k: v.clone() for k, v in small[pc.index].items()},
-                                            **{n: staged[n][rows] for n in names}}
+                        stepper.state[piece] = {
+                            **{k: v.clone() for k, v in small[pc.index].items()},
+                            **{n: staged[n][rows] for n in names}}
                     lists[group_of[id(p)]].append(piece)
                     taken.append((pc, piece))
                 if taken:
-                    for group, chunk_params in zip(opt.param_groups, lists):
+                    for group, chunk_params in zip(stepper.param_groups, lists):
                         group["params"] = chunk_params
                     run_step()
-                    for group, params in zip(opt.param_groups, saved):
+                    for group, params in zip(stepper.param_groups, saved):
                         group["params"] = params
                     for pc, piece in taken:
                         piece.grad = None
-                        new = opt.state.pop(piece, {})
+                        new = stepper.state.pop(piece, {})
                         per_element = {k: v for k, v in new.items() if _is_per_element(v, piece)}
                         rows = slice(pc.offset, pc.offset + pc.stop - pc.start)
                         for name, value in per_element.items():
@@ -196,19 +277,22 @@ class DiskStates:
                         stepped_small[pc.index] = {k: v for k, v in new.items()
                                                    if k not in per_element}
                         dirty = True
+                        stepped.append(piece)
                 if dirty:
                     files.submit(True, c)
                 for pc, piece in taken:  # Note [parameters on disk]: stepped, give back
                     if self.params_on_disk[pc.index]:
                         page_out(piece)
         finally:
-            for group, params in zip(opt.param_groups, saved):
+            for group, params in zip(stepper.param_groups, saved):
                 group["params"] = params
-        for i, p in enumerate(self.params):
+        for i in indices:
             names = stepped_names.get(i) or tuple(real[i]) or self.on_disk[i]
             if names:
                 self._leave_on_disk(opt, i, names, stepped_small.get(i, small[i]))
-        self._prefetched = self._read(0, None)  # overlaps the next forward and backward
+        if chunks.stop - 1 == last:  # after the last write: overlaps the next forward
+            self._queued = 0 if self._read(0, None) else None
+        return stepped
 
     def _leave_on_disk(self, opt: torch.optim.Optimizer, i: int, names: tuple[str, ...],
                        kept: dict) -> None:
@@ -221,11 +305,11 @@ class DiskStates:
             p._local_tensor.shape, dtype=self.files.dtypes[n], device="meta")) for n in names}},
             self, i)
 
-    def _read(self, chunk: int, real: list[dict] | None):
+    def _read(self, chunk: int, real: dict[int, dict] | None):
         """Queue the read of ``chunk`` if any of its parameters has states only on disk."""
         if not self.files.dtypes or not any(
-                self.on_disk[pc.index] and not (real and real[pc.index])
-                for pc in self.chunks[chunk]):
+                self.on_disk[pc.index] and not (real and real.get(pc.index))
+                for pc in self.chunks[chunk].pieces):
             return None
         return self.files.submit(False, chunk)
 
@@ -234,6 +318,7 @@ class DiskStates:
     def values_of(self, i: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """Parameter ``i``'s per-element states ``names`` (all by default) read from disk,
         as DTensors."""
+        finish_host_steps()  # Note [the disk step on the host thread]: the files at rest
         p = self.params[i]
         local = p._local_tensor
         return {n: _wrap_like(p, self.files.read_range(n, self.starts[i], local.numel())

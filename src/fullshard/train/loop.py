@@ -94,9 +94,8 @@ def step_or_skip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
 
 def overlaps_step(parallel, optimizer: torch.optim.Optimizer) -> bool:
     """Whether the offloaded blocks' step runs on a host thread beside the next forward
-    (``--parallel.overlap_step``, CPU offload, an elementwise optimizer)."""
-    return (parallel.overlap_step and (parallel.offload == "cpu"
-                                       or parallel.offload.startswith("cpu:"))
+    (``--parallel.overlap_step``, CPU or disk offload, an elementwise optimizer)."""
+    return (parallel.overlap_step and parallel.offload != "none"
             and type(optimizer) in ELEMENTWISE_OPTIMIZERS)
 
 

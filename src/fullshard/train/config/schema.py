@@ -206,10 +206,11 @@ class ParallelConfig:
     NCCL's copy-engine or symmetric-kernel all-gathers). Needs CUDA, NCCL and a torch
     built with symmetric memory; refused otherwise."""
     overlap_step: bool = True
-    """With --parallel.offload cpu or cpu:FRACTION, step the offloaded blocks on a host
-    thread while the next forward runs, each block's forward waiting for its own step
-    (fullshard.OverlappedStep: the same values as stepping them all first). false: the
-    whole step ends before the next forward starts."""
+    """With --parallel.offload cpu, cpu:FRACTION or disk:PATH, step the offloaded blocks on
+    a host thread while the next forward runs, each block's forward waiting for its own
+    step (fullshard.OverlappedStep: the same values as stepping them all first; on disk,
+    each block's states streamed through the files in forward order). false: the whole
+    step ends before the next forward starts."""
     step_in_backward: bool = False
     """With overlap_step and --parallel.offload cpu or cpu:FRACTION, hand each offloaded
     block to the host thread as soon as the last micro-batch's backward hands out its
@@ -440,7 +441,8 @@ def _check_step_in_backward(cfg: TrainConfig) -> None:
     if not parallel.offload.startswith("cpu"):
         raise ConfigError(f"parallel.step_in_backward: steps the CPU-offloaded blocks on a host "
                           f"thread during backward, and parallel.offload {parallel.offload} "
-                          "steps none there (disk:PATH steps in the optimizer step itself); "
+                          "steps none there (disk:PATH steps its blocks on the host thread "
+                          "from the optimizer step, in forward order, not during backward); "
                           "use parallel.offload cpu or cpu:FRACTION, or leave "
                           "step_in_backward false")
     after = ([f"the gradient clip (optim.grad_clip {cfg.optim.grad_clip})"]
