@@ -15,7 +15,8 @@ from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from support.catalogue import matches_documented
-from support.host_steps import forward_against_slow_last_step, host_steps_slowed
+from support.host_steps import (forward_against_slow_last_step, host_steps_slowed,
+                                record_handed_during_backward)
 
 CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=16, n_layers=4, n_heads=2)
 
@@ -193,14 +194,7 @@ def _train_in_backward(offloaded, kind, in_backward, steps=4, micro=1):
     stepper = OverlappedStep(opt)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     rank = dist.get_rank()
-    handed_during_backward = []
-    real = stepper._hand_to_host
-
-    def handing(group, *args):
-        handed_during_backward.append(model._unit.root.backward.running)
-        return real(group, *args)
-
-    stepper._hand_to_host = handing
+    handed_during_backward = record_handed_during_backward(stepper, model)
     for step in range(steps):
         for m in range(micro):
             last = m == micro - 1

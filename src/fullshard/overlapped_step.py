@@ -31,10 +31,11 @@ while the host reads them. An error on the host thread is raised at the next wai
 Note [the host step overlapped with backward]
 Without a gradient clip nothing after backward changes an offloaded unit's gradients, so
 its step need not wait for the end of backward either: inside ``with
-overlapped.stepping_in_backward(): loss.backward()`` each CPU-offloaded unit is handed to
-the host thread as soon as its reduced gradients are handed out (``RootState._finish``
-tells ``BackwardState.on_reduced``), while backward goes on with the units before it; the
-host thread first waits for that unit's copy to the host (``HostCopies.landed``).
+overlapped.stepping_in_backward(): loss.backward()`` each offloaded unit (CPU or disk) is
+handed to the host thread as soon as its reduced gradients are handed out
+(``RootState._finish`` tells ``BackwardState.on_reduced``), while backward goes on with the
+units before it; the host thread first waits for that unit's copy to the host
+(``HostCopies.landed``).
 ``step()`` then steps what is left. The same bits as ``optimizer.step()``: the
 hyperparameters are those the optimizer holds during backward, which is what ``step()``
 would read as long as nothing changes them in between (schedulers step after
@@ -74,7 +75,6 @@ from .optim import (ELEMENTWISE_OPTIMIZERS, _local_view, local_states, state_aft
                     states_on_disk)
 from .step_calls import step_alone
 from . import optim
-from .policies import DiskOffloadPolicy
 
 # the flags a fused step reads from its optimizer (the trainer's clip, a GradScaler)
 _STEP_FLAGS = ("grad_scale", "found_inf")
@@ -92,8 +92,9 @@ _WAITING_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 class OverlappedStep:
-    """Step ``optimizer`` with its CPU-offloaded parameters stepped on a host thread while
-    the next forward runs (Note [the host step overlapped with the next forward]).
+    """Step ``optimizer`` with its offloaded parameters (CPU or disk) stepped on a host
+    thread while the next forward runs (Note [the host step overlapped with the next
+    forward]).
 
     ``step()`` replaces ``optimizer.step()``; everything else (``zero_grad``, LR schedulers,
     ``state_dict``) stays with ``optimizer``. ``wait()`` finishes the steps in flight.
@@ -128,6 +129,8 @@ class OverlappedStep:
         self._handed: dict[int, torch.Tensor] = {}
         # in the block: id(ShardedParam) -> its group and that group's work
         self._listening: dict[int, _Listened] | None = None
+        # in the block: the DiskStates and index of each parameter whose states are on disk
+        self._stores: dict[int, tuple] = {}
         optimizer.register_state_dict_pre_hook(lambda _opt: self.wait())
         optimizer.register_load_state_dict_pre_hook(lambda _opt, _state: self.wait())
 
@@ -157,10 +160,7 @@ class OverlappedStep:
             read_copies_of(on_host if delays else {}, groups_in_order()[0])
         # Note [the disk step on the host thread]: every parameter whose states are on
         # disk leaves the device step, stepped on the host or (no gradient) not at all
-        on_disk = [(p, owner_of(p)) for group in opt.param_groups for p in group["params"]
-                   if states_on_disk(owner_of(p))]
-        stores = {id(p): (states, i) for states in disk_states(opt, on_disk) if on_disk
-                  for i, p in enumerate(states.params)}
+        stores = _disk_stores(opt)
         moved = self._stepped_in_backward | {id(p) for work in on_host.values()
                                              for _i, p in work} | set(stores)
         self._groups, self._from_backward = self._from_backward, []
@@ -210,8 +210,8 @@ class OverlappedStep:
 
     @contextlib.contextmanager
     def stepping_in_backward(self):
-        """Step each CPU-offloaded unit on the host thread as soon as a backward run in this
-        block hands out its gradients, rather than at ``step()`` (Note [the host step
+        """Step each offloaded unit (CPU or disk) on the host thread as soon as a backward
+        run in this block hands out its gradients, rather than at ``step()`` (Note [the host step
         overlapped with backward]); ``step()`` afterwards steps the rest. For runs without
         a clip or GradScaler only."""
         opt = self.optimizer
@@ -233,13 +233,14 @@ class OverlappedStep:
         if not optim.local_step_enabled():
             yield  # the DTensor path steps everything in step()
             return
+        self._stores = _disk_stores(opt)
         roots, self._listening = _listen_on_roots(opt, self._on_reduced)
         try:
             yield
         finally:
             for root in roots:
                 root.backward.on_reduced = None
-            self._listening = None
+            self._listening, self._stores = None, {}
 
     def gradients_of(self, params) -> list[torch.Tensor | None]:
         """Each of ``params``' gradient: its ``.grad``, or for a parameter stepped in a
@@ -270,14 +271,15 @@ class OverlappedStep:
         hyper, flags = _as_step_sees_them(opt)
         self._stepped_in_backward.update(id(p) for _i, p in work)
         self._handed.update((id(p), p.grad) for _i, p in work)  # for gradients_of
-        self._from_backward.append(
-            self._hand_to_host(group, work, hyper, flags, group.copies.landed()))
+        self._from_backward.append(self._hand_to_host(
+            group, work, hyper, flags, group.copies.landed(), self._stores, backward=True))
 
     def _hand_to_host(self, group: ParamGroup, work: list, hyper: list, flags: dict,
-                      ready, stores: dict | None = None) -> ParamGroup:
+                      ready, stores: dict | None = None, backward: bool = False) -> ParamGroup:
         """Give ``work`` (the unit's (param group index, parameter) pairs) to the host
         thread, their gradients with them; ``stores``: the DiskStates and index of each
-        parameter whose states are on disk, by id."""
+        parameter whose states are on disk, by id; ``backward``: handed out in backward's
+        order (the files read ahead toward the unit before)."""
         opt = self.optimizer
         items = []
         disk: dict = {}  # DiskStates -> {parameter index: local gradient}
@@ -289,8 +291,10 @@ class OverlappedStep:
                 disk.setdefault(store[0], {})[store[1]] = grad._local_tensor
                 continue
             items.append((index, p, p._local_tensor, grad._local_tensor, opt.state.get(p)))
-        chunks = [(states, states.chunks_of(sorted(grads)), grads)
-                  for states, grads in disk.items()]
+        chunks = []
+        for states, grads in disk.items():
+            unit = states.chunks_of(sorted(grads))
+            chunks.append((states, unit, grads, states.previous_unit(unit) if backward else None))
         group.host_step = self._pool.submit(_step_group, opt, items, chunks, hyper, flags,
                                             group.unit_name, ready)
         _wait_in_state_dicts(group)
@@ -317,17 +321,16 @@ class OverlappedStep:
 
 def _listen_on_roots(opt: torch.optim.Optimizer, listener
                      ) -> tuple[list, dict[int, _Listened]]:
-    """Tell every root holding a CPU-offloaded parameter of ``opt`` to call ``listener``
-    as reductions hand out gradients; the roots, and each listened group with its
-    parameters in ``opt`` by the id of every ShardedParam of the group."""
+    """Tell every root holding an offloaded parameter of ``opt`` (CPU or disk) to call
+    ``listener`` as reductions hand out gradients; the roots, and each listened group with
+    its parameters in ``opt`` by the id of every ShardedParam of the group."""
     groups, _order = groups_in_order()
     work_of: dict[ParamGroup, list] = {}
     for index, param_group in enumerate(opt.param_groups):
         for p in param_group["params"]:
             owner = owner_of(p)
             group = groups.get(id(owner)) if owner is not None else None
-            if group is not None and owner.offload is not None \
-                    and not isinstance(owner.offload, DiskOffloadPolicy):
+            if group is not None and owner.offload is not None:
                 work_of.setdefault(group, []).append((index, p))
     listened = {id(sharded): _Listened(group, work)
                 for group, work in work_of.items() for sharded in group.params}
@@ -335,6 +338,17 @@ def _listen_on_roots(opt: torch.optim.Optimizer, listener
     for root in roots:
         root.backward.on_reduced = listener
     return roots, listened
+
+
+def _disk_stores(opt: torch.optim.Optimizer) -> dict[int, tuple]:
+    """The DiskStates and index of each parameter of ``opt`` whose states are on disk, by
+    id (made, or made again, for the parameters ``opt`` holds now)."""
+    on_disk = [(p, owner_of(p)) for group in opt.param_groups for p in group["params"]
+               if states_on_disk(owner_of(p))]
+    if not on_disk:
+        return {}
+    return {id(p): (states, i) for states in disk_states(opt, on_disk)
+            for i, p in enumerate(states.params)}
 
 
 def _as_step_sees_them(opt: torch.optim.Optimizer) -> tuple[list[dict], dict]:
@@ -381,6 +395,8 @@ def _step_group(opt: torch.optim.Optimizer, items: list, disk: list, hyper: list
     if items or not disk:
         _step_unit(opt, items, hyper, flags, unit_name, ready)
     if disk:
+        if ready is not None and not items:
+            ready.synchronize()  # the gradients' copy to the host (_step_unit waits otherwise)
         _step_on_disk(opt, disk, hyper, flags, unit_name)
 
 
@@ -403,11 +419,12 @@ def _shadow(opt: torch.optim.Optimizer, hyper: list[dict], flags: dict, groups=N
 def _step_on_disk(opt: torch.optim.Optimizer, disk: list, hyper: list[dict], flags: dict,
                   unit_name: str) -> None:
     """Step a unit's parameters whose states are on disk, chunk by chunk, as
-    ``DiskStates.step`` does inside ``opt.step()`` (Note [the disk step on the host thread])."""
+    ``DiskStates.step`` does inside ``opt.step()`` (Note [the disk step on the host thread]);
+    ``disk``: (DiskStates, the unit's chunks, gradients, the chunk to read ahead) each."""
     try:
-        for states, chunks, grads in disk:
+        for states, chunks, grads, then in disk:
             shadow = _shadow(opt, hyper, flags)
-            states.step_chunks(opt, shadow, lambda: step_alone(shadow), chunks, grads)
+            states.step_chunks(opt, shadow, lambda: step_alone(shadow), chunks, grads, then)
             increment_version([states.params[i]._local_tensor for i in grads])
     except Exception as error:
         raise RuntimeError(f"fullshard: the optimizer step of unit {unit_name} on the host "

@@ -13,7 +13,8 @@ from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.offload import disk_states_of
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
-from support.host_steps import forward_against_slow_last_step, host_steps_slowed
+from support.host_steps import (forward_against_slow_last_step, host_steps_slowed,
+                                record_handed_during_backward)
 
 CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=32, n_layers=4, n_heads=2)
 CHUNK = 4096  # small: the units' states span several chunks each
@@ -173,3 +174,52 @@ def _checkpoint_and_resume_once(directory, placed, overlapped):
 def test_state_dicts_wait_and_a_resume_trains_on_exactly(tmp_path):
     for differ in run_distributed(_checkpoint_and_resume, 2, str(tmp_path)):
         assert differ == (True, [], [], []), differ
+
+
+def _train_in_backward(directory, placed, in_backward, steps=4):
+    model = _model(directory, placed)
+    opt = _optimizer(model, "foreach")
+    stepper = OverlappedStep(opt)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    during = record_handed_during_backward(stepper, model)
+    rank = dist.get_rank()
+    for step in range(steps):
+        x, y = token_batch(10 * step + rank, 6, CFG.vocab_size, CFG.seq_len)
+        loss = lm_loss(model(x), y)
+        if in_backward:
+            with stepper.stepping_in_backward():
+                loss.backward()
+        else:
+            loss.backward()
+        stepper.step()
+        opt.zero_grad(set_to_none=True)
+        scheduler.step()
+    stepper.wait()
+    weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    states = {(i, name): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+              for i, entry in opt.state_dict()["state"].items() for name, v in entry.items()}
+    return weights, states, during
+
+
+def _same_bits_in_backward(directory, placed):
+    rank = dist.get_rank()
+    os.makedirs(f"{directory}/after{rank}"), os.makedirs(f"{directory}/during{rank}")
+    *after, _ = _train_in_backward(f"{directory}/after{rank}", placed, False)
+    *stepped, during = _train_in_backward(f"{directory}/during{rank}", placed, True)
+    for a, b in zip(after, stepped):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
+    return during
+
+
+@pytest.mark.parametrize("world,placed", [
+    (2, {0: "disk", 1: "disk", 2: "disk", 3: "disk", "root": "disk"}),
+    pytest.param(3, {0: "disk", 1: "cpu", 2: "disk", 3: "disk"}, marks=pytest.mark.slow),
+])
+def test_stepping_in_backward_gives_the_same_bits_and_steps_disk_units_during_it(
+        tmp_path, world, placed):
+    blocks = len([u for u in placed if u != "root"])
+    for during in run_distributed(_same_bits_in_backward, world, str(tmp_path), placed):
+        # every offloaded block of every step handed over while backward still ran
+        assert sum(during) >= 4 * blocks, during

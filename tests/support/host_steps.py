@@ -65,3 +65,17 @@ def host_steps_slowed(step_function: str, seconds: float, on: bool = True):
         yield
     finally:
         setattr(overlapped_step, step_function, real)
+
+
+def record_handed_during_backward(stepper, model) -> list[bool]:
+    """A list that gets, for each unit ``stepper`` (an OverlappedStep) hands to its host
+    thread, whether ``model``'s backward was still running at the time."""
+    during = []
+    real = stepper._hand_to_host
+
+    def handing(group, *args, **kwargs):
+        during.append(model._unit.root.backward.running)
+        return real(group, *args, **kwargs)
+
+    stepper._hand_to_host = handing
+    return during

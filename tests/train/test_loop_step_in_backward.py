@@ -2,6 +2,8 @@
 backward hands out their gradients (Note [the trainer's step in backward]): the default
 trainer's losses and gradient norms, and a resume that trains on exactly."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,8 @@ from fullshard.train.loop import Trainer
 from support.train_runs import QUIET, straight_and_resumed
 
 RUNS = {"cpu": {"parallel.offload": "cpu"},
-        "half, two micro-batches": {"parallel.offload": "cpu:0.5", "batch.grad_accum": 2}}
+        "half, two micro-batches": {"parallel.offload": "cpu:0.5", "batch.grad_accum": 2},
+        "states on disk": {"parallel.offload": "disk:{out}"}}  # a folder made per run
 
 
 def _both_ways(out: str) -> dict:
@@ -38,8 +41,12 @@ def _both_ways(out: str) -> dict:
         for name, fields in RUNS.items():
             for on in (False, True):
                 handed.clear()
+                states = f"{out}/{name}-{on}-states-{rank}"
+                os.makedirs(states)
+                placed = {k: v.replace("{out}", states) if isinstance(v, str) else v
+                          for k, v in fields.items()}
                 cfg = apply_overrides(get_preset("debug"), {
-                    **QUIET, **fields, "steps": 4, "batch.batch_size": 2,
+                    **QUIET, **placed, "steps": 4, "batch.batch_size": 2,
                     "optim.grad_clip": 0.0, "parallel.step_in_backward": on}, "test")
                 trainer = Trainer(cfg, f"{out}/{name}-{on}", worker)
                 trainer.run(resume=False)
@@ -65,21 +72,26 @@ def test_stepping_in_backward_trains_as_the_default_trainer(tmp_path):
             assert rank[name, False][2] == 0 and rank[name, True][2] > 0, (name, rank)
 
 
-def _resume(out: str) -> dict[str, list[float]] | None:
-    return straight_and_resumed(out, {"parallel.offload": "cpu", "parallel.step_in_backward": True,
+def _resume(out: str, offload: str) -> dict[str, list[float]] | None:
+    if offload == "disk":
+        offload = f"disk:{out}/states-{dist.get_rank()}"
+        os.makedirs(offload[len("disk:"):])
+    return straight_and_resumed(out, {"parallel.offload": offload,
+                                      "parallel.step_in_backward": True,
                                       "optim.grad_clip": 0.0, "batch.batch_size": 2})[0]
 
 
 @pytest.mark.slow
-def test_a_run_stepping_in_backward_resumes_exactly(tmp_path):
-    runs = run_distributed(_resume, 2, str(tmp_path))[0]
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_a_run_stepping_in_backward_resumes_exactly(tmp_path, offload):
+    runs = run_distributed(_resume, 2, str(tmp_path), offload)[0]
     straight, resumed = runs["straight"], runs["resumed"]
     assert len(straight) == 6 and straight[-1] < straight[0]
     assert resumed[-3:] == straight[-3:]
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"parallel.offload": "none"}, "parallel.offload none steps none there"),
+    ({"parallel.offload": "none"}, "parallel.offload none offloads none"),
     ({"parallel.offload": "cpu", "optim.grad_clip": 1.0}, "the gradient clip"),
     ({"parallel.offload": "cpu", "optim.grad_clip": 0.0, "parallel.precision": "fp16"},
      "the fp16 loss scale"),

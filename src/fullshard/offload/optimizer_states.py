@@ -53,11 +53,12 @@ The padding costs less than ALIGN elements per unit. While a unit's step runs, t
 thread owns the files: every read from outside the pipeline (``values_of``, which state
 dicts, a lookup by name and ``materialize`` go through) first waits for the host steps.
 The results are those of ``optimizer.step()`` bit for bit: an elementwise update of the
-same pieces with the same gradients, states and hyperparameters. What the overlap leaves
-to ``step()`` itself: ``stepping_in_backward()`` hands out CPU-offloaded units only (a
-disk unit's read-ahead runs in forward order, backward reduces in reverse), so disk units
-step on the host thread when ``step()`` is called; the delayed update refuses disk units
-(E345).
+same pieces with the same gradients, states and hyperparameters. Inside
+``stepping_in_backward()`` a disk unit is handed out as its gradients are, in backward's
+order: its step reads ahead, after its own chunks, the first chunk of the unit before it
+in the files (from the first unit, of the last), the one backward reduces next; that read
+is queued after the unit's last write, since its staging set may be the last chunk's.
+The delayed update refuses disk units (E345).
 """
 
 from __future__ import annotations
@@ -205,14 +206,24 @@ class DiskStates:
         grads = {i: _local(p.grad) for i, p in enumerate(self.params) if p.grad is not None}
         self.step_chunks(opt, opt, run_step, range(len(self.chunks)), grads)
 
+    def previous_unit(self, chunks: range) -> int:
+        """The first chunk of the unit before the one ``chunks`` holds in the files (from
+        the first unit: of the last), the unit backward reduces next."""
+        if chunks.start == 0:
+            return self.unit_chunks[self.units[self.chunks[-1].pieces[0].index]].start
+        return self.unit_chunks[self.units[self.chunks[chunks.start - 1].pieces[0].index]].start
+
     def step_chunks(self, opt: torch.optim.Optimizer, stepper: torch.optim.Optimizer,
                     run_step: Callable[[], None], chunks: range,
-                    grads: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+                    grads: dict[int, torch.Tensor], then: int | None = None
+                    ) -> list[torch.Tensor]:
         """Step the parameters in ``chunks`` (a unit's, or all) with their local gradients
         ``grads`` (by parameter index; one without steps nothing, as torch skips it).
         ``run_step`` runs ``stepper``'s step over what its ``param_groups`` hold; ``stepper``
         is ``opt`` itself, or on the host thread a copy with its own groups and state
-        (overlapped_step.py). ``opt.state`` holds the entries. Returns the pieces stepped."""
+        (overlapped_step.py). ``opt.state`` holds the entries. ``then``: the chunk to read
+        ahead after these (by default the next, past the last chunk the first). Returns
+        the pieces stepped."""
         indices = sorted({pc.index for c in chunks for pc in self.chunks[c].pieces})
         group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
         states = {i: opt.state.get(self.params[i]) or {} for i in indices}
@@ -226,13 +237,15 @@ class DiskStates:
         stepped: list[torch.Tensor] = []
         saved = [group["params"] for group in stepper.param_groups]
         files, last = self.files, len(self.chunks) - 1
+        if then is None:
+            then = chunks.stop if chunks.stop <= last else 0
         try:
             if self._queued != chunks.start:
                 self._read(chunks.start, real)
             self._queued = None
             for c in chunks:
                 staged = files.claim(c)  # read in, or its previous chunk written out
-                if c < last:
+                if c + 1 < chunks.stop or then == c + 1:  # a set other than c's: read now
                     self._queued = c + 1 if self._read(c + 1, real) else None
                 lists: list[list[torch.Tensor]] = [[] for _ in stepper.param_groups]
                 taken: list[tuple[Piece, torch.Tensor]] = []
@@ -290,8 +303,8 @@ class DiskStates:
             names = stepped_names.get(i) or tuple(real[i]) or self.on_disk[i]
             if names:
                 self._leave_on_disk(opt, i, names, stepped_small.get(i, small[i]))
-        if chunks.stop - 1 == last:  # after the last write: overlaps the next forward
-            self._queued = 0 if self._read(0, None) else None
+        if then != chunks.stop:  # after the last write, whose staging set it may share
+            self._queued = then if self._read(then, None) else None
         return stepped
 
     def _leave_on_disk(self, opt: torch.optim.Optimizer, i: int, names: tuple[str, ...],

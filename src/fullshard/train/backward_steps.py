@@ -4,7 +4,7 @@ Note [the trainer's step in backward]
 The trainer wraps the backward of each step's last micro-batch, the one that reduces
 (the earlier ones, under ``set_requires_gradient_sync(False)``, reduce nothing and so
 step nothing), in each ``OverlappedStep``'s ``stepping_in_backward()``: every
-CPU-offloaded block goes to the host thread as soon as its gradients are handed out
+offloaded block (CPU or disk) goes to the host thread as soon as its gradients are handed out
 (Note [the host step overlapped with backward]), and the step after backward steps the
 rest. The configuration refuses what that cannot serve (train/config/schema.py): a clip
 and fp16's loss scale, whose coefficients exist only after the whole backward, the

@@ -212,9 +212,9 @@ class ParallelConfig:
     each block's states streamed through the files in forward order). false: the whole
     step ends before the next forward starts."""
     step_in_backward: bool = False
-    """With overlap_step and --parallel.offload cpu or cpu:FRACTION, hand each offloaded
-    block to the host thread as soon as the last micro-batch's backward hands out its
-    gradients, its step overlapping the rest of backward too (fullshard.OverlappedStep.
+    """With overlap_step and --parallel.offload cpu, cpu:FRACTION or disk:PATH, hand each
+    offloaded block to the host thread as soon as the last micro-batch's backward hands out
+    its gradients, its step overlapping the rest of backward too (fullshard.OverlappedStep.
     stepping_in_backward: the same values). Needs optim.grad_clip 0, a precision other
     than fp16 and delayed_update -1: a clip or loss-scale coefficient is known only after
     the whole backward."""
@@ -432,18 +432,16 @@ def _check_offload_fraction(offload: str) -> None:
 
 
 def _check_step_in_backward(cfg: TrainConfig) -> None:
-    """parallel.step_in_backward steps CPU-offloaded blocks on OverlappedStep's host thread
+    """parallel.step_in_backward steps offloaded blocks on OverlappedStep's host thread
     during backward (Note [the host step overlapped with backward]): refuse it where no
     block is stepped there, or where the step needs what exists only after backward."""
     parallel = cfg.parallel
     if not parallel.step_in_backward:
         return
-    if not parallel.offload.startswith("cpu"):
-        raise ConfigError(f"parallel.step_in_backward: steps the CPU-offloaded blocks on a host "
-                          f"thread during backward, and parallel.offload {parallel.offload} "
-                          "steps none there (disk:PATH steps its blocks on the host thread "
-                          "from the optimizer step, in forward order, not during backward); "
-                          "use parallel.offload cpu or cpu:FRACTION, or leave "
+    if parallel.offload == "none":
+        raise ConfigError("parallel.step_in_backward: steps the offloaded blocks on a host "
+                          "thread during backward, and parallel.offload none offloads none; "
+                          "use parallel.offload cpu, cpu:FRACTION or disk:PATH, or leave "
                           "step_in_backward false")
     after = ([f"the gradient clip (optim.grad_clip {cfg.optim.grad_clip})"]
              if cfg.optim.grad_clip > 0 else []) \
