@@ -293,6 +293,7 @@ class OverlappedStep:
             items.append((index, p, p._local_tensor, grad._local_tensor, opt.state.get(p)))
         chunks = []
         for states, grads in disk.items():
+            states.hand_over(opt, grads)
             unit = states.chunks_of(sorted(grads))
             chunks.append((states, unit, grads, states.previous_unit(unit) if backward else None))
         group.host_step = self._pool.submit(_step_group, opt, items, chunks, hyper, flags,

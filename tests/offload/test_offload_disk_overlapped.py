@@ -122,7 +122,8 @@ def test_each_forward_waits_for_its_own_units_disk_step_only(tmp_path):
 
 def _checkpoint_and_resume(directory):
     """State dicts taken right after step() hold the stepped values (disk reads wait for
-    the host steps); a model and optimizer resumed from them train on as the
+    the host steps), and so does a state read by name, also while loaded values are on
+    their way to the files; a model and optimizer resumed from them train on as the
     uninterrupted pair does, with and without the overlap."""
     rank = dist.get_rank()
     placed = {0: "disk", 1: "disk", 2: "cpu", "root": "disk"}
@@ -160,14 +161,17 @@ def _checkpoint_and_resume_once(directory, placed, overlapped):
     ropt = _optimizer(resumed, "foreach")
     ropt.load_state_dict(opt.state_dict())
     rstepper = OverlappedStep(ropt) if overlapped else ropt
+    reads = [read]
     for _ in range(2):  # the loaded states go to disk at the first step, then stream
         lm_loss(resumed(x), y).backward()
         rstepper.step()
         ropt.zero_grad()
+        # read by name while the loaded values are still on their way to the files
+        reads.append(ropt.state[next(resumed.layers[0].parameters())]["exp_avg"].full_tensor())
     if overlapped:
         rstepper.wait()
     after = {k: v.full_tensor() for k, v in resumed.state_dict().items()}
-    return read, saved_model, saved_opt, after
+    return torch.stack(reads), saved_model, saved_opt, after
 
 
 @pytest.mark.slow
@@ -223,3 +227,40 @@ def test_stepping_in_backward_gives_the_same_bits_and_steps_disk_units_during_it
     for during in run_distributed(_same_bits_in_backward, world, str(tmp_path), placed):
         # every offloaded block of every step handed over while backward still ran
         assert sum(during) >= 4 * blocks, during
+
+
+def _other_roots_leave_the_files(directory):
+    """A second sharded model made and dropped between steps (an evaluation copy) changes
+    no unit's place among the optimizer's: its states stay in the files, never read back
+    into memory to be laid out again."""
+    import gc
+
+    os.makedirs(f"{directory}/{dist.get_rank()}")
+    x, y = token_batch(dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+    older = _model(f"{directory}/{dist.get_rank()}", {})  # a root made before this one
+    older(x).sum().backward()
+    placed = {0: "disk", 1: "disk", 2: "disk", 3: "disk"}
+    model = _model(f"{directory}/{dist.get_rank()}", placed)
+    opt = _optimizer(model, "foreach")
+    stepper = OverlappedStep(opt)
+    stores = []
+    for step in range(4):
+        if step == 1:
+            del older
+            gc.collect()
+        if step == 2:
+            newer = _model(f"{directory}/{dist.get_rank()}", {})
+            newer(x).sum().backward()
+        lm_loss(model(x), y).backward()
+        stepper.step()
+        opt.zero_grad()
+        stores.extend(disk_states_of(opt))
+    stepper.wait()
+    del newer
+    return all(s is stores[0] for s in stores), len(stores)
+
+
+@pytest.mark.slow
+def test_another_model_made_or_dropped_leaves_the_states_in_their_files(tmp_path):
+    for same, n in run_distributed(_other_roots_leave_the_files, 2, str(tmp_path)):
+        assert same and n == 4

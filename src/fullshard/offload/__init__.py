@@ -48,7 +48,10 @@ def disk_states(opt: torch.optim.Optimizer, params: list[tuple[DTensor, object]]
     found = []
     for policy, entries in by_policy.items():
         entries.sort(key=lambda e: e[:2])
-        units, group = [e[0] for e in entries], [e[2] for e in entries]
+        # each unit's place among these parameters' units: other roots made or dropped
+        # (an evaluation copy of the model) leave it, and so the files, as they are
+        rank = {u: r for r, u in enumerate(sorted({e[0] for e in entries}))}
+        units, group = [rank[e[0]] for e in entries], [e[2] for e in entries]
         states = current.get(policy)
         if states is not None and states.key != tuple(zip(map(id, group), units)):
             _drop(opt, current, policy)  # param_groups changed: start over from the values

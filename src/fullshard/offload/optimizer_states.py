@@ -37,7 +37,10 @@ as they were before the step (they advance together; the last piece's are kept).
 
 Note [the disk step on the host thread]
 The files are laid out unit by unit, in the order forward gathers the units (each
-parameter's unit is its group's place in that order, core/state.groups_in_order), and
+parameter's unit is its group's place in that order among the store's own units,
+core/state.groups_in_order: another model sharded or dropped beside this one moves
+nothing, where a change would read every state back into memory to lay the files out
+again), and
 every unit starts a chunk of its own on an ALIGN boundary: a chunk never holds two units'
 states, so one unit's chunks step without touching another's. That is what lets
 ``OverlappedStep`` (overlapped_step.py) treat a disk-offloaded unit as it treats a
@@ -52,6 +55,9 @@ within one step; a unit skipped (no gradient) makes the next one queue its own r
 The padding costs less than ALIGN elements per unit. While a unit's step runs, the host
 thread owns the files: every read from outside the pipeline (``values_of``, which state
 dicts, a lookup by name and ``materialize`` go through) first waits for the host steps.
+An entry whose values are real when its unit is handed over (loaded from a state dict)
+becomes an ``_EntryInFlight`` until the host thread puts the placeholders in its place:
+a lookup by name waits too, and answers from what the step left.
 The results are those of ``optimizer.step()`` bit for bit: an elementwise update of the
 same pieces with the same gradients, states and hyperparameters. Inside
 ``stepping_in_backward()`` a disk unit is handed out as its gradients are, in backward's
@@ -159,6 +165,28 @@ class _EntryOnDisk(dict):
         return self[name] if name in self else default
 
 
+class _EntryInFlight(dict):
+    """An ``optimizer.state[p]`` entry whose values (real ones: loaded, or read back when
+    the store was made again) a host-thread step is moving into the files (Note [the disk
+    step on the host thread]). A lookup by name first waits for the host steps, then
+    answers from the entry the step left in its place. Weak, as ``_EntryOnDisk``."""
+
+    def __init__(self, values, opt: torch.optim.Optimizer, param: DTensor):
+        super().__init__(values)
+        self._opt, self._param = weakref.ref(opt), weakref.ref(param)
+
+    def __getitem__(self, name):
+        finish_host_steps()
+        opt, param = self._opt(), self._param()
+        current = opt.state.get(param) if opt is not None and param is not None else None
+        if current is not None and current is not self:
+            return current[name]
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+
 class DiskStates:
     """One optimizer's disk-offloaded parameters under one ``DiskOffloadPolicy``."""
 
@@ -205,6 +233,17 @@ class DiskStates:
         gradients are ready; the caller then steps the other parameters)."""
         grads = {i: _local(p.grad) for i, p in enumerate(self.params) if p.grad is not None}
         self.step_chunks(opt, opt, run_step, range(len(self.chunks)), grads)
+
+    def hand_over(self, opt: torch.optim.Optimizer, indices) -> None:
+        """Before the host thread steps parameters ``indices``: an entry of theirs that is
+        not on disk yet becomes one whose lookups wait for that step, so that code reading
+        a state by name right after ``step()`` reads the stepped value, as it does from an
+        entry on disk."""
+        for i in indices:
+            p = self.params[i]
+            entry = opt.state.get(p)
+            if entry and not isinstance(entry, (_EntryOnDisk, _EntryInFlight)):
+                opt.state[p] = _EntryInFlight(entry, opt, p)
 
     def previous_unit(self, chunks: range) -> int:
         """The first chunk of the unit before the one ``chunks`` holds in the files (from
