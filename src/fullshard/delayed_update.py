@@ -38,7 +38,8 @@ A clip coefficient or GradScaler flag set on the optimizer (``grad_scale``, ``fo
 is fine: step t's coefficient is known at ``step()`` t, from step t's gradients, and is
 frozen with the hyperparameters for the host step. Stepping during backward is not
 (``stepping_in_backward`` hands a unit out before ``step()`` has taken its copy), nor are
-units offloaded to disk (their step runs in ``step()`` itself, nothing to delay).
+units offloaded to disk (their host step stays exact: a delayed unit's copy of its shard
+in host memory is what disk offload is there to avoid).
 
 What reads parameters sees: ``state_dict()`` of the module (and checkpoints) waits for the
 host steps and holds θ_t, the updated parameters, beside the optimizer's states after

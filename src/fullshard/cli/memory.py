@@ -109,11 +109,11 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def _check_delayed_update(args: argparse.Namespace, disk_flag: str | None) -> None:
     """Refuse the delayed update beside disk offload (``disk_flag`` given), as the
-    library does: a unit whose states live in files is stepped in step() itself."""
+    library does: a unit whose states live in files is not delayed (E345)."""
     if args.delayed_update is not None and disk_flag is not None:
         raise ConfigError(f"--delayed-update: the delayed update delays the host step of "
-                          f"CPU-offloaded blocks, and {disk_flag} steps the optimizer states "
-                          "from files in step() itself; drop one of the two")
+                          f"CPU-offloaded blocks, and {disk_flag} keeps the optimizer states "
+                          "in files, whose blocks are not delayed; drop one of the two")
 
 
 def _check_trainable(args: argparse.Namespace, states_on_disk: bool) -> None:

@@ -296,8 +296,8 @@ def check_delayed_update(offload: str, delayed_update: bool) -> None:
     ``OverlappedStep(delayed=True)`` does (Note [the delayed update])."""
     if delayed_update and offload.startswith("disk"):
         raise ValueError(f"estimate: delayed_update=True delays the host step of CPU-offloaded "
-                         f"units, and offload={offload!r} steps the optimizer states from files "
-                         "in step() itself, with nothing to delay; use offload 'cpu' or "
+                         f"units, and offload={offload!r} keeps the optimizer states in files, "
+                         "whose units are not delayed (E345); use offload 'cpu' or "
                          "'cpu:FRACTION', or drop delayed_update.")
 
 
