@@ -153,7 +153,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
         delayed_update: the offloaded units stepped by ``OverlappedStep(delayed=True)``
             (``fullshard train --parallel.delayed_update N``): each keeps a copy of its
             shard and a second gradient buffer on the host (Note [the delayed update]),
-            counted in ``host_bytes``. CPU offload only: disk offload steps in ``step()``.
+            counted in ``host_bytes``. CPU offload only: disk units are not delayed (E365).
     """
     _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank,
                ep)
