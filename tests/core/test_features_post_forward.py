@@ -98,6 +98,7 @@ print(made)
 """
 
 
+@pytest.mark.slow
 def test_hybrid_shard_groups_make_only_their_own_subgroups():
     """Rank 5 of a 2 x 4 hybrid mesh (shard group 4-7) with reshard_after_forward=2 makes
     one subgroup, {4, 5}, among its members only: every replica making its own subgroups

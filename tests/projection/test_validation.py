@@ -63,6 +63,7 @@ def test_a_fit_starts_from_the_prior_and_keeps_it_where_the_runs_cannot_pin_it()
     assert fit.loss(llama_only, c) < fit.loss(llama_only, PRIOR)
 
 
+@pytest.mark.slow
 def test_the_stored_folds_are_what_their_constants_give_on_the_source_left_out():
     teams = {r.team for r in RUNS}
     assert set(STORED["folds"]) == teams
