@@ -15,8 +15,9 @@ from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
 from support.catalogue import matches_documented
-from support.host_steps import (forward_against_slow_last_step, host_steps_slowed,
-                                record_handed_during_backward)
+from support.host_steps import (assert_same_bits, forward_against_slow_last_step,
+                                host_steps_slowed, record_handed_during_backward,
+                                train_and_read)
 
 CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=16, n_layers=4, n_heads=2)
 
@@ -41,36 +42,16 @@ def _optimizer(model, kind):
                              fused=kind == "fused", foreach=kind == "foreach")
 
 
-def _train(offloaded, kind, overlapped, steps=4):
+def _train(offloaded, kind, overlapped):
     model = _model(offloaded)
     opt = _optimizer(model, kind)
     stepper = OverlappedStep(opt) if overlapped else opt
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    rank = dist.get_rank()
-    for step in range(steps):
-        x, y = token_batch(10 * step + rank, 6, CFG.vocab_size, CFG.seq_len)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        if kind == "fused":  # the trainer's clip inside the step, and a skip flag
-            opt.grad_scale = torch.tensor(1.5 + step)
-            opt.found_inf = torch.tensor(float(step == 2))
-        stepper.step()
-        opt.grad_scale = opt.found_inf = None
-        opt.zero_grad(set_to_none=True)
-        scheduler.step()
-    weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    states = {(k, name): (v.full_tensor() if hasattr(v, "full_tensor") else v)
-              for k, p in model.named_parameters() for name, v in opt.state[p].items()}
-    return weights, states
+    return train_and_read(model, opt, stepper, kind, CFG.vocab_size, CFG.seq_len)
 
 
 def _same_bits(offloaded, kind):
-    plain = _train(offloaded, kind, overlapped=False)
-    overlapped = _train(offloaded, kind, overlapped=True)
-    for a, b in zip(plain, overlapped):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
+    assert_same_bits(_train(offloaded, kind, overlapped=False),
+                     _train(offloaded, kind, overlapped=True))
     return True
 
 
@@ -217,10 +198,7 @@ def _train_in_backward(offloaded, kind, in_backward, steps=4, micro=1):
 def _same_bits_in_backward(offloaded, kind, micro):
     *plain, _ = _train_in_backward(offloaded, kind, in_backward=False, micro=micro)
     *stepped, during = _train_in_backward(offloaded, kind, in_backward=True, micro=micro)
-    for a, b in zip(plain, stepped):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), (key, (a[key] - b[key]).abs().max())
+    assert_same_bits(plain, stepped)
     return during
 
 

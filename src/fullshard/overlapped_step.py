@@ -344,8 +344,8 @@ def _listen_on_roots(opt: torch.optim.Optimizer, listener
 def _disk_stores(opt: torch.optim.Optimizer) -> dict[int, tuple]:
     """The DiskStates and index of each parameter of ``opt`` whose states are on disk, by
     id (made, or made again, for the parameters ``opt`` holds now)."""
-    on_disk = [(p, owner_of(p)) for group in opt.param_groups for p in group["params"]
-               if states_on_disk(owner_of(p))]
+    owners = ((p, owner_of(p)) for group in opt.param_groups for p in group["params"])
+    on_disk = [(p, owner) for p, owner in owners if states_on_disk(owner)]
     if not on_disk:
         return {}
     return {id(p): (states, i) for states in disk_states(opt, on_disk)

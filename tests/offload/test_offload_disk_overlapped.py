@@ -13,8 +13,9 @@ from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.offload import disk_states_of
 from fullshard.testing import run_distributed
 from fullshard.testing.models import token_batch
-from support.host_steps import (forward_against_slow_last_step, host_steps_slowed,
-                                record_handed_during_backward)
+from support.host_steps import (assert_same_bits, forward_against_slow_last_step,
+                                host_steps_slowed, record_handed_during_backward,
+                                train_and_read)
 
 CFG = GPTConfig(vocab_size=40, seq_len=10, d_model=32, n_layers=4, n_heads=2)
 CHUNK = 4096  # small: the units' states span several chunks each
@@ -45,41 +46,22 @@ def _optimizer(model, kind):
                              fused=kind == "fused", foreach=kind == "foreach")
 
 
-def _train(directory, placed, kind, overlapped, steps=4, params_on_disk=False):
+def _train(directory, placed, kind, overlapped, params_on_disk=False):
     model = _model(directory, placed, params_on_disk)
     opt = _optimizer(model, kind)
     stepper = OverlappedStep(opt) if overlapped else opt
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    rank = dist.get_rank()
-    for step in range(steps):
-        x, y = token_batch(10 * step + rank, 6, CFG.vocab_size, CFG.seq_len)
-        lm_loss(model(x), y).backward()
-        if kind == "fused":  # a clip inside the step, and a skipped step
-            opt.grad_scale = torch.tensor(1.5 + step)
-            opt.found_inf = torch.tensor(float(step == 2))
-        stepper.step()
-        opt.grad_scale = opt.found_inf = None
-        opt.zero_grad(set_to_none=True)
-        scheduler.step()
-    weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    saved = opt.state_dict()["state"]
-    states = {(i, name): (v.full_tensor() if hasattr(v, "full_tensor") else v)
-              for i, entry in saved.items() for name, v in entry.items()}
-    files = [len(s.chunks) for s in disk_states_of(opt)]
-    return weights, states, files
+    weights, states = train_and_read(model, opt, stepper, kind, CFG.vocab_size, CFG.seq_len)
+    return (weights, states), [len(s.chunks) for s in disk_states_of(opt)]
 
 
 def _same_bits(directory, placed, kind, params_on_disk=False):
     rank = dist.get_rank()
     for sub in (f"plain{rank}", f"ours{rank}"):
         os.makedirs(f"{directory}/{sub}")
-    plain = _train(f"{directory}/plain{rank}", placed, kind, False, params_on_disk=params_on_disk)
-    ours = _train(f"{directory}/ours{rank}", placed, kind, True, params_on_disk=params_on_disk)
-    for a, b in zip(plain[:2], ours[:2]):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
-    return plain[2]
+    plain, chunks = _train(f"{directory}/plain{rank}", placed, kind, False, params_on_disk)
+    ours, _ = _train(f"{directory}/ours{rank}", placed, kind, True, params_on_disk)
+    assert_same_bits(plain, ours)
+    return chunks
 
 
 @pytest.mark.parametrize("world,placed,kind", [
@@ -210,10 +192,7 @@ def _same_bits_in_backward(directory, placed):
     os.makedirs(f"{directory}/after{rank}"), os.makedirs(f"{directory}/during{rank}")
     *after, _ = _train_in_backward(f"{directory}/after{rank}", placed, False)
     *stepped, during = _train_in_backward(f"{directory}/during{rank}", placed, True)
-    for a, b in zip(after, stepped):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
+    assert_same_bits(after, stepped)
     return during
 
 

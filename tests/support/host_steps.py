@@ -4,6 +4,7 @@ the evidence that a unit's gather waits for its own unit's step and for no other
 import contextlib
 import time
 
+import torch
 import torch.distributed as dist
 
 import fullshard.overlapped_step as overlapped_step
@@ -79,3 +80,36 @@ def record_handed_during_backward(stepper, model) -> list[bool]:
 
     stepper._hand_to_host = handing
     return during
+
+
+def train_and_read(model, opt, stepper, kind: str, vocab_size: int, seq_len: int,
+                   steps: int = 4) -> tuple[dict, dict]:
+    """Train ``steps`` steps through ``stepper`` (``opt`` itself or an OverlappedStep over
+    it), with a scheduler changing the learning rate after each; under ``kind`` "fused" a
+    clip coefficient in the step and step 2 skipped by ``found_inf``. The weights and the
+    optimizer's states as ``opt.state_dict()`` gives them (which reads states kept on disk)."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    rank = dist.get_rank()
+    for step in range(steps):
+        x, y = token_batch(10 * step + rank, 6, vocab_size, seq_len)
+        lm_loss(model(x), y).backward()
+        if kind == "fused":  # the trainer's clip inside the step, and a skip flag
+            opt.grad_scale = torch.tensor(1.5 + step)
+            opt.found_inf = torch.tensor(float(step == 2))
+        stepper.step()
+        opt.grad_scale = opt.found_inf = None
+        opt.zero_grad(set_to_none=True)
+        scheduler.step()
+    weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    states = {(i, name): (v.full_tensor() if hasattr(v, "full_tensor") else v)
+              for i, entry in opt.state_dict()["state"].items() for name, v in entry.items()}
+    return weights, states
+
+
+def assert_same_bits(a: tuple[dict, ...], b: tuple[dict, ...]) -> None:
+    """Each dict of ``a`` holds the same keys as its peer in ``b``, and equal values."""
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            vx, vy = torch.as_tensor(x[key]), torch.as_tensor(y[key])
+            assert torch.equal(vx, vy), (key, (vx - vy).abs().max())

@@ -143,7 +143,15 @@ def _wrap_like(p: DTensor, local: torch.Tensor) -> DTensor:
                               shape=p.shape, stride=p.stride())
 
 
-class _EntryOnDisk(dict):
+class _Entry(dict):
+    """An ``optimizer.state[p]`` entry whose lookups by name answer more than the stored
+    value; ``get`` goes through them too."""
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+
+class _EntryOnDisk(_Entry):
     """An ``optimizer.state[p]`` entry whose per-element states are in the files. Its
     stored values stay the placeholders (what ``items()``, the step and the state-dict
     hook see); a lookup by name returns the value read from disk, a copy: writing to it
@@ -161,11 +169,8 @@ class _EntryOnDisk(dict):
             return value
         return states.values_of(self._index, (name,))[name]
 
-    def get(self, name, default=None):
-        return self[name] if name in self else default
 
-
-class _EntryInFlight(dict):
+class _EntryInFlight(_Entry):
     """An ``optimizer.state[p]`` entry whose values (real ones: loaded, or read back when
     the store was made again) a host-thread step is moving into the files (Note [the disk
     step on the host thread]). A lookup by name first waits for the host steps, then
@@ -182,9 +187,6 @@ class _EntryInFlight(dict):
         if current is not None and current is not self:
             return current[name]
         return super().__getitem__(name)
-
-    def get(self, name, default=None):
-        return self[name] if name in self else default
 
 
 class DiskStates:
@@ -206,12 +208,11 @@ class DiskStates:
             for pc in c.pieces:
                 if pc.start == 0:
                     self.starts[pc.index] = c.start + pc.offset
-        # each unit's chunks: what a host-thread step of the unit steps
+        # each chunk's unit, and each unit's chunks (what a host-thread step of it steps)
+        self.chunk_units = [units[c.pieces[0].index] for c in self.chunks]
         self.unit_chunks: dict[int, range] = {}
-        for c, chunk_ in enumerate(self.chunks):
-            u = units[chunk_.pieces[0].index]
-            first = self.unit_chunks.get(u, range(c, c)).start
-            self.unit_chunks[u] = range(first, c + 1)
+        for c, u in enumerate(self.chunk_units):
+            self.unit_chunks[u] = range(self.unit_chunks.get(u, range(c, c)).start, c + 1)
         self.files = StateFiles(policy.path, [(c.start, c.numel) for c in self.chunks],
                                 chunk, label)
         self.on_disk: list[tuple[str, ...]] = [() for _ in params]  # state names in the files
@@ -248,21 +249,17 @@ class DiskStates:
     def previous_unit(self, chunks: range) -> int:
         """The first chunk of the unit before the one ``chunks`` holds in the files (from
         the first unit: of the last), the unit backward reduces next."""
-        if chunks.start == 0:
-            return self.unit_chunks[self.units[self.chunks[-1].pieces[0].index]].start
-        return self.unit_chunks[self.units[self.chunks[chunks.start - 1].pieces[0].index]].start
+        return self.unit_chunks[self.chunk_units[chunks.start - 1]].start  # -1: the last
 
     def step_chunks(self, opt: torch.optim.Optimizer, stepper: torch.optim.Optimizer,
                     run_step: Callable[[], None], chunks: range,
-                    grads: dict[int, torch.Tensor], then: int | None = None
-                    ) -> list[torch.Tensor]:
+                    grads: dict[int, torch.Tensor], then: int | None = None) -> None:
         """Step the parameters in ``chunks`` (a unit's, or all) with their local gradients
         ``grads`` (by parameter index; one without steps nothing, as torch skips it).
         ``run_step`` runs ``stepper``'s step over what its ``param_groups`` hold; ``stepper``
         is ``opt`` itself, or on the host thread a copy with its own groups and state
         (overlapped_step.py). ``opt.state`` holds the entries. ``then``: the chunk to read
-        ahead after these (by default the next, past the last chunk the first). Returns
-        the pieces stepped."""
+        ahead after these (by default the next, past the last chunk the first)."""
         indices = sorted({pc.index for c in chunks for pc in self.chunks[c].pieces})
         group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
         states = {i: opt.state.get(self.params[i]) or {} for i in indices}
@@ -273,7 +270,6 @@ class DiskStates:
                      if not _is_per_element(v, self.params[i]._local_tensor)} for i in indices}
         stepped_small: dict[int, dict] = {}
         stepped_names: dict[int, tuple[str, ...]] = {}
-        stepped: list[torch.Tensor] = []
         saved = [group["params"] for group in stepper.param_groups]
         files, last = self.files, len(self.chunks) - 1
         if then is None:
@@ -329,7 +325,6 @@ class DiskStates:
                         stepped_small[pc.index] = {k: v for k, v in new.items()
                                                    if k not in per_element}
                         dirty = True
-                        stepped.append(piece)
                 if dirty:
                     files.submit(True, c)
                 for pc, piece in taken:  # Note [parameters on disk]: stepped, give back
@@ -344,7 +339,6 @@ class DiskStates:
                 self._leave_on_disk(opt, i, names, stepped_small.get(i, small[i]))
         if then != chunks.stop:  # after the last write, whose staging set it may share
             self._queued = then if self._read(then, None) else None
-        return stepped
 
     def _leave_on_disk(self, opt: torch.optim.Optimizer, i: int, names: tuple[str, ...],
                        kept: dict) -> None:
