@@ -1,9 +1,10 @@
 """Optimizer states on disk (DiskOffloadPolicy) against CPU offload (CPUOffloadPolicy).
 
     OMP_NUM_THREADS=1 python benchmarks/disk_offload.py [--dir PATH] [--steps 8]
-        [--memory-model w3] [--world-size 2] [--tiny] [--parts time,overlap,memory]
+        [--memory-model w3] [--world-size 2] [--tiny]
+        [--parts time,overlap,fraction,memory]
 
-Four figures, each printed with the command's settings (``--parts`` picks them; time and
+Five figures, each printed with the command's settings (``--parts`` picks them; time and
 memory by default):
 
 1. Step time, W1 (GPT d=512, 8 layers, vocab 8192, batch 8 x 128 per rank, AdamW): a
@@ -23,6 +24,11 @@ memory by default):
    ``optimizer.step()``, for CPU offload and for states on disk (blocks of ``--block``
    steps per model, each ending with a wait, so no model's host work runs in another's
    time).
+5. Partial offload (``--parts fraction``): step time (the step inside
+   ``optimizer.step()``) with the last ceil(f x 8) of W1's blocks offloaded, for f in 0,
+   1/4, 1/2, 3/4 and 1 (everything, the root too), to the host (``cpu:f``) and with
+   their states on disk (``disk:PATH:f``), each model built with the trainer's per-unit
+   policies and stepped in turn; medians and the ratio to nothing offloaded.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch.distributed as dist
 from fullshard import CPUOffloadPolicy, DiskOffloadPolicy, OverlappedStep, fully_shard
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.offload import disk_states_of
+from fullshard.offload.fraction import offloaded_blocks
 from fullshard.testing import run_distributed
 
 W1 = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8)
@@ -125,6 +132,40 @@ def _overlapped(directory: str, rounds: int, cfg: GPTConfig, block: int) -> dict
     return {f"{kind}{'+overlap' if overlap else ''}": v for (kind, overlap), v in times.items()}
 
 
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _partially(cfg: GPTConfig, policy, fraction: float):
+    """``cfg``'s GPT with the last ceil(fraction x blocks) blocks under ``policy`` (the
+    root too at 1), as the trainer's unit_offload gives them."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    moved = {id(b) for b in offloaded_blocks(list(model.layers), fraction)}
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=policy if id(layer) in moved else None)
+    fully_shard(model, offload_policy=policy if fraction == 1 else None)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+def _fractions(directory: str, steps: int, cfg: GPTConfig) -> dict:
+    models = {"none": _partially(cfg, None, 0.0)}
+    for f in FRACTIONS:
+        models[f"cpu:{f}"] = _partially(cfg, CPUOffloadPolicy(), f)
+        models[f"disk:{f}"] = _partially(
+            cfg, DiskOffloadPolicy(path=directory, chunk_numel=CHUNK), f)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    times: dict = {k: [] for k in models}
+    order = list(models)
+    for i in range(steps + 2):
+        x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            dist.barrier()
+            t = _step(*models[name], x, x)
+            if i >= 2:  # two warm-up steps: the first creates the states
+                times[name].append(t[0])
+    return times
+
+
 def _peak_rss(kind: str, directory: str, model: str, steps: int) -> dict:
     cfg, batch = MEMORY_MODELS[model]
     policy = (CPUOffloadPolicy() if kind == "cpu" else
@@ -168,8 +209,9 @@ def main() -> None:
     ap.add_argument("--memory-steps", type=int, default=3)
     ap.add_argument("--parts", default="time,memory", help="a comma-separated choice of "
                     "time (step time and disk throughput), overlap (the step on "
-                    "OverlappedStep's host thread against inside optimizer.step) and memory "
-                    "(peak RSS)")
+                    "OverlappedStep's host thread against inside optimizer.step), fraction "
+                    "(the last blocks offloaded, to the host or with states on disk) and "
+                    "memory (peak RSS)")
     ap.add_argument("--block", type=int, default=3, help="overlap: steps each model trains "
                     "in a row before the next model's turn")
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT for both parts (checks "
@@ -187,6 +229,8 @@ def main() -> None:
         _time_and_throughput(args, directory, world, step_model)
     if "overlap" in args.parts:
         _overlap(args, directory, world, step_model)
+    if "fraction" in args.parts:
+        _fraction(args, directory, world, step_model)
     if "memory" in args.parts:
         _memory(args, directory, world)
     if not args.dir:
@@ -230,6 +274,19 @@ def _overlap(args, directory: str, world: int, step_model: GPTConfig) -> None:
     for kind, what in (("cpu", "CPU offload"), ("disk", "states on disk")):
         print(f"  {what:15s} in optimizer.step {med[kind]:8.1f} ms   on the host thread "
               f"{med[kind + '+overlap']:8.1f} ms   ratio {med[kind + '+overlap'] / med[kind]:5.2f}")
+
+
+def _fraction(args, directory: str, world: int, step_model: GPTConfig) -> None:
+    out = run_distributed(_fractions, world, directory, args.steps, step_model, timeout=1800)
+    med = {k: statistics.median(v) * 1e3 for k, v in out[0].items()}
+    print(f"\n{'tiny' if args.tiny else 'W1'} step time, the last blocks offloaded, "
+          f"{args.steps} interleaved steps per model (rank 0, median; ratio to none "
+          f"{med['none']:.1f} ms):")
+    print(f"  {'fraction':>8}  {'CPU offload':>18}  {'states on disk':>18}")
+    for f in FRACTIONS:
+        cpu, disk = med[f"cpu:{f}"], med[f"disk:{f}"]
+        print(f"  {f:8.2f}  {cpu:9.1f} ms {cpu / med['none']:5.2f}x  "
+              f"{disk:9.1f} ms {disk / med['none']:5.2f}x")
 
 
 def _memory(args, directory: str, world: int) -> None:

@@ -734,7 +734,7 @@ def _metrics_and_export_cases(tmp: str) -> dict[str, str]:
         "E139": message_of(lambda: resolve("--parallel.offload", "ssd")),
         "E250": message_of(lambda: resolve("--parallel.offload", "cpu:half")),
         "E251": message_of(lambda: resolve("--parallel.offload", "cpu:1.5")),
-        "E252": message_of(lambda: resolve("--parallel.offload", f"disk:{tmp}:0.5")),
+        "E252": message_of(lambda: resolve("--parallel.offload", f"disk:{tmp}:1.5")),
         "E143": message_of(lambda: resolve("--parallel.strategy", "no_shard",
                                          "--parallel.quantize", "grads")),
         "E144": message_of(lambda: resolve("--parallel.offload", "cpu",

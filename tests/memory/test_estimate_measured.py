@@ -239,3 +239,56 @@ def test_a_fraction_offloaded_matches_the_bytes_each_side_holds():
         moved = kept.lines["gradients"] - est.lines["gradients"]
         assert host["gradients"] == moved, (rank, host, moved)
         assert 0 < device["gradients"] <= est.lines["gradients"]
+
+
+def train_states_of_a_fraction_on_disk(cfg: GPTConfig, offload: str) -> dict:
+    """As train_partially_offloaded, with ``offload`` a disk fraction: after the second
+    step, the bytes the device-resident units hold, what the offloaded units keep in host
+    memory (shards, gradients, the staging sets), and the bytes of the state files."""
+    from fullshard.offload import disk_states_of
+
+    model = gpt_offloaded_as_the_trainer_does(cfg, offload)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+        lm_loss(model(tokens), torch.roll(tokens, -1, 1)).backward()
+        optim.step()
+    groups = model._unit.root.members
+    kept = [g for g in groups if g.offload is None]
+    moved = [g for g in groups if g.offload is not None]
+    params = [sp.sharded_param for g in kept for sp in g.params]
+    stores = disk_states_of(optim)
+    staging = sum(t.untyped_storage().nbytes() for st in stores for s in st.files.sets
+                  for t in s.values())
+    held = {"device": {"sharded parameters": _storage_bytes(g.flat_shard for g in kept),
+                       "optimizer states": _storage_bytes(
+                           v for p in params for k, v in optim.state[p].items() if k != "step")},
+            "host": {"sharded parameters": _storage_bytes(g.flat_shard for g in moved),
+                     "gradients": _storage_bytes(sp.sharded_param.grad for g in moved
+                                                 for sp in g.params),
+                     "staging": staging},
+            "disk": sum(st.files.capacity * torch.empty((), dtype=d).element_size()
+                        for st in stores for d in st.files.dtypes.values())}
+    optim.zero_grad(set_to_none=True)
+    return held
+
+
+@pytest.mark.slow
+def test_a_fraction_with_states_on_disk_matches_the_bytes_each_side_and_the_files_hold(tmp_path):
+    """disk:PATH:0.5 of 4 blocks (1.2M elements each) on 2 ranks: the device keeps the
+    estimate's shards and states of the first two blocks, the embeddings and head byte
+    for byte; the state files are the estimate's disk bytes (each unit's states padded to
+    an aligned start); the host keeps the moved blocks' shards and gradients and the
+    three staging sets."""
+    cfg = GPTConfig(vocab_size=256, seq_len=SEQ, d_model=320, n_layers=4, n_heads=4)
+    est = estimate(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, device="cpu",
+                   process_baseline=0, offload="disk:0.5")
+    for rank, held in enumerate(run_distributed(
+            train_states_of_a_fraction_on_disk, 2, cfg, f"disk:{tmp_path}:0.5", timeout=300)):
+        print(f"rank {rank}: measured {held}; estimated {est.lines}, host {est.host_bytes}, "
+              f"disk {est.disk_bytes}")
+        for line in ("sharded parameters", "optimizer states"):
+            assert held["device"][line] == est.lines[line], (rank, line, held, est.table())
+        assert held["disk"] == est.disk_bytes, (rank, held, est.disk_bytes)
+        assert sum(held["host"].values()) == est.host_bytes, (rank, held, est.host_bytes)

@@ -62,3 +62,44 @@ def test_a_fraction_keeps_its_digits():
     assert offload_mode(f"cpu:{2 / 3!r}") == f"cpu:{2 / 3!r}"
     assert offload_mode("cpu:0.50") == "cpu:0.5" and offload_mode("cpu:1") == "cpu"
     assert f", offload cpu:{2 / 3!r}, " in two.table().splitlines()[0]
+
+
+def test_states_of_a_fraction_on_disk_free_the_device_as_cpu_offload_does(step):
+    """disk:0.5 (--parallel.offload disk:PATH:0.5) moves the last two blocks off the
+    device as cpu:0.5 does; their optimizer states go to the files (and with +params
+    their shards too), the device-resident blocks' states stay on the device."""
+    half, disk, both = (_run(step, o) for o in ("cpu:0.5", "disk:0.5", "disk+params:0.5"))
+    assert disk.lines == half.lines and both.lines == half.lines
+    moved = sum(_state_bytes(b) for b in step.model.layers[2:])
+    # each unit's states start on a 4,096-element boundary of the files (two fp32 states
+    # here; the small blocks may share a bucket, and so a unit)
+    pad = 2 * 4 * 4096
+    assert moved <= disk.disk_bytes < moved + 2 * pad
+    shards = sum(4 * -(-p.shape[0] // 2) * (p.numel() // max(p.shape[0], 1))
+                 for b in step.model.layers[2:] for p in b.parameters())
+    assert both.disk_bytes == disk.disk_bytes + shards
+    assert disk.settings["offload"] == "disk:0.5"
+    assert ", offload disk+params:0.5, " in both.table().splitlines()[0]
+    whole = _run(step, "disk")
+    assert whole.disk_bytes > disk.disk_bytes and whole.lines["optimizer states"] == 0
+
+
+def test_the_host_holds_less_with_a_fraction_on_disk_than_in_memory():
+    """Blocks large beside the three staging chunks (4M elements each): the host keeps
+    the moved blocks' shards and gradients but not their states."""
+    big = trace_workload(GPTConfig(vocab_size=256, seq_len=16, d_model=1024, n_layers=8,
+                                   n_heads=4), batch_size=1)
+    half, disk = (estimate_traced(big, world_size=2, offload=o, process_baseline=0)
+                  for o in ("cpu:0.5", "disk:0.5"))
+    assert disk.host_bytes < half.host_bytes
+    assert disk.total == half.total
+    quarter = estimate_traced(big, world_size=2, offload="disk:0.25", process_baseline=0)
+    assert 0 < quarter.disk_bytes < disk.disk_bytes and quarter.total > disk.total
+
+
+def test_impossible_disk_fractions_are_refused(step):
+    for bad in ("disk:0", "disk:1.5", "disk+params:x", "disk:nan"):
+        with pytest.raises(ValueError, match=bad.replace("+", r"\+")):
+            _run(step, bad)
+    assert offload_mode("disk:1") == "disk" and offload_mode("disk+params:0.50") == \
+        "disk+params:0.5"

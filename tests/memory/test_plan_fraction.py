@@ -229,3 +229,37 @@ def _through_the_command_line(k: int, blocks: int) -> None:
         model = GPT(cfg.gpt)
     policy_of = unit_offload(model, cfg.parallel)
     assert sum(policy_of(b) is not None for b in model.layers) == k, (k, blocks)
+
+
+# blocks of 12.6M elements: their AdamW states outweigh the disk's three staging chunks
+LARGE = GPTConfig(vocab_size=256, seq_len=16, d_model=1024, n_layers=8, n_heads=4)
+
+
+def test_a_host_budget_that_refuses_the_cpu_fraction_takes_the_same_fraction_on_disk(tmp_path):
+    """The device fits 4 of 8 blocks offloaded (and not 3); the host has room for their
+    shards and gradients but not their AdamW states: with a states directory the plan
+    puts the states of those same 4 blocks in files and prints the flag that does it."""
+    kw = {**KW, "seq_len": 16}
+    three, four = (estimate(LARGE, offload=f"cpu:{k / 8!r}", **kw) for k in (3, 4))
+    on_disk = estimate(LARGE, offload="disk:0.5", **kw)
+    assert on_disk.total == four.total and on_disk.host_bytes < four.host_bytes
+    budget = int((three.total + four.total) / 2 * 1.1)
+    host = int((on_disk.host_bytes + four.host_bytes) / 2 * 1.1)
+    free = plan(LARGE, budget_bytes=budget, allow_offload=True, **kw)
+    assert (free.choice.offload_blocks, free.choice.states_on_disk) == (4, False)
+    held = plan(LARGE, budget_bytes=budget, allow_offload=True, host_budget_bytes=host,
+                offload_dir=str(tmp_path), **kw)
+    c = held.choice
+    assert c is not None and (c.offload_blocks, c.blocks, c.states_on_disk,
+                              c.params_on_disk) == (4, 8, True, False), held.explain()
+    assert not c.activation_checkpointing
+    assert held.estimate.disk_bytes == on_disk.disk_bytes and c.offload_mode == "disk:0.5"
+    assert f"--parallel.offload disk:{tmp_path}:0.5" in held.train_flags()
+    assert "offload of the last 4 of 8 blocks (states on disk)" in held.explain()
+    assert any(r.offload_blocks == 4 and not r.states_on_disk and n < 0
+               for r, n in held.rejected)  # CPU offload's, refused by the host
+    # the cost sits between the CPU offload of those blocks and putting all on disk
+    whole = next(x for x in candidates(1, True, allow_disk=True, blocks=8)
+                 if x.states_on_disk and not x.params_on_disk and not x.offload_blocks
+                 and x.family[:4] == c.family[:4])
+    assert free.choice.cost < c.cost < whole.cost

@@ -70,10 +70,12 @@ def test_trainer_benchmark_times_the_trainer_beside_a_plain_loop():
 @pytest.mark.extended
 def test_disk_offload_benchmark_reports_time_throughput_and_memory(tmp_path):
     proc = _bench("disk_offload.py", "--tiny", "--steps", "2", "--memory-steps", "1",
-                  "--dir", str(tmp_path), "--parts", "time,overlap,memory", "--block", "1")
+                  "--dir", str(tmp_path), "--parts", "time,overlap,fraction,memory",
+                  "--block", "1")
     for line in ("disk / CPU       step", "fullshard I/O thread (rank 0):",
                  "dd direct I/O, one process: write", "rank 1: CPU offload",
-                 "states on disk  in optimizer.step"):
+                 "states on disk  in optimizer.step", "the last blocks offloaded",
+                 "    0.75 "):
         assert line in proc.stdout, proc.stdout
     assert list(tmp_path.iterdir()) == []  # state folders and the dd probe removed
 

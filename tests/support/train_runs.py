@@ -54,8 +54,10 @@ def checkpoints(out: str) -> tuple[str, list[str]]:
         return f.read().strip(), sorted(set(os.listdir(directory)) - {"latest"})
 
 
-def train_losses(overrides: dict, preset: str = "debug") -> list[float] | None:
-    """Train ``preset`` with ``overrides``; rank 0 returns the step losses."""
+def train_losses(overrides: dict, preset: str = "debug", keep: list | None = None
+                 ) -> list[float] | None:
+    """Train ``preset`` with ``overrides``; rank 0 returns the step losses. The trainer
+    is appended to ``keep`` when given (every rank), for what a test asks of it."""
     cfg = apply_overrides(get_preset(preset), {**QUIET, **overrides}, "test")
     rank, world = dist.get_rank(), dist.get_world_size()
     worker = Worker(rank, world, rank, world, torch.device("cpu"))
@@ -64,6 +66,8 @@ def train_losses(overrides: dict, preset: str = "debug") -> list[float] | None:
         dist.broadcast_object_list(out)  # rank 0's directory for everyone
         trainer = Trainer(cfg, out[0], worker)
         trainer.run(resume=False)
+    if keep is not None:
+        keep.append(trainer)
     if trainer.log is None:
         return None
     return [r["loss"] for r in trainer.log.records if "loss" in r]

@@ -128,13 +128,14 @@ def _offload(text: str) -> str:
     """``--offload``'s value, as the trainer's ``--parallel.offload`` reads a fraction."""
     if text in ("none", "cpu", "disk", "disk+params"):
         return text
-    if text.startswith("cpu:"):
+    if text.partition(":")[0] in ("cpu", "disk", "disk+params"):
         try:
             return offload_mode(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
-    raise argparse.ArgumentTypeError(f"{text!r}: expected none, cpu, cpu:FRACTION (e.g. "
-                                     "cpu:0.5), disk or disk+params")
+    raise argparse.ArgumentTypeError(f"{text!r}: expected none, cpu, disk or disk+params, "
+                                     "the last three with :FRACTION for the last blocks "
+                                     "only (e.g. cpu:0.5)")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
@@ -147,12 +148,13 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=None,
                         help="activation checkpointing of every block")
     parser.add_argument("--offload", nargs="?", const="cpu", default="none", type=_offload,
-                        metavar="none|cpu|cpu:FRACTION|disk|disk+params", help="cpu (the "
+                        metavar="none|cpu|disk|disk+params[:FRACTION]", help="cpu (the "
                         "default with no value): shards, gradients and optimizer states in "
-                        "host memory (CPUOffloadPolicy); cpu:FRACTION: the last ceil(FRACTION "
-                        "x blocks) blocks only (fullshard train --parallel.offload "
-                        "cpu:FRACTION); disk: the optimizer states in files "
-                        "(DiskOffloadPolicy); disk+params: the parameter shards too")
+                        "host memory (CPUOffloadPolicy); disk: the optimizer states in files "
+                        "(DiskOffloadPolicy); disk+params: the parameter shards too; each "
+                        "with :FRACTION, the last ceil(FRACTION x blocks) blocks only "
+                        "(fullshard train --parallel.offload cpu:FRACTION or "
+                        "disk:PATH:FRACTION)")
     parser.add_argument("--ep", type=EP, default=1, help="expert parallelism (fullshard "
                         "train --parallel.ep): each block's experts split over N ranks, a unit "
                         "of their own sharded over world-size / N (a GPT with grouped experts: "

@@ -20,7 +20,7 @@ class Candidate:
     params_on_disk: bool = False  # ... and params=True
     ep: int = 1                   # experts split over this many ranks
     offload_blocks: int = 0       # offload only the last k ...
-    blocks: int = 0               # ... of the model's L blocks (cpu:k/L)
+    blocks: int = 0               # ... of the model's L blocks (cpu:k/L, disk:k/L)
 
     @property
     def offload_mode(self) -> str:
@@ -28,16 +28,17 @@ class Candidate:
         fraction is written as ``repr(k / L)``: the shortest text that reads back as
         the same float, which the trainer's parser turns into exactly k blocks (tested
         for every k <= L <= 96, Note [which blocks a fraction offloads])."""
-        if self.states_on_disk:
-            return "disk+params" if self.params_on_disk else "disk"
+        kind = ("disk+params" if self.params_on_disk else "disk") if self.states_on_disk \
+            else "cpu"
         if self.offload_blocks:
-            return f"cpu:{self.offload_blocks / self.blocks!r}"
-        return "cpu" if self.offload else "none"
+            return f"{kind}:{self.offload_blocks / self.blocks!r}"
+        return kind if self.offload else "none"
 
     @property
-    def family(self) -> tuple[str, bool, int, int]:
+    def family(self) -> tuple[str, bool, int, int, bool, bool]:
         """What the partial offloads that differ only in k share."""
-        return (self.strategy, self.activation_checkpointing, self.micro_batch, self.ep)
+        return (self.strategy, self.activation_checkpointing, self.micro_batch, self.ep,
+                self.states_on_disk, self.params_on_disk)
 
     @property
     def rank(self) -> tuple[float, int, int]:

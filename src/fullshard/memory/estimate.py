@@ -116,10 +116,13 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             gradient reduction.
         offload: ``"cpu"`` (or True): shards, gradients and optimizer states on the host
             (CPUOffloadPolicy); ``"cpu:FRACTION"``: the same for the last
-            ceil(FRACTION x blocks) blocks only (``--parallel.offload cpu:FRACTION``); ``"disk"``: the same with the optimizer states in files,
-            the host holding three chunks of them (DiskOffloadPolicy's default
-            chunk_numel); ``"disk+params"``: the parameter shards on disk too (paged in
-            one unit at a time); ``"none"`` (or False): on the device.
+            ceil(FRACTION x blocks) blocks only (``--parallel.offload cpu:FRACTION``);
+            ``"disk"``: the same with the optimizer states in files, the host holding
+            three chunks of them (DiskOffloadPolicy's default chunk_numel);
+            ``"disk+params"``: the parameter shards on disk too (paged in one unit at a
+            time); ``"disk:FRACTION"``, ``"disk+params:FRACTION"``: either for the last
+            blocks only (``--parallel.offload disk:PATH:FRACTION``); ``"none"`` (or
+            False): on the device.
         activation_checkpointing: every unit but the root recomputes its forward.
         batch_size, seq_len: the micro-batch per rank (seq_len defaults to the model's).
         optimizer: adamw, adam, muon, sgd, sgd-momentum, adagrad or rmsprop (muon: the
@@ -262,7 +265,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         device=torch.device(device), backend="gloo" if device == "cpu" else "nccl",
         pool_max_numel=DEFAULT_MAX_NUMEL, offload=offload in ("cpu", "disk", "disk+params"),
         states_on_disk=DISK_CHUNK_NUMEL if offload.startswith("disk") else 0,
-        params_on_disk=offload == "disk+params",
+        params_on_disk=offload.startswith("disk+params"),
         quantize_weights=DEFAULT_BLOCK_SIZE if "weights" in words else 0,
         quantize_grads=DEFAULT_BLOCK_SIZE if "grads" in words else 0,
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
@@ -302,13 +305,14 @@ def check_delayed_update(offload: str, delayed_update: bool) -> None:
 
 
 def offloaded_units(units: list[nn.Module], offload: str) -> frozenset[int]:
-    """Indices of the units ``cpu:FRACTION`` offloads (the trainer's unit_offload): the
-    last blocks and the units inside them (Note [which blocks a fraction offloads])."""
-    if not offload.startswith("cpu:"):
+    """Indices of the units a partial offload (``cpu:FRACTION``, ``disk:FRACTION``,
+    ``disk+params:FRACTION``: the trainer's unit_offload) offloads: the last blocks and the
+    units inside them (Note [which blocks a fraction offloads])."""
+    kind, colon, fraction = offload.partition(":")
+    if not colon:
         return frozenset()
     blocks = [units[i] for i in block_units(units)]
-    inside = {id(m) for b in offloaded_blocks(blocks, float(offload[4:]))
-              for m in b.modules()}
+    inside = {id(m) for b in offloaded_blocks(blocks, float(fraction)) for m in b.modules()}
     return frozenset(i for i, u in enumerate(units[:-1]) if id(u) in inside)
 
 
@@ -320,19 +324,23 @@ def block_units(units: list[nn.Module]) -> list[int]:
 
 
 def offload_mode(offload: bool | str) -> str:
-    """``none``, ``cpu``, ``cpu:FRACTION`` (0 < FRACTION < 1), ``disk`` or ``disk+params``
-    for estimate's ``offload`` argument."""
+    """``none``, ``cpu``, ``disk`` or ``disk+params``, each of the last three with
+    ``:FRACTION`` (0 < FRACTION < 1) for the last blocks only, for estimate's ``offload``
+    argument."""
     if offload in (False, None, "none"):
         return "none"
-    if offload in (True, "cpu"):
+    if offload is True:
         return "cpu"
-    if offload in ("disk", "disk+params"):
-        return offload
-    if isinstance(offload, str) and offload.startswith("cpu:"):
-        fraction = parse_fraction(offload[4:])  # ValueError: not in (0, 1]
-        return "cpu" if fraction == 1 else f"cpu:{fraction!r}"
-    raise ValueError("estimate: offload must be none, cpu, cpu:FRACTION, disk or disk+params "
-                     "(or a bool), "
+    if isinstance(offload, str):
+        kind, colon, text = offload.partition(":")
+        if kind in ("cpu", "disk", "disk+params"):
+            if not colon:
+                return kind
+            # ValueError: not in (0, 1]
+            fraction = parse_fraction(text, offload, f"{kind}:FRACTION", f"{kind}:0.5")
+            return kind if fraction == 1 else f"{kind}:{fraction!r}"
+    raise ValueError("estimate: offload must be none, cpu, disk or disk+params, the last "
+                     "three with :FRACTION for the last blocks only (or a bool), "
                      f"got {offload!r}")
 
 

@@ -12,10 +12,13 @@ fits wins:
     + offload of k of L blocks   x (1 + 1.00 k/L)  (the offload factor's excess scaled
                                  by the fraction: k = 1 .. L-1, every distinct
                                  fraction of the model's L blocks; full_shard only)
-    + states on disk             x 1.30 more (only with a states directory, and then
-                                 only when a host budget rules CPU offload out)
+    + states on disk             offload's factor x 1.30 more (only with a states
+                                 directory, and then only when a host budget rules
+                                 CPU offload out); of k of L blocks, that factor's
+                                 excess scaled by k/L, as above: x (1 + 1.60 k/L)
     + parameters on disk too     x 1.30 more again (likewise, when states on disk
-                                 are not enough for the host budget)
+                                 are not enough for the host budget; of k of L
+                                 blocks x (1 + 2.38 k/L))
     micro-batch                  x 1.15 per halving below the requested size
                                  (smaller kernels; gradient accumulation keeps
                                  the global batch: only halvings that divide it)
@@ -27,9 +30,13 @@ fits wins:
 A partial offload (``--parallel.offload cpu:FRACTION``, Note [which blocks a fraction
 offloads]) moves the last k blocks' shards, gradients and states to the host and pays
 for their copies and host steps only, so its cost lies between no offload and full
-offload, and a fitting one ranks ahead of full offload. Of each family of partial
-offloads (one strategy, checkpointing, micro-batch and expert-parallel degree) the plan
-takes the smallest k that fits (Note [finding the smallest k]).
+offload, and a fitting one ranks ahead of full offload. ``disk:PATH:FRACTION`` does the
+same with those blocks' states (and, with parameters on disk, their shards) in files:
+it frees the device as the CPU offload of the same k does and holds less on the host,
+so it wins where the host budget refuses the CPU offload of every k that fits the device.
+Of each family of partial offloads (one strategy, checkpointing, micro-batch,
+expert-parallel degree and place: host, disk, disk with parameters) the plan takes the
+smallest k that fits (Note [finding the smallest k]).
 
 Expert parallelism is not charged: it trades a block's expert all-gathers and
 reduce-scatters over every rank for the same over world / N ranks of 1/N of the experts,
@@ -113,7 +120,8 @@ class Plan:
                  f"--parallel.activation_checkpointing {str(c.activation_checkpointing).lower()}",
                  f"--batch.batch_size {c.micro_batch}", f"--batch.grad_accum {c.grad_accum}"]
         if c.states_on_disk:
-            flags.append(f"--parallel.offload disk:{self.offload_dir}")
+            fraction = f":{c.offload_blocks / c.blocks!r}" if c.offload_blocks else ""
+            flags.append(f"--parallel.offload disk:{self.offload_dir}{fraction}")
             if c.params_on_disk:
                 flags.append("--parallel.offload_params true")
         elif c.offload:
@@ -136,9 +144,10 @@ class Plan:
 def _describe(c: Candidate) -> str:
     parts = [c.strategy] + ([f"experts split over {c.ep} ranks"] if c.ep > 1 else []) \
         + (["activation checkpointing"] if c.activation_checkpointing else []) \
-        + ([f"offload of the last {c.offload_blocks} of {c.blocks} blocks"]
-           if c.offload_blocks else
-           [_OFFLOADS[(c.states_on_disk, c.params_on_disk)]] if c.offload else [])
+        + ([_OFFLOADS[(c.states_on_disk, c.params_on_disk)].replace(
+            "offload", f"offload of the last {c.offload_blocks} of {c.blocks} blocks", 1)
+            if c.offload_blocks else _OFFLOADS[(c.states_on_disk, c.params_on_disk)]]
+           if c.offload else [])
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
 
 
@@ -171,15 +180,16 @@ def candidates(batch_size: int, allow_offload: bool,
         base = STRATEGY_COST[strategy]
         for ac in (False, True):
             # (offload, the last k blocks only or 0: all, disk: 1 states, 2 and parameters)
-            offloads = [(False, 0, 0)] + ([(True, k, 0) for k in range(1, blocks)]
-                                          + [(True, 0, 0)] if allow_offload else []) \
-                + ([(True, 0, 1), (True, 0, 2)] if allow_offload and allow_disk else [])
+            disks = (0, 1, 2) if allow_disk else (0,)
+            offloads = [(False, 0, 0)] + ([(True, k, disk) for disk in disks
+                                           for k in [*range(1, blocks), 0]]
+                                          if allow_offload else [])
             for offload, k, disk in offloads:
                 if offload and strategy != "full_shard":
                     continue
                 for halvings, mb in micro_batches:
                     cost = base * (CHECKPOINTING_COST if ac else 1) \
-                        * _offload_cost(offload, k, blocks) * DISK_COST ** disk \
+                        * _offload_cost(offload, k, blocks, disk) \
                         * HALVING_COST ** halvings
                     for ep in ep_degrees:
                         if ep > 1 and strategy not in ("full_shard", "shard_grad_op"):
@@ -190,12 +200,14 @@ def candidates(batch_size: int, allow_offload: bool,
     return sorted(out, key=lambda c: c.rank)
 
 
-def _offload_cost(offload: bool, k: int, blocks: int) -> float:
+def _offload_cost(offload: bool, k: int, blocks: int, disk: int = 0) -> float:
     """Note [how plans are ranked]: 1 without offload, OFFLOAD_COST with all of it (k
-    0), its excess scaled by k / L for the last k of L blocks."""
+    0), times DISK_COST per level on disk (1: states, 2: and parameters), its excess
+    over 1 scaled by k / L for the last k of L blocks."""
     if not offload:
         return 1.0
-    return 1 + (OFFLOAD_COST - 1) * k / blocks if k else OFFLOAD_COST
+    whole = OFFLOAD_COST * DISK_COST ** disk
+    return 1 + (whole - 1) * k / blocks if k else whole
 
 
 def plan(model_or_config: Any, *, world_size: int, budget_bytes: int, batch_size: int,

@@ -43,6 +43,8 @@ from .byte_ledger import (ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, OPT
 from .run_settings import ReplayGroup, RunSettings
 from .units import GroupLayout
 
+STAGING_ALIGN = 4096  # offload/files.py's ALIGN: each staging buffer's slack, in bytes
+
 def _whole_matrix_numel(s: RunSettings, g: ReplayGroup) -> int:
     """Elements of this rank's shards of the group's Muon matrices."""
     return sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable
@@ -66,39 +68,44 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
     optimizer states (on the host with offload), the Muon matrices' whole copies on their
     owners (``owned``: owned_whole_numel), the staging sets for states on disk, the one
     shard paged in at a time for parameters on disk. The bytes kept in files."""
-    on_disk = 0  # trainable shard elements whose states live on disk
+    on_disk = staged = 0  # trainable shard elements whose states live on disk (padded, not)
     disk_param_bytes = paged_shard = 0  # params=True: on disk, largest paged in
     for g in groups:
         flat = g.layout.shard_numel * s.param_dtype.itemsize
         beside = round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))  # not pinned
         shard = flat + beside
-        if s.params_on_disk:  # Note [parameters on disk]: resident while copied in
+        offloaded = s.offloads(g.layout)  # a partial disk offload: its groups' only
+        if s.params_on_disk and offloaded:  # Note [parameters on disk]: resident while copied in
             disk_param_bytes += shard
             paged_shard = max(paged_shard, shard)
-        elif s.offloads(g.layout):  # Note [pinned host blocks]
+        elif offloaded:  # Note [pinned host blocks]
             ledger.alloc(("shard", g.index), SHARDED_PARAMS,
                          s.host_buffer_bytes(flat) + beside, True)
         else:
             ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard)
         trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
-        if s.states_on_disk:
-            on_disk += trainable
+        if s.states_on_disk and offloaded:
+            # each unit's states start on an aligned boundary of the files, Note [the
+            # disk step on the host thread] in offload/optimizer_states.py
+            on_disk += round_up(trainable)
+            staged += trainable
             continue
         rows = _whole_matrix_numel(s, g)  # Muon's: its states live with the owners
         ledger.alloc(("states", g.index), OPTIMIZER,
                      s.optimizer_states * (trainable - rows) * s.param_dtype.itemsize,
-                     s.offloads(g.layout))
+                     offloaded)
         if rows:  # each rank's rows as the last step wrote them
             ledger.alloc(("rows as written", g.index), OPTIMIZER,
-                         rows * s.param_dtype.itemsize, s.offloads(g.layout))
+                         rows * s.param_dtype.itemsize, offloaded)
     if owned:  # Note [whole-matrix optimizers]: the owner's momentum and whole copy of each
         ledger.alloc("owned whole matrices", OPTIMIZER, 2 * owned * s.param_dtype.itemsize,
                      s.offload)
     if s.states_on_disk and on_disk and s.optimizer_states:
-        # Note [optimizer states on disk]: three staging sets of one chunk each
-        chunk = min(round_up(s.states_on_disk), round_up(on_disk))
-        ledger.alloc("disk staging", OPTIMIZER,
-                     3 * chunk * s.optimizer_states * s.param_dtype.itemsize, True)
+        # Note [optimizer states on disk]: three staging sets of one chunk per state,
+        # each buffer allocated ALIGN bytes over to start on an aligned address
+        chunk = min(round_up(s.states_on_disk), round_up(staged))
+        ledger.alloc("disk staging", OPTIMIZER, 3 * s.optimizer_states
+                     * (chunk * s.param_dtype.itemsize + STAGING_ALIGN), True)
     if paged_shard:  # one unit's shard paged in at a time, counted throughout
         ledger.alloc("paged shard", SHARDED_PARAMS, paged_shard, True)
     allocate_delayed_copies(ledger, groups, s)  # Note [the delayed update]

@@ -1,5 +1,6 @@
-"""Partial CPU offload: which of a model's repeated blocks keep their shards, gradients
-and optimizer states on the host when only a fraction of them should.
+"""Partial offload: which of a model's repeated blocks keep their shards, gradients and
+optimizer states on the host (``cpu:FRACTION``), or their states in files
+(``disk:PATH:FRACTION``), when only a fraction of them should.
 
 Note [which blocks a fraction offloads]
 A fraction f of L blocks offloads the last ceil(f * L) of them; the embeddings, head and
@@ -17,23 +18,51 @@ below an integer because a fraction written as the shortest text of k / L (what
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence, TypeVar
 
 T = TypeVar("T")
 
 
-def parse_fraction(text: str) -> float:
-    """The fraction in ``cpu:FRACTION`` (text after the colon), in (0, 1]; ``ValueError``
-    with a one-line reason otherwise."""
+def parse_fraction(text: str, written: str | None = None, form: str = "cpu:FRACTION",
+                   example: str = "cpu:0.5") -> float:
+    """The fraction in ``cpu:FRACTION`` (``text``: what follows the last colon), in
+    (0, 1]; ``ValueError`` with a one-line reason otherwise, naming the offload as
+    ``written`` (default ``cpu:TEXT``) and showing its ``form`` and an ``example``."""
+    written = written or f"cpu:{text}"
     try:
         fraction = float(text)
     except ValueError:
-        raise ValueError(f"cpu:{text} gives no number; write cpu:FRACTION with 0 < FRACTION "
-                         "<= 1, e.g. cpu:0.5") from None
+        raise ValueError(f"{written} gives no number; write {form} with 0 < FRACTION "
+                         f"<= 1, e.g. {example}") from None
     if not 0 < fraction <= 1:  # also rejects nan
-        raise ValueError(f"cpu:{text} is outside 0 < FRACTION <= 1; give a fraction of the "
-                         "blocks to offload, e.g. cpu:0.5 (cpu alone is cpu:1)")
+        kind = form.partition(":")[0]
+        raise ValueError(f"{written} is outside 0 < FRACTION <= 1; give a fraction of the "
+                         f"blocks to offload, e.g. {example} ({kind} alone is all of them)")
     return fraction
+
+
+def disk_path_and_fraction(text: str) -> tuple[str, float]:
+    """The directory and the fraction of the blocks in ``disk:PATH`` or
+    ``disk:PATH:FRACTION`` (``text``: what follows ``disk:``). A ``text`` that names a
+    directory is the path whole, colons and all; otherwise a last ``:`` followed by a
+    number separates the fraction (``ValueError`` when it is outside (0, 1]). Whether the
+    directory exists is for the caller to check."""
+    if os.path.isdir(text):
+        return text, 1.0
+    path, colon, tail = text.rpartition(":")
+    if colon and path and _is_number(tail):
+        return path, parse_fraction(tail, f"disk:{text}", "disk:PATH:FRACTION",
+                                    "disk:/nvme/states:0.5")
+    return text, 1.0
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def offloaded_blocks(blocks: Sequence[T], fraction: float) -> list[T]:

@@ -89,7 +89,7 @@ from ..checkpoint import StateDictOptions, load_hf, parameters_on_meta, set_mode
 from ..checkpoint.hf_load import tied_stored_apart
 from ..fsdp_module import FSDPModule
 from ..gpt import GPT, GPTConfig, GroupedExperts, MoE, split_experts
-from ..offload.fraction import offloaded_blocks, parse_fraction
+from ..offload.fraction import disk_path_and_fraction, offloaded_blocks, parse_fraction
 from ..policies import (CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy,
                         OffloadPolicy)
 from ..wrap import ModuleWrapPolicy, apply_wrap_policy, auto_wrap, repeated_block_classes
@@ -388,22 +388,25 @@ def _use_symmetric_memory(sharded: nn.Module, device_type: str) -> None:
 def unit_offload(model: nn.Module, parallel: ParallelConfig
                  ) -> Callable[[nn.Module], OffloadPolicy | None]:
     """The offload policy of each module the trainer makes a unit (``None``: on the
-    device). ``cpu:FRACTION`` offloads the last blocks and what is inside them (their
-    experts), Note [which blocks a fraction offloads] in offload/fraction.py."""
+    device). ``cpu:FRACTION`` and ``disk:PATH:FRACTION`` offload the last blocks and what
+    is inside them (their experts), Note [which blocks a fraction offloads] in
+    offload/fraction.py."""
     offload = parallel.offload
     if offload == "none":
         return lambda _m: None
+    policy: OffloadPolicy
     if offload.startswith("disk:"):  # Note [optimizer states on disk]
-        policy = DiskOffloadPolicy(path=offload[len("disk:"):], params=parallel.offload_params)
-        return lambda _m: policy
-    cpu = CPUOffloadPolicy()
-    fraction = parse_fraction(offload[4:]) if offload.startswith("cpu:") else 1.0
+        path, fraction = disk_path_and_fraction(offload[len("disk:"):])
+        policy = DiskOffloadPolicy(path=path, params=parallel.offload_params)
+    else:
+        policy = CPUOffloadPolicy()
+        fraction = parse_fraction(offload[4:]) if offload.startswith("cpu:") else 1.0
     if fraction == 1:
-        return lambda _m: cpu
+        return lambda _m: policy
     classes = repeated_block_classes(model)
     blocks = apply_wrap_policy(model, ModuleWrapPolicy(classes), lambda _m: None)
     inside = {id(m) for b in offloaded_blocks(blocks, fraction) for m in b.modules()}
-    return lambda m: cpu if id(m) in inside else None
+    return lambda m: policy if id(m) in inside else None
 
 
 def shard_experts(model: nn.Module, joint: DeviceMesh,

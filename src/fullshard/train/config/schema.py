@@ -62,7 +62,7 @@ import tyro
 from ...gpt import PRESET_SHAPES, GPTConfig
 from ...bounds import Bounds, within
 from ...errors import ConfigError
-from ...offload.fraction import parse_fraction
+from ...offload.fraction import disk_path_and_fraction, parse_fraction
 
 Strategy = Literal["full_shard", "shard_grad_op", "zero1", "hybrid_shard", "no_shard"]
 Quantize = Literal["none", "weights", "grads", "weights,grads"]
@@ -108,21 +108,25 @@ def _offload_from_text(args: list[str]) -> str:
         return "cpu:" + word[4:]
     if word.lower().startswith("disk:") and word[5:]:
         return "disk:" + word[5:]
-    raise ValueError(f"{word!r} is not none, cpu, cpu:FRACTION or disk:PATH")
+    raise ValueError(f"{word!r} is not none, cpu, cpu:FRACTION, disk:PATH or "
+                     "disk:PATH:FRACTION")
 
 
-# none, cpu (true), cpu:FRACTION, or disk:PATH: where shards, gradients and optimizer
-# states live.
+# none, cpu (true), cpu:FRACTION, disk:PATH or disk:PATH:FRACTION: where shards, gradients
+# and optimizer states live.
 Offload = Annotated[str, tyro.constructors.PrimitiveConstructorSpec(
     nargs=1, metavar="none|cpu|cpu:FRACTION|disk:PATH", instance_from_str=_offload_from_text,
     is_instance=lambda v: isinstance(v, str), str_from_instance=lambda v: [v])]
 
 
 def offload_kind(value: str, params: bool = False) -> str:
-    """``none``, ``cpu``, ``disk`` or ``disk+params`` (estimate's offload argument) for a
+    """estimate's offload argument (``none``, ``cpu``, ``cpu:FRACTION``, ``disk``,
+    ``disk+params``, each of the last two with ``:FRACTION`` when partial) for a
     ``parallel.offload`` value and ``parallel.offload_params``."""
     if value.startswith("disk:"):
-        return "disk+params" if params else "disk"
+        kind = "disk+params" if params else "disk"
+        fraction = disk_path_and_fraction(value[5:])[1]
+        return kind if fraction == 1 else f"{kind}:{fraction!r}"
     return value
 
 
@@ -231,8 +235,9 @@ class ParallelConfig:
     ceil(FRACTION x blocks) transformer blocks, the rest and the embeddings, head and root
     on the device (cpu:1 is cpu). disk:PATH: the same, with the optimizer states in
     files under the directory PATH (an NVMe disk), streamed through the host a chunk at a
-    time during the step. For models that do not fit the devices (or the host) otherwise.
-    true/false read as cpu/none."""
+    time during the step; disk:PATH:FRACTION: only the last ceil(FRACTION x blocks) blocks
+    so. For models that do not fit the devices (or the host) otherwise. true/false read
+    as cpu/none."""
 
 
 @dataclass
@@ -381,16 +386,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_offload_fraction(offload)
     if offload not in ("none", "cpu") and not offload.startswith("cpu:") \
             and not (offload.startswith("disk:") and offload[5:]):
-        raise ConfigError(f"parallel.offload: accepted values are none, cpu, cpu:FRACTION or "
-                          f"disk:PATH; got {offload!r}")
+        raise ConfigError(f"parallel.offload: accepted values are none, cpu, cpu:FRACTION, "
+                          f"disk:PATH or disk:PATH:FRACTION; got {offload!r}")
     check_optimizer(cfg.optim.name, grouped_experts=not cfg.is_hf and bool(cfg.gpt.n_experts)
                     and cfg.gpt.grouped_experts, states_on_disk=offload.startswith("disk:"))
     if cfg.parallel.offload_params and not offload.startswith("disk:"):
         raise ConfigError(f"parallel.offload_params: parameters go to disk with "
                           f"parallel.offload disk:PATH, not with parallel.offload {offload}; "
                           "give a directory, or leave offload_params false")
-    if offload.startswith("disk:") and not os.path.isdir(offload[5:]):
-        raise ConfigError(f"parallel.offload: {offload[5:]} is not a directory; create it, or "
+    if offload.startswith("disk:") and not os.path.isdir(disk_dir := disk_path_and_fraction(
+            offload[5:])[0]):
+        raise ConfigError(f"parallel.offload: {disk_dir} is not a directory; create it, or "
                           "name a directory on a local disk for the optimizer states")
     return cfg
 
@@ -416,19 +422,15 @@ def check_optimizer(name: str, *, grouped_experts: bool, states_on_disk: bool,
 
 
 def _check_offload_fraction(offload: str) -> None:
-    """cpu:FRACTION needs a number in (0, 1]; disk offload takes none (all of a unit's
-    states go to its files, Note [optimizer states on disk])."""
-    if offload.startswith("cpu:"):
-        try:
+    """cpu:FRACTION and disk:PATH:FRACTION need a number in (0, 1] (Note [which blocks a
+    fraction offloads])."""
+    try:
+        if offload.startswith("cpu:"):
             parse_fraction(offload[4:])
-        except ValueError as e:
-            raise ConfigError(f"parallel.offload: {e}") from None
-    elif offload.startswith("disk:") and not os.path.isdir(offload[5:]):
-        path, _, tail = offload[5:].rpartition(":")
-        if path and tail and _is_number(tail):
-            raise ConfigError(f"parallel.offload: {offload} gives disk offload a fraction, "
-                              "which only CPU offload takes; write cpu:FRACTION, or "
-                              "disk:PATH for all of it")
+        elif offload.startswith("disk:"):
+            disk_path_and_fraction(offload[5:])
+    except ValueError as e:
+        raise ConfigError(f"parallel.offload: {e}") from None
 
 
 def _check_step_in_backward(cfg: TrainConfig) -> None:
@@ -478,14 +480,6 @@ def _check_delayed_update(cfg: TrainConfig) -> None:
                           f"{' and '.join(missing)} no block or only some would be delayed; "
                           "use parallel.offload cpu or cpu:FRACTION, overlap_step true and "
                           "optim.name adamw, or leave delayed_update -1")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _check_expert_parallel(cfg: TrainConfig) -> None:
