@@ -17,7 +17,8 @@ from support.train_runs import QUIET, straight_and_resumed
 
 RUNS = {"cpu": {"parallel.offload": "cpu"},
         "half, two micro-batches": {"parallel.offload": "cpu:0.5", "batch.grad_accum": 2},
-        "states on disk": {"parallel.offload": "disk:{out}"}}  # a folder made per run
+        "states on disk": {"parallel.offload": "disk:{out}"},  # a folder made per run
+        "half on disk": {"parallel.offload": "disk:{out}:0.5"}}
 
 
 def _both_ways(out: str) -> dict:
