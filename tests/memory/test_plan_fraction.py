@@ -231,6 +231,25 @@ def _through_the_command_line(k: int, blocks: int) -> None:
     assert sum(policy_of(b) is not None for b in model.layers) == k, (k, blocks)
 
 
+def _train_flags_offload(flags: list[str], k: int, blocks: int, disk: bool) -> None:
+    """``fullshard train``'s parser and resolve_config on plan's printed flags, then
+    unit_offload: the last k of ``blocks`` blocks, with states on disk or not."""
+    import torch
+
+    from fullshard.cli.train import build_parser, resolve_config
+    from fullshard.gpt import GPT
+    from fullshard.policies import DiskOffloadPolicy
+    from fullshard.train.model import unit_offload
+
+    argv = ["--preset", "debug", "--gpt.n_layers", str(blocks), *flags]
+    cfg, _ = resolve_config(build_parser().parse_args(argv))
+    with torch.device("meta"):
+        model = GPT(cfg.gpt)
+    policies = [unit_offload(model, cfg.parallel)(b) for b in model.layers]
+    assert all(p is None for p in policies[:blocks - k]), policies
+    assert all(isinstance(p, DiskOffloadPolicy) == disk for p in policies[blocks - k:])
+
+
 # blocks of 12.6M elements: their AdamW states outweigh the disk's three staging chunks
 LARGE = GPTConfig(vocab_size=256, seq_len=16, d_model=1024, n_layers=8, n_heads=4)
 
@@ -254,7 +273,9 @@ def test_a_host_budget_that_refuses_the_cpu_fraction_takes_the_same_fraction_on_
                               c.params_on_disk) == (4, 8, True, False), held.explain()
     assert not c.activation_checkpointing
     assert held.estimate.disk_bytes == on_disk.disk_bytes and c.offload_mode == "disk:0.5"
-    assert f"--parallel.offload disk:{tmp_path}:0.5" in held.train_flags()
+    flags = held.train_flags()
+    assert f"--parallel.offload disk:{tmp_path}:0.5" in flags
+    _train_flags_offload(flags.split(), k=4, blocks=8, disk=True)
     assert "offload of the last 4 of 8 blocks (states on disk)" in held.explain()
     assert any(r.offload_blocks == 4 and not r.states_on_disk and n < 0
                for r, n in held.rejected)  # CPU offload's, refused by the host
