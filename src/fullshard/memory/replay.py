@@ -34,6 +34,7 @@ import torch
 
 from ..core.features.quantized_collectives import ROWS_PER_PASS, wire_bytes
 from ..core.schedule import GatherPlan, PrefetchOrder, backward_is_done, gather_plan
+from ..offload.files import ALIGN
 from ..whole_matrix.recipe import owners_by_cost, step_cost
 from .activations import StepTrace
 from .reduction_replay import ReductionReplay
@@ -43,7 +44,6 @@ from .byte_ledger import (ACTIVATIONS, CATEGORIES, COMMUNICATION, GRADIENTS, OPT
 from .run_settings import ReplayGroup, RunSettings
 from .units import GroupLayout
 
-STAGING_ALIGN = 4096  # offload/files.py's ALIGN: each staging buffer's slack, in bytes
 
 def _whole_matrix_numel(s: RunSettings, g: ReplayGroup) -> int:
     """Elements of this rank's shards of the group's Muon matrices."""
@@ -105,7 +105,7 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
         # each buffer allocated ALIGN bytes over to start on an aligned address
         chunk = min(round_up(s.states_on_disk), round_up(staged))
         ledger.alloc("disk staging", OPTIMIZER, 3 * s.optimizer_states
-                     * (chunk * s.param_dtype.itemsize + STAGING_ALIGN), True)
+                     * (chunk * s.param_dtype.itemsize + ALIGN), True)
     if paged_shard:  # one unit's shard paged in at a time, counted throughout
         ledger.alloc("paged shard", SHARDED_PARAMS, paged_shard, True)
     allocate_delayed_copies(ledger, groups, s)  # Note [the delayed update]
