@@ -283,19 +283,22 @@ class OverlappedStep:
         opt = self.optimizer
         items = []
         disk: dict = {}  # DiskStates -> {parameter index: local gradient}
+        groups: dict = {}  # DiskStates -> {parameter index: its index among param_groups}
         for index, p in work:
             grad = p.grad
             p.grad = None  # handed to the host step: nothing may change it meanwhile
             store = stores.get(id(p)) if stores else None
             if store is not None:
                 disk.setdefault(store[0], {})[store[1]] = grad._local_tensor
+                groups.setdefault(store[0], {})[store[1]] = index
                 continue
             items.append((index, p, p._local_tensor, grad._local_tensor, opt.state.get(p)))
         chunks = []
         for states, grads in disk.items():
             states.hand_over(opt, grads)
             unit = states.chunks_of(sorted(grads))
-            chunks.append((states, unit, grads, states.previous_unit(unit) if backward else None))
+            chunks.append((states, unit, grads, states.previous_unit(unit) if backward else None,
+                           groups[states]))
         group.host_step = self._pool.submit(_step_group, opt, items, chunks, hyper, flags,
                                             group.unit_name, ready)
         _wait_in_state_dicts(group)
@@ -421,11 +424,13 @@ def _step_on_disk(opt: torch.optim.Optimizer, disk: list, hyper: list[dict], fla
                   unit_name: str) -> None:
     """Step a unit's parameters whose states are on disk, chunk by chunk, as
     ``DiskStates.step`` does inside ``opt.step()`` (Note [the disk step on the host thread]);
-    ``disk``: (DiskStates, the unit's chunks, gradients, the chunk to read ahead) each."""
+    ``disk``: (DiskStates, the unit's chunks, gradients, the chunk to read ahead, each
+    parameter's index among the optimizer's param_groups) each."""
     try:
-        for states, chunks, grads, then in disk:
+        for states, chunks, grads, then, groups in disk:
             shadow = _shadow(opt, hyper, flags)
-            states.step_chunks(opt, shadow, lambda: step_alone(shadow), chunks, grads, then)
+            states.step_chunks(opt, shadow, lambda: step_alone(shadow), chunks, grads, then,
+                               groups)
             increment_version([states.params[i]._local_tensor for i in grads])
     except Exception as error:
         raise RuntimeError(f"fullshard: the optimizer step of unit {unit_name} on the host "

@@ -243,3 +243,48 @@ def _other_roots_leave_the_files(directory):
 def test_another_model_made_or_dropped_leaves_the_states_in_their_files(tmp_path):
     for same, n in run_distributed(_other_roots_leave_the_files, 2, str(tmp_path)):
         assert same and n == 4
+
+
+def _host_step_inside_the_device_step(directory):
+    """Each disk unit handed out in backward starts its host step only once the main
+    thread is inside the device step of ``OverlappedStep.step()``, where the optimizer's
+    ``param_groups`` hold only what stays on the device; the same bits as stepping after
+    backward."""
+    import threading
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from fullshard.offload.optimizer_states import DiskStates
+
+    placed = {0: "disk", 2: "disk"}
+    rank = dist.get_rank()
+    os.makedirs(f"{directory}/after{rank}"), os.makedirs(f"{directory}/during{rank}")
+    *after, _ = _train_in_backward(f"{directory}/after{rank}", placed, False, steps=2)
+    inside = threading.Event()
+    step_chunks = DiskStates.step_chunks
+
+    def late(self, opt, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            inside.wait(timeout=5)
+        return step_chunks(self, opt, *args, **kwargs)
+
+    def in_window(opt, args, kwargs):
+        if threading.current_thread() is threading.main_thread():
+            inside.set()
+            time.sleep(0.2)  # the host steps run now, the groups filtered
+
+    DiskStates.step_chunks = late
+    handle = register_optimizer_step_pre_hook(in_window)
+    try:
+        *stepped, _ = _train_in_backward(f"{directory}/during{rank}", placed, True, steps=2)
+    finally:
+        DiskStates.step_chunks = step_chunks
+        handle.remove()
+    assert inside.is_set()
+    assert_same_bits(after, stepped)
+
+
+@pytest.mark.slow
+def test_a_disk_step_from_backward_does_not_read_the_groups_step_filters(tmp_path):
+    run_distributed(_host_step_inside_the_device_step, 2, str(tmp_path))

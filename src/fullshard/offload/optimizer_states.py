@@ -253,15 +253,23 @@ class DiskStates:
 
     def step_chunks(self, opt: torch.optim.Optimizer, stepper: torch.optim.Optimizer,
                     run_step: Callable[[], None], chunks: range,
-                    grads: dict[int, torch.Tensor], then: int | None = None) -> None:
+                    grads: dict[int, torch.Tensor], then: int | None = None,
+                    groups: dict[int, int] | None = None) -> None:
         """Step the parameters in ``chunks`` (a unit's, or all) with their local gradients
         ``grads`` (by parameter index; one without steps nothing, as torch skips it).
         ``run_step`` runs ``stepper``'s step over what its ``param_groups`` hold; ``stepper``
         is ``opt`` itself, or on the host thread a copy with its own groups and state
         (overlapped_step.py). ``opt.state`` holds the entries. ``then``: the chunk to read
-        ahead after these (by default the next, past the last chunk the first)."""
+        ahead after these (by default the next, past the last chunk the first).
+        ``groups``: each stepped parameter's index among ``opt.param_groups``, found by the
+        caller; read from ``opt.param_groups`` when not given, which only the thread that
+        owns them may do (on the host thread ``OverlappedStep.step`` may be changing them:
+        it steps the device's parameters alone meanwhile)."""
         indices = sorted({pc.index for c in chunks for pc in self.chunks[c].pieces})
-        group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+        if groups is None:
+            group_of = {id(p): g for g, group in enumerate(opt.param_groups)
+                        for p in group["params"]}
+            groups = {i: group_of[id(self.params[i])] for i in grads}
         states = {i: opt.state.get(self.params[i]) or {} for i in indices}
         real = {i: {k: _local(v) for k, v in states[i].items()
                     if _is_per_element(v, self.params[i]._local_tensor) and not _local(v).is_meta}
@@ -303,7 +311,7 @@ class DiskStates:
                         stepper.state[piece] = {
                             **{k: v.clone() for k, v in small[pc.index].items()},
                             **{n: staged[n][rows] for n in names}}
-                    lists[group_of[id(p)]].append(piece)
+                    lists[groups[pc.index]].append(piece)
                     taken.append((pc, piece))
                 if taken:
                     for group, chunk_params in zip(stepper.param_groups, lists):
