@@ -62,7 +62,8 @@ def _both(fraction: str) -> dict[str, list[float]]:
             for name, value in {"device": "none", "partial": fraction}.items()}
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=[pytest.mark.slow,
+                                                            pytest.mark.extended])])
 def test_partial_offload_trains_as_nothing_offloaded(world):
     losses = run_distributed(_both, world, "cpu:0.5")[0]
     assert len(losses["device"]) == 4 and losses["device"][-1] < losses["device"][0]
@@ -70,7 +71,8 @@ def test_partial_offload_trains_as_nothing_offloaded(world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, params", [(2, False), (3, True)])
+@pytest.mark.parametrize("world, params", [(2, False), pytest.param(3, True,
+                                                                    marks=pytest.mark.extended)])
 def test_states_of_a_fraction_on_disk_train_as_nothing_offloaded(tmp_path, world, params):
     """disk:PATH:0.5 (with the parameters of those blocks on disk too at world 3)."""
     losses = run_distributed(_both_on_disk, world, f"disk:{tmp_path}:0.5", params)[0]
