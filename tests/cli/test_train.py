@@ -27,6 +27,7 @@ def _checkpoint_step(out) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 36 s through real launches; make test resumes in process (train/)
 def test_resume_continues_exactly_like_one_straight_run(tmp_path):
     resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
     # The first leg under an outside torchrun: the entry point must not launch again.
