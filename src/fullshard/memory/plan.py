@@ -144,15 +144,18 @@ class Plan:
 def _describe(c: Candidate) -> str:
     parts = [c.strategy] + ([f"experts split over {c.ep} ranks"] if c.ep > 1 else []) \
         + (["activation checkpointing"] if c.activation_checkpointing else []) \
-        + ([_OFFLOADS[(c.states_on_disk, c.params_on_disk)].replace(
-            "offload", f"offload of the last {c.offload_blocks} of {c.blocks} blocks", 1)
-            if c.offload_blocks else _OFFLOADS[(c.states_on_disk, c.params_on_disk)]]
-           if c.offload else [])
+        + ([_offload_words(c)] if c.offload else [])
     return f"{' + '.join(parts)}, micro-batch {c.micro_batch} x {c.grad_accum} accumulation"
 
 
-_OFFLOADS = {(False, False): "offload", (True, False): "offload (states on disk)",
-             (True, True): "offload (states and parameters on disk)"}
+def _offload_words(c: Candidate) -> str:
+    """``c``'s offload as the plan names it: of how many blocks, and what is on disk."""
+    blocks = f" of the last {c.offload_blocks} of {c.blocks} blocks" if c.offload_blocks else ""
+    return f"offload{blocks}{_ON_DISK[(c.states_on_disk, c.params_on_disk)]}"
+
+
+_ON_DISK = {(False, False): "", (True, False): " (states on disk)",
+            (True, True): " (states and parameters on disk)"}
 
 
 def expert_degrees(model: nn.Module, world_size: int) -> tuple[int, ...]:

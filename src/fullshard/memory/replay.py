@@ -74,7 +74,7 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
         flat = g.layout.shard_numel * s.param_dtype.itemsize
         beside = round(g.layout.subclass_shard_bytes(s.param_dtype.itemsize))  # not pinned
         shard = flat + beside
-        offloaded = s.offloads(g.layout)  # a partial disk offload: its groups' only
+        offloaded = s.offloads(g.layout)  # partial offload: only the last blocks' groups
         if s.params_on_disk and offloaded:  # Note [parameters on disk]: resident while copied in
             disk_param_bytes += shard
             paged_shard = max(paged_shard, shard)
