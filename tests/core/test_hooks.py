@@ -109,6 +109,36 @@ def test_parameters_gathered_across_an_optimizer_step_are_gathered_again(how):
     assert gathers[1] == gathers[2] == gathers[0] > 0, gathers
 
 
+def _written_through_the_parameter_while_kept():
+    """Parameters kept gathered across backward, then written in place through the DTensor
+    parameter (an op on it, an init function, a copy into it): the next forward computes with
+    the written values, as without the flag. A DTensor's in-place op writes its local tensor
+    below autograd, so only the parameter's own version counter sees it."""
+    writes = {
+        "mul_": lambda m: m.layers[0].mlp.fc.weight.mul_(0.5),
+        "nn.init": lambda m: torch.nn.init.zeros_(m.layers[1].attn.qkv.bias),
+        "copy_": lambda m: m.lm_head.weight.copy_(m.lm_head.weight * 2),
+    }
+    seen = {}
+    for name, write in writes.items():
+        outputs = []
+        for keep in (False, True):
+            model = sharded_gpt()
+            model.set_reshard_after_backward(not keep, recurse=True)
+            x, y = rank_batch()
+            lm_loss(model(x), y).backward()
+            with torch.no_grad():
+                write(model)
+                outputs.append(model(x))
+        seen[name] = torch.equal(*outputs)
+    return seen
+
+
+def test_a_write_through_the_parameter_reaches_parameters_kept_gathered():
+    for seen in run_distributed(_written_through_the_parameter_while_kept, 2):
+        assert all(seen.values()), seen
+
+
 def _kept_backward_worker():
     """Parameters kept gathered across backward: until the next forward the module shows
     the sharded ones with their gradients, so a clip over model.parameters() clips as

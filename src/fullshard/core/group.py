@@ -106,9 +106,11 @@ nothing. The next forward registers the gathered parameters again, without a col
 Unless the shard changed since the gather: an optimizer step, a load or any other
 in-place write leaves the gathered values stale, and torch's FSDP2 computes the next
 forward with them, silently. A gather notes the version counters of what it reads (the
-flat shard's and each DTensor's local tensor's: every in-place write raises one of them);
-the optimizer hook raises the local tensor's for each parameter a step updated, also
-where the optimizer wrote through ``.data``, which autograd does not count. A kept group
+flat shard's, each DTensor's local tensor's and each DTensor parameter's own: every
+in-place write raises one of them; an op on the parameter, ``nn.init`` included, raises
+only the last, as a DTensor writes its local tensor below autograd); the optimizer hook
+raises the local tensor's for each parameter a step updated, also where the optimizer
+wrote through ``.data``, which autograd does not count. A kept group
 whose shard changed is gathered again, as is one the user gathered ahead with
 ``unshard()`` before a step (the root's pre-forward checks both). Kept across the
 micro-batches of an accumulation, with no step between them, nothing is gathered again. A
@@ -602,14 +604,16 @@ class ParamGroup:
 
     def _shard_version(self) -> int:
         """The sum of the version counters of what a gather reads, so that any in-place
-        write raises it: the flat shard's (fullshard's own writes), and each DTensor's
-        local tensor's (the optimizer's, a load's: a DTensor made over a view of the flat
-        shard keeps a counter of its own)."""
+        write raises it: the flat shard's (fullshard's own writes), each DTensor's local
+        tensor's (the optimizer's, optim._mark_stepped: a DTensor made over a view of the
+        flat shard keeps a counter of its own) and each DTensor parameter's own (an
+        in-place op on the parameter, ``nn.init``, a load: a DTensor's op writes its local
+        tensor below autograd, which counts nothing there)."""
         if self.reads_pending:  # what the gather reads; the host thread writes the rest
             return self.delayed.tensor._version
         version = self.storage.version if self.flat_params else 0
         for p in self.params:
-            version += p.sharded_param._local_tensor._version
+            version += p.sharded_param._local_tensor._version + p.sharded_param._version
         return version
 
     def _own_chunk(self, gathered: torch.Tensor) -> torch.Tensor:
