@@ -323,6 +323,9 @@ def _library_cases(tmp: str) -> dict[str, str]:
     out["E136"] = message_of(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
         path=os.path.join(tmp, "no-such-dir"))))
 
+    out["E386"] = message_of(lambda: fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
+        path=tmp, params=True, params_on_device=True)))
+
     def not_elementwise():
         class Lion(torch.optim.AdamW):
             pass
@@ -651,6 +654,7 @@ def _trainer_cases(tmp: str) -> dict[str, str]:
                                            f"disk:{tmp}")),
         "E367": message_of(lambda: resolve("--parallel.step_in_backward", "true")),
         "E385": message_of(lambda: resolve("--parallel.delayed_update", "0")),
+        "E387": message_of(lambda: resolve("--parallel.params_on_device", "true")),
         "E368": message_of(lambda: resolve("--parallel.offload", "cpu",
                                            "--parallel.step_in_backward", "true")),
         "E369": message_of(lambda: resolve("--parallel.offload", "cpu", "--optim.grad_clip",

@@ -68,9 +68,20 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     Attributes:
         pin_memory: pin the CPU shards so host-device copies can overlap compute.
+        params_on_device: also keep a copy of the sharded parameters on the compute device,
+            in the dtype they are gathered in, so that gathers read it instead of copying
+            the shard from the host each time: one host-to-device copy per optimizer step
+            rather than one per gather (forward, backward, each micro-batch), for the
+            shard's size in device memory. Gradients and optimizer states stay on the host
+            and the optimizer steps the host's parameters, as DeepSpeed's
+            ``offload_optimizer`` without ``offload_param`` (Note [parameters kept on the
+            device] in core/storage.py). The copy is refreshed when the shard was written
+            in place: by an optimizer step, a load, or an op on the parameter itself; a
+            write through ``param.data`` is not seen.
     """
 
     pin_memory: bool = True
+    params_on_device: bool = field(default=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -124,8 +135,10 @@ def as_offload_policy(value, label: str) -> OffloadPolicy:
     if value is None:
         return OffloadPolicy()
     if type(value) is DiskOffloadPolicy:
-        return _checked_disk_policy(value, label)
-    if type(value) in (OffloadPolicy, CPUOffloadPolicy):
+        return _checked_disk_policy(_checked_params_on_device(value, label), label)
+    if type(value) is CPUOffloadPolicy:
+        return _checked_params_on_device(value, label)
+    if type(value) is OffloadPolicy:
         return value
     _, torch_offload, torch_cpu_offload = _torch_policies()
     if type(value) is torch_cpu_offload:
@@ -136,6 +149,21 @@ def as_offload_policy(value, label: str) -> OffloadPolicy:
                     "CPUOffloadPolicy() (fullshard's or torch.distributed.fsdp's), "
                     "DiskOffloadPolicy(path=...) or None, got "
                     f"{type(value).__name__}.")
+
+
+def _checked_params_on_device(policy: CPUOffloadPolicy, label: str) -> CPUOffloadPolicy:
+    """The policy, after checking ``params_on_device`` is a bool that does not contradict
+    parameters kept on disk (E386)."""
+    where = f"fully_shard({label}): {type(policy).__name__}"
+    if not isinstance(policy.params_on_device, bool):
+        raise ValueError(f"{where}: params_on_device must be True or False, got "
+                         f"{policy.params_on_device!r}.")
+    if policy.params_on_device and getattr(policy, "params", False):
+        raise ValueError(f"{where}(params=True, params_on_device=True): the parameters cannot "
+                         "be kept both in a file and on the device; keep params=True to page "
+                         "them from disk, or params_on_device=True (params=False) to keep a "
+                         "copy on the device beside the host's.")
+    return policy
 
 
 def _checked_disk_policy(policy: DiskOffloadPolicy, label: str) -> DiskOffloadPolicy:

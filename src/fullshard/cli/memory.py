@@ -155,6 +155,10 @@ def estimate_parser() -> argparse.ArgumentParser:
                         "with :FRACTION, the last ceil(FRACTION x blocks) blocks only "
                         "(fullshard train --parallel.offload cpu:FRACTION or "
                         "disk:PATH:FRACTION)")
+    parser.add_argument("--params-on-device", action="store_true", help="with --offload "
+                        "cpu or disk: each offloaded block also keeps a copy of its shard on "
+                        "the device, which its gathers copy in from (fullshard train "
+                        "--parallel.params_on_device true)")
     parser.add_argument("--ep", type=EP, default=1, help="expert parallelism (fullshard "
                         "train --parallel.ep): each block's experts split over N ranks, a unit "
                         "of their own sharded over world-size / N (a GPT with grouped experts: "
@@ -178,8 +182,16 @@ def estimate_main(argv: list[str]) -> int:
     _check_trainable(args, states_on_disk=args.offload.startswith("disk"))
     _check_delayed_update(args, f"--offload {args.offload}"
                           if args.offload.startswith("disk") else None)
+    if args.params_on_device and (args.offload == "none"
+                                  or args.offload.startswith("disk+params")):
+        raise ConfigError(f"--params-on-device: keeps a copy on the device of parameters "
+                          f"offloaded to the host, and --offload {args.offload} "
+                          + ("offloads nothing" if args.offload == "none" else
+                             "pages them from files")
+                          + "; give --offload cpu or disk (or their fractions)")
     source, kwargs, pick = _resolve(args)
     kwargs["offload"] = args.offload
+    kwargs["params_on_device"] = args.params_on_device
     if args.sweep:
         if args.ep > 1:
             raise ConfigError(f"--ep: {args.ep} does not divide every world size --sweep "

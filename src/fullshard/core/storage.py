@@ -16,6 +16,20 @@ without holding memory (at the same addresses only where the allocator hands the
 back, or with ``set_keep_unsharded_storage``). With a shard group of one rank and
 nothing to cast or copy it is the flat shard itself (Note [shard groups of one rank] in
 core/group.py).
+
+Note [parameters kept on the device]
+``CPUOffloadPolicy(params_on_device=True)`` keeps the shard, gradients and optimizer states
+on the host (the optimizer steps the host's shard) and, beside them, a copy of the shard on
+the compute device in the dtype it is gathered in. A gather copies from that copy (device to
+device) instead of from the host, and the copy itself is refreshed from the host only when
+the shard was written since it was taken: an optimizer step, a load, any in-place write
+through a parameter or a local tensor raises ``ShardStorage.written()``. With the shard
+resharded after forward and gathered again in backward, and with several micro-batches, the
+host-to-device traffic falls from one shard per gather to one per optimizer step, for the
+shard's size in device memory (what DeepSpeed's ``offload_optimizer`` without
+``offload_param`` keeps). A write through ``param.data`` makes a new tensor with a count of its
+own and is not seen: the copy would stay stale, so the policy says so. A delayed update's
+gathers read the copy taken before the step (Note [the delayed update]), not this one.
 """
 
 from __future__ import annotations
@@ -45,6 +59,11 @@ class ShardStorage:
         self.numel = sum(self.sizes)
         self.tensor: torch.Tensor | None = None
         self._compute_device = compute_device
+        # CPUOffloadPolicy(params_on_device=True): the shard as gathers read it, on the
+        # compute device, and the write count it was copied at (Note [parameters kept on
+        # the device])
+        self.device_copy: torch.Tensor | None = None
+        self._device_copy_written: int | None = None
 
     @property
     def compute_device(self) -> torch.device:
@@ -85,12 +104,45 @@ class ShardStorage:
         """Where ``local`` (a view of the flat shard) starts in it, in elements."""
         return local.storage_offset() - self.tensor.storage_offset()
 
+    @property
+    def keeps_device_copy(self) -> bool:
+        """Whether gathers read a copy of the shard kept on the compute device (Note
+        [parameters kept on the device])."""
+        return getattr(self.offload, "params_on_device", False)
+
+    def written(self) -> int:
+        """A count every in-place write of the shard raises: the flat shard's version
+        counter (fullshard's own writes), each DTensor's local tensor's (a write to it; each
+        optimizer step, optim._mark_stepped) and each DTensor parameter's own (an in-place
+        op on the parameter, a load: a DTensor's op writes its local tensor below autograd,
+        which counts nothing there)."""
+        return self.tensor._version + sum(p.sharded_param._version
+                                          + p.sharded_param._local_tensor._version
+                                          for p in self.params)
+
     def copy_into(self, dst: torch.Tensor) -> None:
         """Copy the flat shard into ``dst`` (casting, moving to its device), without
-        blocking where the copy can run asynchronously."""
+        blocking where the copy can run asynchronously; from the copy kept on the
+        device where there is one."""
+        if self.keeps_device_copy:
+            dst.copy_(self._fresh_device_copy(dst.dtype, dst.device))
+            return
         dst.copy_(self.tensor, non_blocking=True)
         if self.on_disk:  # a pageable source: copied once copy_ returns
             page_out(self.tensor)
+
+    def _fresh_device_copy(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The copy kept on the device, copied from the shard again if the shard was
+        written since (Note [parameters kept on the device])."""
+        copy = self.device_copy
+        if copy is None or (copy.dtype, copy.device) != (dtype, device):
+            copy = self.device_copy = torch.empty(self.numel, dtype=dtype, device=device)
+            self._device_copy_written = None
+        written = self.written()
+        if self._device_copy_written != written:
+            copy.copy_(self.tensor, non_blocking=True)
+            self._device_copy_written = written
+        return copy
 
     def fill(self, full: dict[ShardedParam, torch.Tensor], requires_grad: dict,
              dtype: torch.dtype, device: torch.device) -> None:
@@ -103,6 +155,7 @@ class ShardStorage:
             self.tensor = self._new(dtype, self.device_for(device))
         for p, view in zip(self.params, self.views()):
             p.shard_from(full[p], view, requires_grad=requires_grad[p])
+        self.device_copy = self._device_copy_written = None
         if self.on_disk and not self.tensor.is_meta:
             page_out(self.tensor)
 
@@ -133,6 +186,7 @@ class ShardStorage:
                            if device.type == "meta" else self._new(local.dtype, device))
         for p, view in zip(self.params, self.views()):
             p.readopt(view, copy_values)
+        self.device_copy = self._device_copy_written = None  # new parameters: copied again
         return renewed
 
 

@@ -73,6 +73,7 @@ class MemoryEstimate:
                     s["offload"], f", offload {s['offload']}" if s["offload"] != "none"
                     else ""))
                 + (", delayed update" if s.get("delayed_update") else "")
+                + (", parameters kept on the device" if s.get("params_on_device") else "")
                 + (f", {s['quantize']} weights" if s.get("quantize") else "")
                 + (f", LoRA rank {s['lora_rank']} ({self.trainable_params / 1e6:,.1f}M "
                    "trainable)" if s.get("lora_rank") else "") + f", {s['device']}")
@@ -98,7 +99,8 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
              process_baseline: int | None = None, loss_of: LossOf | None = None,
              quantize: str | None = None, lora_rank: int = 0,
              quantize_comm: str = "none", ep: int = 1,
-             reduces_in_flight: int = 1, delayed_update: bool = False) -> MemoryEstimate:
+             reduces_in_flight: int = 1, delayed_update: bool = False,
+             params_on_device: bool = False) -> MemoryEstimate:
     """Estimate one rank's peak memory for training ``model_or_config`` with fullshard.
 
     Args:
@@ -157,6 +159,11 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
             (``fullshard train --parallel.delayed_update N``): each keeps a copy of its
             shard and a second gradient buffer on the host (Note [the delayed update]),
             counted in ``host_bytes``. CPU offload only: disk units are not delayed (E365).
+        params_on_device: with ``offload`` ``cpu`` or ``disk`` (and their fractions), each
+            offloaded unit also keeps a copy of its shard on the device in the compute
+            dtype, which its gathers copy in from (``CPUOffloadPolicy(params_on_device=
+            True)``, ``fullshard train --parallel.params_on_device true``; Note
+            [parameters kept on the device]).
     """
     _check_run(strategy, reshard_after_forward, world_size, optimizer, quantize, lora_rank,
                ep)
@@ -169,7 +176,7 @@ def estimate(model_or_config: Any, *, world_size: int, strategy: str = "full_sha
                            optimizer=optimizer, device=device, bucket_numel=bucket_numel,
                            process_baseline=process_baseline, quantize_comm=quantize_comm,
                            ep=ep, reduces_in_flight=reduces_in_flight,
-                           delayed_update=delayed_update)
+                           delayed_update=delayed_update, params_on_device=params_on_device)
 
 
 @dataclass(frozen=True)
@@ -231,8 +238,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                     process_baseline: int | None = None,
                     quantize_comm: str = "none", ep: int = 1,
-                    reduces_in_flight: int = 1, delayed_update: bool = False
-                    ) -> MemoryEstimate:
+                    reduces_in_flight: int = 1, delayed_update: bool = False,
+                    params_on_device: bool = False) -> MemoryEstimate:
     """``estimate`` of a traced step: fullshard's schedule replayed over it."""
     check_reduces_in_flight(reduces_in_flight, "estimate: reduces_in_flight",
                             wrong_type=ValueError)
@@ -244,6 +251,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
     raf = _reshard_rule(strategy, reshard_after_forward, world_size)
     offload = offload_mode(offload)
     check_delayed_update(offload, delayed_update)
+    check_params_on_device(offload, params_on_device)
     if quantize_comm not in ("none", "weights", "grads", "weights,grads"):
         raise ValueError("estimate: quantize_comm must be none, weights, grads or "
                          f"weights,grads, got {quantize_comm!r}")
@@ -271,7 +279,7 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
         replicated=shard_size == 1 and world_size > 1, heap_retention=device == "cpu",
         keep_unsharded=strategy == "zero1" and reshard_after_forward is None,
         reduces_in_flight=reduces_in_flight, delayed_update=bool(delayed_update),
-        pinned_host=device == "cuda")
+        pinned_host=device == "cuda", params_on_device=params_on_device)
     replay = Replay(groups, step.trace, settings, [type(u).__name__ for u in step.units])
     peaks = replay.run()
     if process_baseline is None:
@@ -291,7 +299,8 @@ def estimate_traced(step: TracedStep, *, world_size: int, strategy: str = "full_
                   "activation_checkpointing": step.activation_checkpointing,
                   "device": device, "quantize": step.quantize, "lora_rank": step.lora_rank,
                   "quantize_comm": quantize_comm, "ep": ep,
-                  "delayed_update": bool(delayed_update) and offload != "none"})
+                  "delayed_update": bool(delayed_update) and offload != "none",
+                  "params_on_device": params_on_device})
 
 
 def check_delayed_update(offload: str, delayed_update: bool) -> None:
@@ -302,6 +311,20 @@ def check_delayed_update(offload: str, delayed_update: bool) -> None:
                          f"units, and offload={offload!r} keeps the optimizer states in files, "
                          "whose units are not delayed (E345); use offload 'cpu' or "
                          "'cpu:FRACTION', or drop delayed_update.")
+
+
+def check_params_on_device(offload: str, params_on_device: bool) -> None:
+    """Refuse ``params_on_device`` where nothing offloaded keeps its parameters on the host
+    (an ``offload_mode``), as ``fully_shard`` refuses it beside parameters on disk (E386)."""
+    if not isinstance(params_on_device, bool):
+        raise ValueError(f"estimate: params_on_device must be True or False, got "
+                         f"{params_on_device!r}")
+    if params_on_device and (offload == "none" or offload.startswith("disk+params")):
+        raise ValueError(f"estimate: params_on_device=True keeps a copy on the device of "
+                         f"parameters offloaded to the host, and offload={offload!r} "
+                         + ("keeps them on the device already" if offload == "none" else
+                            "pages them from files") + "; use offload 'cpu' or 'disk' (or "
+                         "their fractions), or drop params_on_device.")
 
 
 def offloaded_units(units: list[nn.Module], offload: str) -> frozenset[int]:

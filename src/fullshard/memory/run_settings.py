@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.schedule import frees_after_forward, shard_device_for
+from ..core.schedule import frees_after_forward, gather_plan, shard_device_for
 from .pinned import pinned_block_bytes
 from .units import GroupLayout
 
@@ -39,6 +39,9 @@ class RunSettings:
     # OverlappedStep(delayed=True): each offloaded group's copy and second gradient buffer
     delayed_update: bool = False
     pinned_host: bool = False   # CUDA compute: host shards and gradients pinned (pinned.py)
+    # CPUOffloadPolicy(params_on_device=True): a copy of each offloaded shard that gathers
+    # copy in from, on the device in the compute dtype (Note [parameters kept on the device])
+    params_on_device: bool = False
 
     @property
     def shard_device(self) -> torch.device:
@@ -51,6 +54,21 @@ class RunSettings:
 
     def shard_device_of(self, layout: GroupLayout) -> torch.device:
         return shard_device_for(self.offloads(layout), self.device)
+
+    def device_copy_bytes(self, layout: GroupLayout) -> int:
+        """Bytes of the copy of ``layout``'s shard kept on the device: where its shard is
+        offloaded with ``params_on_device`` and its gathers copy the shard in (a cast, a
+        move off the host, a batch of units; not where they read the shard as it is)."""
+        if not (self.params_on_device and self.offloads(layout)):
+            return 0
+        plan = gather_plan(shard_size=layout.shard_size, shard_dtype=self.param_dtype,
+                           shard_device=self.shard_device_of(layout),
+                           compute_dtype=self.compute_dtype, compute_device=self.device,
+                           post_forward=layout.after_forward.post_forward_size is not None)
+        batch = len(layout.units) > 1
+        copies_in = plan.cast or (plan.gathered and batch) or (
+            not plan.gathered and plan.unsharded)
+        return layout.shard_numel * self.compute_dtype.itemsize if copies_in else 0
 
     def host_buffer_bytes(self, nbytes: int) -> int:
         """What a host buffer fullshard pins takes (Note [pinned host blocks])."""

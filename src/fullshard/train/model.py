@@ -397,9 +397,10 @@ def unit_offload(model: nn.Module, parallel: ParallelConfig
     policy: OffloadPolicy
     if offload.startswith("disk:"):  # Note [optimizer states on disk]
         path, fraction = disk_path_and_fraction(offload[len("disk:"):])
-        policy = DiskOffloadPolicy(path=path, params=parallel.offload_params)
+        policy = DiskOffloadPolicy(path=path, params=parallel.offload_params,
+                                   params_on_device=parallel.params_on_device)
     else:
-        policy = CPUOffloadPolicy()
+        policy = CPUOffloadPolicy(params_on_device=parallel.params_on_device)
         fraction = parse_fraction(offload[4:]) if offload.startswith("cpu:") else 1.0
     if fraction == 1:
         return lambda _m: policy

@@ -201,6 +201,12 @@ class ParallelConfig:
     offload_params: bool = False
     """With --parallel.offload disk:PATH, keep the sharded parameters in files under PATH
     too, paged in when used and given back right after."""
+    params_on_device: bool = False
+    """With --parallel.offload cpu, cpu:FRACTION or disk:PATH (states on disk), keep a copy
+    of each offloaded block's sharded parameters on the device in the precision they are
+    gathered in, so that its gathers read it: one host-to-device copy per optimizer step
+    instead of one per gather (CPUOffloadPolicy(params_on_device=True), DeepSpeed's
+    offload_optimizer without offload_param), for the shard's size in device memory."""
     quantize: Quantize = "none"
     """Communicate in int8 with one fp32 scale per 256 elements (ZeRO++): weights (the
     all-gathers), grads (the reduce-scatters, summed in fp32), or weights,grads. For
@@ -394,6 +400,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"parallel.offload_params: parameters go to disk with "
                           f"parallel.offload disk:PATH, not with parallel.offload {offload}; "
                           "give a directory, or leave offload_params false")
+    if cfg.parallel.params_on_device and (offload == "none" or cfg.parallel.offload_params):
+        raise ConfigError("parallel.params_on_device: keeps a copy on the device of "
+                          "parameters offloaded to the host, and "
+                          + ("parallel.offload none offloads nothing"
+                             if offload == "none" else "parallel.offload_params true pages "
+                             "them from files")
+                          + "; use parallel.offload cpu, cpu:FRACTION or disk:PATH with "
+                          "offload_params false, or leave params_on_device false")
     if offload.startswith("disk:") and not os.path.isdir(disk_dir := disk_path_and_fraction(
             offload[5:])[0]):
         raise ConfigError(f"parallel.offload: {disk_dir} is not a directory; create it, or "

@@ -150,6 +150,7 @@ def estimated_peak_bytes(cfg: TrainConfig, world: int, device: torch.device,
                           optimizer="adamw", device=device.type,
                           process_baseline=baseline_bytes, lora_rank=cfg.lora.rank,
                           quantize_comm=parallel.quantize, ep=parallel.ep,
+                          params_on_device=parallel.params_on_device,
                           quantize="nf4" if cfg.lora.rank and cfg.lora.base == "nf4"
                           else None)
     except Exception:  # noqa: BLE001 - a Hugging Face architecture the trace cannot run
