@@ -5,6 +5,7 @@
     python benchmarks/gpu.py --tiny --device cpu      # the same code on CPU, tiny shapes
     python benchmarks/gpu.py --workloads G2 --impls fullshard,fullshard-symm  # symmetric memory on/off
     python benchmarks/gpu.py --workloads G2 --impls plain,fsdp2,fullshard,fullshard-graph
+    python benchmarks/gpu.py --workloads G3 --impls fsdp2,fullshard,fullshard-resident
 
 Workloads (Llama-style blocks, bf16 compute, fp32 reduce and optimizer, fused AdamW):
   G1 compute-bound: d=1536, 24 layers, 12 heads, vocab 32000, batch 8 x 1024
@@ -20,7 +21,10 @@ into NCCL symmetric memory) and fullshard-graph (the whole step captured once by
 ``fullshard.capture_step`` and replayed: Note [capturing the steady step]; CUDA only, not
 G3, whose offload it refuses; its optimizer is the fused AdamW with ``capturable=True``,
 its warm-up steps train on the first batch before the timed ones, so its losses are not
-the others', and its step is not split into phases).
+the others', and its step is not split into phases) and fullshard-resident (G3 only: the
+offloaded blocks keep a copy of their shards on the device, ``CPUOffloadPolicy(
+params_on_device=True)``, so each step copies them to the device once instead of at every
+gather; Note [parameters kept on the device]).
 
 Each (implementation, workload) runs in its own set of processes (world size = every
 visible GPU), so memory figures start clean. On one GPU fullshard runs its collectives
@@ -59,7 +63,7 @@ IMPLS = ("plain", "fsdp2", "fullshard", "megatron")
 # on request only (--impls): fullshard with its all-gathers into NCCL symmetric memory
 # (set_symm_mem_for_comm), to measure against "fullshard"
 # fullshard's step captured in one CUDA graph and replayed (fullshard.capture_step)
-EXTRA_IMPLS = ("fullshard-symm", "fullshard-graph")
+EXTRA_IMPLS = ("fullshard-symm", "fullshard-graph", "fullshard-resident")
 H100_BF16_DENSE_TFLOPS = 989.0
 
 
@@ -115,7 +119,7 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
         return model.to(device)
     if impl == "megatron":
         return model  # sharded with its optimizer: _megatron
-    if impl in ("fullshard", "fullshard-symm", "fullshard-graph"):
+    if impl in ("fullshard", "fullshard-symm", "fullshard-graph", "fullshard-resident"):
         from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from fullshard.testing import collectives_at_one_rank
         # one GPU: gather and reduce as FSDP2 does at world size 1 (its collectives run on
@@ -128,7 +132,9 @@ def build(impl: str, w: Workload, device: torch.device) -> torch.nn.Module:
     kwargs = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                             reduce_dtype=torch.float32))
     if w.offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
+            if impl != "fullshard-resident" else CPUOffloadPolicy(
+                pin_memory=device.type == "cuda", params_on_device=True)
     else:
         model.to(device)
     for block in model.layers:
@@ -190,7 +196,7 @@ def _clip_and_step(impl: str, w: Workload, model, optim):
             mark()
             optim.step()
         return megatron
-    if impl != "fullshard" or not w.offload:
+    if impl not in ("fullshard", "fullshard-resident") or not w.offload:
         def plain(mark):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             mark()
@@ -455,6 +461,11 @@ def main() -> None:
                                                                     args.device)):
                 print(f"fullshard-graph on {workload}: skipped ({why})", file=sys.stderr,
                       flush=True)
+                continue
+            if impl == "fullshard-resident" and not WORKLOADS[workload].offload:
+                print(f"fullshard-resident on {workload}: skipped (it keeps offloaded "
+                      "parameters on the device; the workload offloads nothing)",
+                      file=sys.stderr, flush=True)
                 continue
             if impl == "fullshard-symm" and args.device != "cuda":
                 print(f"fullshard-symm on {workload}: skipped (symmetric memory needs CUDA "

@@ -112,8 +112,9 @@ def steps(args: argparse.Namespace) -> list[Step]:
             "-p", "no:cacheprovider"] + (["--collect-only"] if dry else [])
     bench = [PY, os.path.join(BENCH, "gpu.py"), "--json", os.path.join(out, "gpu-bench.json")]
     bench += (["--tiny", "--device", "cpu", "--nproc", "1", "--workloads", "G1,G3",
-               "--impls", "plain,fullshard"] if dry else
-              ["--quick", "--timeout", "120", "--workloads", "G1,G2,G3,G4"])
+               "--impls", "plain,fullshard,fullshard-resident"] if dry else
+              ["--quick", "--timeout", "120", "--workloads", "G1,G2,G3,G4",
+               "--impls", "plain,fsdp2,fullshard,megatron,fullshard-resident"])
     trainer = [PY, os.path.join(BENCH, "trainer.py")] + (
         ["--preset", "debug", "--rounds", "1", "--block", "2"] if dry else
         ["--preset", "gpt2-124m", "--batch-size", "8", "--rounds", "6", "--block", "10"])

@@ -29,7 +29,7 @@ def test_the_gpu_check_runs_every_step_on_cpu(tmp_path):
     assert rows["| cuda-lane"].startswith("skipped: pytest ran no test")
     assert "the CUDA lane needs a CUDA GPU" in report
     bench = json.loads((tmp_path / "gpu-bench.json").read_text())
-    assert set(bench) == {"G1/plain", "G1/fullshard", "G3/fullshard"}
+    assert set(bench) == {"G1/plain", "G1/fullshard", "G3/fullshard", "G3/fullshard-resident"}
     # the same model and batches (bf16 autocast against bf16 parameters: close, not equal)
     assert abs(bench["G1/plain"]["losses"][0] - bench["G1/fullshard"]["losses"][0]) < 0.05
     assert "trainer / plain tokens/s" in report and "memory: estimated" in report
