@@ -43,7 +43,8 @@ def _context(backend: str):
 
 
 def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: str,
-            nccl_rules: bool, results: Any, args: tuple, kwargs: dict) -> None:
+            nccl_rules: bool, results: Any, released: Any, timeout: float, args: tuple,
+            kwargs: dict) -> None:
     # What the forkserver preloaded (torch and its modules: some 300,000 objects) is never
     # garbage: frozen, the collection before the group is destroyed scans only what this
     # rank made (150 ms less per rank on 2 cores) and touches no inherited page.
@@ -85,6 +86,10 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # Torn down only once every rank has reported (or the parent gave up on them): a
+        # rank that returned right after creating a group (``new_group``) would otherwise
+        # close its sockets while a slower peer is still connecting to them, and fail it.
+        released.wait(timeout)
         gc.collect()  # drop objects holding the group first (see examples/quickstart.py)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -108,16 +113,18 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if uses_cuda(backend):
         check_gpus_for_ranks(world_size)
     ctx = _context(backend)
-    results = ctx.Queue()
+    results, released = ctx.Queue(), ctx.Event()
     checks = bool(nccl_rules) if uses_cuda(backend) else wanted(nccl_rules)
     with tempfile.TemporaryDirectory(prefix="fullshard-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, backend,
-                                                   checks, results, args, kwargs), daemon=True)
+                                                   checks, results, released, timeout, args,
+                                                   kwargs), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
         outcomes = _collect(results, procs, world_size, timeout)
+        released.set()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
