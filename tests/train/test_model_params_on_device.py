@@ -27,6 +27,7 @@ def _with_and_without(offload: str, precision: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload, precision", [("cpu:0.5", "bf16"), ("disk:{states}", "fp32")])
 def test_the_same_losses_bit_for_bit_as_copying_from_the_host(tmp_path, offload, precision):
     runs = run_distributed(_with_and_without, 2, offload.format(states=tmp_path),

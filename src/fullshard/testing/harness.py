@@ -29,6 +29,7 @@ from .nccl_rules import wanted
 
 _CTX = None  # the forkserver context, started once per test process (it preloads torch)
 GRACE_AFTER_FAILURE_S = 5.0
+RELEASE_WAIT_S = 1.0  # the most a rank that has reported waits for its peers to report
 
 
 def _context(backend: str):
@@ -43,8 +44,7 @@ def _context(backend: str):
 
 
 def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: str,
-            nccl_rules: bool, results: Any, released: Any, timeout: float, args: tuple,
-            kwargs: dict) -> None:
+            nccl_rules: bool, results: Any, args: tuple, kwargs: dict) -> None:
     # What the forkserver preloaded (torch and its modules: some 300,000 objects) is never
     # garbage: frozen, the collection before the group is destroyed scans only what this
     # rank made (150 ms less per rank on 2 cores) and touches no inherited page.
@@ -86,10 +86,12 @@ def _worker(fn: Callable, rank: int, world_size: int, init_file: str, backend: s
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        # Torn down only once every rank has reported (or the parent gave up on them): a
-        # rank that returned right after creating a group (``new_group``) would otherwise
-        # close its sockets while a slower peer is still connecting to them, and fail it.
-        released.wait(timeout)
+        # Torn down once every rank has reported, or a second later: a rank that returned
+        # right after creating a group (``new_group``) would otherwise close its sockets
+        # while a slower peer is still connecting to them, and fail it. Not longer: a rank
+        # that stops early must still go away, as a real process does, for its peers'
+        # collectives to fail (the tests of what they report then).
+        _wait_for_release(init_file, RELEASE_WAIT_S)
         gc.collect()  # drop objects holding the group first (see examples/quickstart.py)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -113,18 +115,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if uses_cuda(backend):
         check_gpus_for_ranks(world_size)
     ctx = _context(backend)
-    results, released = ctx.Queue(), ctx.Event()
+    results = ctx.Queue()
     checks = bool(nccl_rules) if uses_cuda(backend) else wanted(nccl_rules)
     with tempfile.TemporaryDirectory(prefix="fullshard-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, backend,
-                                                   checks, results, released, timeout, args,
-                                                   kwargs), daemon=True)
+                                                   checks, results, args, kwargs), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
         outcomes = _collect(results, procs, world_size, timeout)
-        released.set()
+        open(_release_file(init_file), "w").close()  # noqa: SIM115 - its existence is the signal
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -146,6 +147,22 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 
 
 _EXITED = "process exited with code"
+
+
+def _release_file(init_file: str) -> str:
+    return f"{init_file}.released"
+
+
+def _wait_for_release(init_file: str, timeout: float) -> None:
+    """Wait until the parent has every rank's outcome (it creates the release file then),
+    at most ``timeout`` seconds.
+    A file, polled, rather than a multiprocessing.Event: setting an Event waits for each
+    rank asleep on it to wake, forever if one of them died asleep (a rank killed by a
+    peer's abort)."""
+    deadline = time.monotonic() + timeout
+    path = _release_file(init_file)
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _fault_log(init_file: str, rank: int) -> str:
