@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import (CPUOffloadPolicy, DiskOffloadPolicy, MixedPrecisionPolicy,
                        OverlappedStep, fully_shard)
@@ -64,6 +65,32 @@ def test_the_same_bits_as_offload_that_copies_from_the_host(world, mp, merge, ov
                                                             blocks):
     assert all(run_distributed(_same_bits_as_copying_from_the_host, world, mp, merge,
                                overlapped, blocks))
+
+
+def _train_on_mesh(on_device, hybrid):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))} \
+        if hybrid else {}
+    policy = CPUOffloadPolicy(pin_memory=False, params_on_device=on_device)
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=policy, mp_policy=BF16, **mesh)
+    fully_shard(model, offload_policy=policy, mp_policy=BF16, **mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    return train_and_read(model, opt, opt, "fused", CFG.vocab_size, CFG.seq_len)
+
+
+def _same_bits_on_mesh(hybrid):
+    assert_same_bits(_train_on_mesh(False, hybrid), _train_on_mesh(True, hybrid))
+    return True
+
+
+@pytest.mark.parametrize("world,hybrid", [
+    (1, False),  # one rank: no collective, the copy into the gathered buffer alone
+    pytest.param(4, True, marks=pytest.mark.slow),  # 2 replicas x 2 shards (HSDP)
+])
+def test_one_rank_and_a_replicated_mesh_give_the_same_bits(world, hybrid):
+    assert all(run_distributed(_same_bits_on_mesh, world, hybrid))
 
 
 def _parity_with_one_process():
