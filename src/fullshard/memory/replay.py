@@ -83,8 +83,9 @@ def allocate_model_states(ledger: ByteLedger, groups: list[ReplayGroup], s: RunS
                          s.host_buffer_bytes(flat) + beside, True)
         else:
             ledger.alloc(("shard", g.index), SHARDED_PARAMS, shard)
-        if s.device_copy_bytes(g.layout):  # Note [parameters kept on the device]
-            ledger.alloc(("device copy", g.index), SHARDED_PARAMS, s.device_copy_bytes(g.layout))
+        kept_on_device = s.device_copy_bytes(g.layout)  # Note [parameters kept on the device]
+        if kept_on_device:
+            ledger.alloc(("device copy", g.index), SHARDED_PARAMS, kept_on_device)
         trainable = sum(p.shard_numel(g.layout.shard_size) for p in g.layout.trainable)
         if s.states_on_disk and offloaded:
             # each unit's states start on an aligned boundary of the files, Note [the
