@@ -130,3 +130,30 @@ def test_cpu_offload_with_compute_on_the_gpu_matches_the_reference(one_rank_coll
     for seen, _ in run_distributed(_offload_parity, WORLD, one_rank_collectives,
                                    backend="nccl"):
         assert seen == {"shards": {"cpu"}, "pinned": True}
+
+
+def _params_on_device_parity(one_rank_collectives):
+    """CPU offload whose units keep a copy of their shards on the GPU (Note [parameters
+    kept on the device]): the reference's training, the shards pinned on the host, the
+    copies on the GPU."""
+    collectives_at_one_rank(one_rank_collectives)  # False: the shortcuts' copy-in alone
+    built = []
+
+    def shard(model):
+        _shard_each_layer(offload_policy=CPUOffloadPolicy(pin_memory=True,
+                                                          params_on_device=True))(model)
+        built.append(model)
+    report = check_parity(_gpt, shard, _batch, _loss, steps=4, optimizer="adamw", lr=1e-3,
+                          rtol=RTOL, atol=ATOL)
+    model = built[0]
+    copies = [unit._unit.group.storage.device_copy for unit in (model, *model.layers)]
+    return ({p.to_local().device.type for p in model.parameters()},
+            all(p.to_local().is_pinned() for p in model.parameters()),
+            {c.device.type if c is not None else None for c in copies}), report.max_weight_diff
+
+
+@pytest.mark.parametrize("one_rank_collectives", [True, False])
+def test_parameters_kept_on_the_gpu_beside_cpu_offload_match_the_reference(one_rank_collectives):
+    for seen, _ in run_distributed(_params_on_device_parity, WORLD, one_rank_collectives,
+                                   backend="nccl"):
+        assert seen == ({"cpu"}, True, {"cuda"}), seen
