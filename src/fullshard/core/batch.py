@@ -58,10 +58,9 @@ class BatchShards:
     def device(self) -> torch.device:
         return self.parts[0].device
 
-    @property
-    def version(self) -> int:
-        """The sum of the members' version counters: any member's in-place write raises it."""
-        return sum(part.version for part in self.parts)
+    def written(self) -> int:
+        """The sum of the members' write counts: any member's in-place write raises it."""
+        return sum(part.written() for part in self.parts)
 
     @property
     def pinned(self) -> bool:

@@ -603,17 +603,14 @@ class ParamGroup:
                 and self._gathered_version != self._shard_version())
 
     def _shard_version(self) -> int:
-        """The sum of the version counters of what a gather reads, so that any in-place
-        write raises it: the flat shard's (fullshard's own writes), each DTensor's local
-        tensor's (the optimizer's, optim._mark_stepped: a DTensor made over a view of the
-        flat shard keeps a counter of its own) and each DTensor parameter's own (an
-        in-place op on the parameter, ``nn.init``, a load: a DTensor's op writes its local
-        tensor below autograd, which counts nothing there)."""
+        """A count that any in-place write of what a gather reads raises: the flat shard's
+        write count (``ShardStorage.written()``, which the copy kept on the device is
+        refreshed by too) and each tensor-subclass parameter's (``ShardedParam.written()``)."""
         if self.reads_pending:  # what the gather reads; the host thread writes the rest
             return self.delayed.tensor._version
-        version = self.storage.version if self.flat_params else 0
-        for p in self.params:
-            version += p.sharded_param._local_tensor._version + p.sharded_param._version
+        version = self.storage.written() if self.flat_params else 0
+        for p in self.subclass.params if self.subclass is not None else ():
+            version += p.written()
         return version
 
     def _own_chunk(self, gathered: torch.Tensor) -> torch.Tensor:

@@ -354,6 +354,15 @@ class ShardedParam:
                     self.spec, tensor_meta=self.spec.tensor_meta._replace(dtype=rows.dtype))
         return DTensor(rows, spec, requires_grad=False)
 
+    def written(self) -> int:
+        """A count every in-place write of this rank's shard of the parameter raises: its
+        local tensor's version counter (a write to it; each optimizer step,
+        optim._mark_stepped: a DTensor made over a view of the flat shard keeps a counter
+        of its own) and the DTensor parameter's own (an in-place op on the parameter,
+        ``nn.init``, a load: a DTensor's op writes its local tensor below autograd, which
+        counts nothing there)."""
+        return self.sharded_param._local_tensor._version + self.sharded_param._version
+
     def local_is_shard(self) -> bool:
         """Whether the registered DTensor's local tensor is still this rank's rows of the
         padded shard (Note [one storage is the shard])."""

@@ -91,11 +91,6 @@ class ShardStorage:
         return self.tensor.device
 
     @property
-    def version(self) -> int:
-        """The flat shard's version counter: fullshard's own in-place writes raise it."""
-        return self.tensor._version
-
-    @property
     def pinned(self) -> bool:
         """Whether the flat shard is in pinned host memory (offloaded from CUDA)."""
         return self.tensor is not None and self.tensor.is_pinned()
@@ -112,13 +107,8 @@ class ShardStorage:
 
     def written(self) -> int:
         """A count every in-place write of the shard raises: the flat shard's version
-        counter (fullshard's own writes), each DTensor's local tensor's (a write to it; each
-        optimizer step, optim._mark_stepped) and each DTensor parameter's own (an in-place
-        op on the parameter, a load: a DTensor's op writes its local tensor below autograd,
-        which counts nothing there)."""
-        return self.tensor._version + sum(p.sharded_param._version
-                                          + p.sharded_param._local_tensor._version
-                                          for p in self.params)
+        counter (fullshard's own writes) and each parameter's ``ShardedParam.written()``."""
+        return self.tensor._version + sum(p.written() for p in self.params)
 
     def copy_into(self, dst: torch.Tensor) -> None:
         """Copy the flat shard into ``dst`` (casting, moving to its device), without
