@@ -241,7 +241,12 @@ def _watch(signals: BackwardSignals, leaves: list) -> bool:
     if not slots:
         signals.unwatched_calls += 1
         return False
-    watched = _InputGradsReady.apply(_Watch(signals), *(leaves[i] for i in slots))
+    # torch binds an autograd.Function's arguments through inspect.signature at every
+    # apply when it defines setup_context (three times the whole call on a small unit):
+    # outside torch.func's transforms, which need that form, the context-style twin runs
+    ready = (_InputGradsReady if torch._C._are_functorch_transforms_active()
+             else _InputGradsReadyEager)
+    watched = ready.apply(_Watch(signals), *(leaves[i] for i in slots))
     for i, t in zip(slots, watched):
         leaves[i] = t
     return True
@@ -315,6 +320,23 @@ class _InputGradsReady(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, _watch_tangent, *tangents):
         return tuple(t.view_as(t) for t in tangents)
+
+
+class _InputGradsReadyEager(torch.autograd.Function):
+    """``_InputGradsReady`` in the form that takes its context in forward, which torch
+    applies without binding the arguments' signature first; torch.func refuses it, so it
+    runs only outside torch.func's transforms."""
+
+    @staticmethod
+    def forward(ctx, watch, *tensors):
+        ctx.watch = watch
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    @torch._dynamo.disable  # Note [hooks under torch.compile]
+    def backward(ctx, *grads):
+        ctx.watch.fire()
+        return (None, *grads)
 
 
 def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
