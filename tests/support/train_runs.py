@@ -93,6 +93,15 @@ def straight_and_resumed(out: str, overrides: dict, read=lambda record: record["
     return (runs if trainer.log is not None else None), trainer
 
 
+def assert_resumed_exactly(runs: dict[str, list]) -> None:
+    """What ``straight_and_resumed`` gave rank 0, judged: the straight run trained its 6
+    steps with a falling loss, and the resumed run's steps after the checkpoint are the
+    straight run's, bit for bit."""
+    straight, resumed = runs["straight"], runs["resumed"]
+    assert len(straight) == 6 and straight[-1] < straight[0], straight
+    assert resumed[-3:] == straight[-3:], (straight, resumed)
+
+
 def tensorboard_scalars(out: str) -> dict[str, list[tuple[int, float]]]:
     """Each scalar tag of the event files in ``out``: its (step, value) pairs."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -9,7 +9,7 @@ from fullshard.testing import run_distributed
 from fullshard.train.config.schema import ConfigError, OptimConfig
 from fullshard.train.loop import Trainer, learning_rate, on_device, step_or_skip
 from support.catalogue import matches_documented
-from support.train_runs import straight_and_resumed, train_losses
+from support.train_runs import assert_resumed_exactly, straight_and_resumed, train_losses
 
 def _variants(variants: dict[str, dict]) -> dict[str, list[float]]:
     return {name: train_losses(overrides) for name, overrides in variants.items()}
@@ -130,9 +130,7 @@ def _muon_resume(out: str) -> dict:
 def test_muon_trains_and_resumes_exactly(tmp_path):
     out = run_distributed(_muon_resume, 2, str(tmp_path))[0]
     assert out["optimizers"] == ["Muon", "AdamW"]
-    straight, resumed = out["runs"]["straight"], out["runs"]["resumed"]
-    assert len(straight) == 6 and straight[-1] < straight[0]
-    assert resumed[-3:] == straight[-3:]
+    assert_resumed_exactly(out["runs"])
 
 
 class _HostBatch:

@@ -5,7 +5,7 @@ and one that resumes exactly (checkpoints are exact points of it)."""
 import pytest
 
 from fullshard.testing import run_distributed
-from support.train_runs import straight_and_resumed, train_losses
+from support.train_runs import assert_resumed_exactly, straight_and_resumed, train_losses
 
 
 def _exact_and_delayed() -> dict[str, list[float]]:
@@ -33,9 +33,7 @@ def _resume(out: str) -> dict[str, list[float]] | None:
 @pytest.mark.slow
 def test_a_delayed_run_resumes_exactly(tmp_path):
     runs = run_distributed(_resume, 2, str(tmp_path))[0]
-    straight, resumed = runs["straight"], runs["resumed"]
-    assert len(straight) == 6 and straight[-1] < straight[0]
-    assert resumed[-3:] == straight[-3:]
+    assert_resumed_exactly(runs)
 
 
 @pytest.mark.parametrize("fields, named", [

@@ -13,7 +13,7 @@ from fullshard.train.config.flags import apply_overrides
 from fullshard.train.config.schema import ConfigError, get_preset, validate
 from fullshard.train.launch.launcher import Worker
 from fullshard.train.loop import Trainer
-from support.train_runs import QUIET, straight_and_resumed
+from support.train_runs import QUIET, assert_resumed_exactly, straight_and_resumed
 
 RUNS = {"cpu": {"parallel.offload": "cpu"},
         "half, two micro-batches": {"parallel.offload": "cpu:0.5", "batch.grad_accum": 2},
@@ -86,9 +86,7 @@ def _resume(out: str, offload: str) -> dict[str, list[float]] | None:
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
 def test_a_run_stepping_in_backward_resumes_exactly(tmp_path, offload):
     runs = run_distributed(_resume, 2, str(tmp_path), offload)[0]
-    straight, resumed = runs["straight"], runs["resumed"]
-    assert len(straight) == 6 and straight[-1] < straight[0]
-    assert resumed[-3:] == straight[-3:]
+    assert_resumed_exactly(runs)
 
 
 @pytest.mark.parametrize("fields, says", [

@@ -12,7 +12,7 @@ from fullshard.errors import ConfigError
 from fullshard.train.config.flags import apply_overrides
 from fullshard.train.config.schema import get_preset, validate
 from support.catalogue import matches_documented
-from support.train_runs import straight_and_resumed, train_losses
+from support.train_runs import assert_resumed_exactly, straight_and_resumed, train_losses
 
 
 def _with_and_without(offload: str, precision: str) -> dict:
@@ -45,9 +45,7 @@ def _resume(out: str) -> dict | None:
 @pytest.mark.slow
 def test_a_resume_trains_on_exactly(tmp_path):
     runs = run_distributed(_resume, 2, str(tmp_path))[0]
-    straight, resumed = runs["straight"], runs["resumed"]
-    assert len(straight) == 6 and straight[-1] < straight[0]
-    assert resumed[-3:] == straight[-3:]
+    assert_resumed_exactly(runs)
 
 
 def _config(tmp_path, **fields):

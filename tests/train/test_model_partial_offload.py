@@ -15,7 +15,7 @@ from fullshard.policies import DiskOffloadPolicy
 from fullshard.testing import run_distributed
 from fullshard.train.config.schema import ParallelConfig
 from fullshard.train.model import unit_offload
-from support.train_runs import straight_and_resumed, train_losses
+from support.train_runs import assert_resumed_exactly, straight_and_resumed, train_losses
 
 
 def test_a_fraction_offloads_the_last_blocks_rounded_up():
@@ -104,9 +104,7 @@ def test_partial_offload_resumes_exactly(tmp_path, offload):
     os.mkdir(tmp_path / "states")
     runs = run_distributed(_resume, 2, str(tmp_path / "run"),
                            offload.format(states=tmp_path / "states"))[0]
-    straight, resumed = runs["straight"], runs["resumed"]
-    assert len(straight) == 6 and straight[-1] < straight[0]
-    assert resumed[-3:] == straight[-3:]
+    assert_resumed_exactly(runs)
 
 
 def _overlap_on_and_off(offload: str) -> dict[str, list[float]]:
