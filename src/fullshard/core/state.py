@@ -266,6 +266,9 @@ class RootState:
             if u.batch is not None:
                 self.members.setdefault(u.batch, []).append(u)
         self.forward_done: set[UnitState] = set()
+        # per batch of several units, how many have yet to finish forward this iteration:
+        # a count, so that each unit's post-forward is O(1) whatever the batch holds
+        self.forward_left: dict[ParamGroup, int] = {}
         self.pool = BufferPool()
         for group in self.members:
             group.pool = self.pool
@@ -292,6 +295,7 @@ class RootState:
     def start_iteration(self) -> None:
         self.order.start_iteration()
         self.forward_done = set()
+        self.forward_left = {}
 
     def stays_gathered_after_backward(self, group: ParamGroup) -> bool:
         """Whether every unit sharing ``group`` asked to keep it gathered after backward."""
@@ -299,9 +303,14 @@ class RootState:
 
     def forward_finished(self, unit: UnitState) -> bool:
         """Record ``unit``'s forward; True once every unit sharing its group has run."""
-        self.forward_done.add(unit)
-        members = self.members[unit.batch]
-        return len(members) == 1 or all(m in self.forward_done for m in members)
+        batch = unit.batch
+        members = len(self.members[batch])
+        if members == 1:
+            return True
+        if unit not in self.forward_done:
+            self.forward_done.add(unit)
+            self.forward_left[batch] = self.forward_left.get(batch, members) - 1
+        return self.forward_left[batch] == 0
 
     def record_post_forward(self, unit: UnitState) -> None:
         self.order.record_post_forward(unit)
