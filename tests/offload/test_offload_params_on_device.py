@@ -224,6 +224,54 @@ def test_a_resume_trains_on_exactly(tmp_path):
     assert all(run_distributed(_resume, 2, path))
 
 
+def _saved_after_two_steps(tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _model(True, BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(2):
+        x, y = token_batch(10 * step + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    sd_model, sd_opt = get_state_dict(model, opt)
+    dcp.save({"model": sd_model, "optim": sd_opt}, checkpoint_id=tmp)
+    return True
+
+
+def _loaded_and_trained_on(tmp, on_device):
+    """The checkpoint loaded into a model whose kept copies a first forward already built
+    (at this world size, another than the one that saved), then two steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _model(on_device, BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y = token_batch(99, 4, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    opt.zero_grad(set_to_none=True)
+    sd_model, sd_opt = get_state_dict(model, opt)
+    state = {"model": sd_model, "optim": sd_opt}
+    dcp.load(state, checkpoint_id=tmp)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for step in range(2, 4):
+        x, y = token_batch(10 * step + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_trains_on_as_copying_from_the_host(tmp_path):
+    path = str(tmp_path)
+    assert all(run_distributed(_saved_after_two_steps, 2, path))
+    kept = run_distributed(_loaded_and_trained_on, 3, path, True)[0]
+    copied = run_distributed(_loaded_and_trained_on, 3, path, False)[0]
+    assert_same_bits((copied,), (kept,))
+
+
 def test_misuse_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError) as both:
         fully_shard(nn.Linear(4, 4), offload_policy=DiskOffloadPolicy(
