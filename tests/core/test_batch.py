@@ -1,8 +1,11 @@
 """Small units gathered together (core/batch.py): each unit keeps its group and its flat
 shard for life, and one batch gathers and reduces them."""
 
+import copy
+
 import pytest
 import torch
+import torch.nn as nn
 
 from fullshard import MixedPrecisionPolicy, fully_shard
 from fullshard.core.batch import GatherBatch
@@ -95,3 +98,42 @@ def test_a_batch_trains_to_the_bit_as_units_alone(world, bf16):
     for one_batch, batched, alone in run_distributed(_batched_and_alone, world, bf16):
         assert one_batch
         assert same_steps(batched, alone)
+
+
+class _CalledAgain(nn.Module):
+    """Three small units gathered as one batch, the first called again after the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        return self.a(self.c(self.b(self.a(x))))
+
+
+def _a_member_called_again():
+    torch.manual_seed(0)
+    model = _CalledAgain()
+    reference = copy.deepcopy(model)
+    for module in (model.a, model.b, model.c, model):
+        fully_shard(module)
+    model.set_bucket_numel(1 << 20)
+    x = torch.randn(4, 8)
+    out = model(x)
+    batch = unit_of(model.a).batch
+    batched = isinstance(batch, GatherBatch) and all(
+        unit_of(m).batch is batch for m in (model.b, model.c))
+    resharded = batch.state is GroupState.SHARDED
+    out.sum().backward()
+    reference(x).sum().backward()
+    grads = all(torch.equal(p.grad.full_tensor(), q.grad)
+                for p, q in zip(model.parameters(), reference.parameters()))
+    return {"batched": batched, "resharded after forward": resharded, "grads": grads}
+
+
+def test_a_member_run_again_after_the_batch_resharded_reshards_it_again():
+    """Once every member of a batch has run forward the batch reshards; a member run again
+    gathers it again, and the batch reshards once more after that call (a count of the
+    members still to run, which a second call does not lower)."""
+    for result in run_distributed(_a_member_called_again, 2):
+        assert result == {"batched": True, "resharded after forward": True, "grads": True}

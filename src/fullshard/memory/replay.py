@@ -136,6 +136,7 @@ class Replay:
                                           self._sample_with)
         self._reduced: set[int] = set()
         self._forward_done: set[int] = set()
+        self._forward_left: dict[int, int] = {}  # per group index: its units yet to run
         self.owned_whole = owned_whole_numel(settings, self.groups)  # the same every step
         self.largest_whole = max((p.numel for g in self.groups for p in g.layout.trainable
                                   if p.key in settings.whole_matrix), default=0)
@@ -194,6 +195,7 @@ class Replay:
                     self._reshard(g)
             self.order.start_iteration()
             self._forward_done.clear()
+            self._forward_left.clear()
         self.order.record_pre_forward(unit)
         if group is not None:
             self._unshard(group)
@@ -209,8 +211,11 @@ class Replay:
         self.order.record_post_forward(unit)
         if group is None or not group.frees_after_forward:
             return
-        self._forward_done.add(unit)
-        if all(u in self._forward_done for u in group.layout.units):
+        left = self._forward_left.get(group.index, len(group.layout.units))
+        if unit not in self._forward_done:  # as core/state.py's forward_finished counts
+            self._forward_done.add(unit)
+            left = self._forward_left[group.index] = left - 1
+        if left == 0:  # a unit run again after its group's last resharded it too
             self._reshard_after_forward(group)
 
     def _on_forward_end(self, _subject: int) -> None:
