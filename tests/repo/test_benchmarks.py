@@ -141,3 +141,13 @@ def test_step_hooks_benchmark_times_both_steps_and_their_difference():
     times = [float(line.rsplit(":", 1)[1].split()[0]) for line in lines if line.endswith(" us")]
     assert len(times) == 3 and times[0] > 0 and times[1] > 0, proc.stdout
     assert abs(times[0] - times[1] - times[2]) <= 1, proc.stdout  # rounded to a microsecond
+
+
+@pytest.mark.extended  # a benchmark run: make test's ten minutes are nearly spent
+def test_unit_hooks_benchmark_prints_each_implementation_per_unit():
+    proc = _bench("unit_hooks.py", "--units", "4", "--steps", "3", one_thread=True)
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| impl")}
+    assert set(rows) == {"fullshard", "fsdp2", "plain"}, proc.stdout
+    assert all(float(total) > 0 for total, _ in rows.values()), proc.stdout
+    assert float(rows["plain"][1]) == 0.0, proc.stdout
