@@ -15,7 +15,9 @@ Backward: an output-gradient hook gathers the unit and prefetches the unit that
 Note [when a unit's backward is done]
 A unit's backward is over when its module's backward is over: every forward call's
 inputs that require grad pass through an identity autograd function
-(``_InputGradsReady``) whose backward runs once their gradients are computed; when
+(``_InputGradsReady``, in the form torch.func accepts; outside its transforms a
+context-style twin, which torch applies without binding the arguments' signature)
+whose backward runs once their gradients are computed; when
 every watched call of this iteration has fired, nothing of this backward reads the
 unit's parameters again (frozen weights included: a LoRA layer's input gradient reads
 the frozen base weight after the adapters' gradients are done), and its parameters'
