@@ -84,6 +84,14 @@ def test_nothing_the_trainer_allocates_per_step_grows_with_the_world():
 
 @pytest.mark.parametrize("build, margin", [(blocks, MARGIN), (trainer_steps, PADDED_MARGIN)])
 def test_host_time_per_step_is_flat_from_8_to_1024_ranks(build, margin):
-    times = host_times(build, (SMALL, LARGE), rounds=3, steps=8, quiet=True)
-    ratio = times[LARGE].own_best / times[SMALL].own_best
+    def measured():
+        times = host_times(build, (SMALL, LARGE), rounds=3, steps=8, quiet=True)
+        return times[LARGE].own_best / times[SMALL].own_best, times
+
+    ratio, times = measured()
+    if ratio > margin:
+        # once more before failing: a slow spell of a shared machine gave 1.22 and 1.30
+        # (2.4 ms steps) where the runs before and after gave 0.94-1.12; work that grows
+        # with the ranks (a loop over them is 128 times the work at 1,024) fails both
+        ratio, times = min((ratio, times), measured(), key=lambda pair: pair[0])
     assert ratio <= margin, (ratio, times)
