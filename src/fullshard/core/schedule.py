@@ -9,7 +9,7 @@ made in one place in core, on plain values, and both call it:
   previous other group in backward);
 * what a unit keeps after forward: ``after_forward_rule`` (fully_shard's argument as
   the unit keeps it, and the hpZ subgroup size) and ``frees_after_forward`` (the root's
-  rule);
+  rule); when every unit gathered by one group has run forward: ``ForwardsFinished``;
 * which units are gathered together: ``plan_runs`` with ``joins_bucket`` (core/buckets.py);
 * when a group's backward is done: ``backward_is_done`` (the runtime counts its signals
   in ``BackwardSignals``);
@@ -152,6 +152,28 @@ def frees_after_forward(reshard_after_forward: bool | int | None, is_root: bool)
     if is_root and reshard_after_forward is None:
         return False
     return reshard_after_forward is not False
+
+
+class ForwardsFinished(Generic[U, G]):
+    """Which units finished forward this iteration, and whether all the units a group
+    gathers have: a count per group of its units still to run, so that a unit's
+    post-forward costs the same whatever its group holds. A unit run again counts once,
+    and its group, finished, stays so (it reshards again after that call too)."""
+
+    def __init__(self) -> None:
+        self.start_iteration()
+
+    def start_iteration(self) -> None:
+        self._done: set[U] = set()
+        self._left: dict[G, int] = {}
+
+    def finished(self, unit: U, group: G, units_in_group: int) -> bool:
+        """Record ``unit``'s forward; True once all ``units_in_group`` units of ``group``
+        have run this iteration."""
+        if unit not in self._done:
+            self._done.add(unit)
+            self._left[group] = self._left.get(group, units_in_group) - 1
+        return self._left[group] == 0
 
 
 def joins_bucket(first: AfterForward, first_is_root: bool, other: AfterForward) -> bool:

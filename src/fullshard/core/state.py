@@ -24,7 +24,7 @@ from .gradients import (DEFAULT_REDUCE, PendingReduce, ReduceOptions, UnknownPre
                         resolve_all)
 from .guard.ledger import BACKWARD
 from .group import ParamGroup
-from .schedule import PrefetchOrder, frees_after_forward
+from .schedule import ForwardsFinished, PrefetchOrder, frees_after_forward
 
 
 # Merge adjacent units up to this many unsharded elements (4 MiB of fp32); see
@@ -265,10 +265,7 @@ class RootState:
         for u in units:
             if u.batch is not None:
                 self.members.setdefault(u.batch, []).append(u)
-        self.forward_done: set[UnitState] = set()
-        # per batch of several units, how many have yet to finish forward this iteration:
-        # a count, so that each unit's post-forward is O(1) whatever the batch holds
-        self.forward_left: dict[ParamGroup, int] = {}
+        self.forwards: ForwardsFinished[UnitState, ParamGroup] = ForwardsFinished()
         self.pool = BufferPool()
         for group in self.members:
             group.pool = self.pool
@@ -294,8 +291,7 @@ class RootState:
 
     def start_iteration(self) -> None:
         self.order.start_iteration()
-        self.forward_done = set()
-        self.forward_left = {}
+        self.forwards.start_iteration()
 
     def stays_gathered_after_backward(self, group: ParamGroup) -> bool:
         """Whether every unit sharing ``group`` asked to keep it gathered after backward."""
@@ -303,14 +299,7 @@ class RootState:
 
     def forward_finished(self, unit: UnitState) -> bool:
         """Record ``unit``'s forward; True once every unit sharing its group has run."""
-        batch = unit.batch
-        members = len(self.members[batch])
-        if members == 1:
-            return True
-        if unit not in self.forward_done:
-            self.forward_done.add(unit)
-            self.forward_left[batch] = self.forward_left.get(batch, members) - 1
-        return self.forward_left[batch] == 0
+        return self.forwards.finished(unit, unit.batch, len(self.members[unit.batch]))
 
     def record_post_forward(self, unit: UnitState) -> None:
         self.order.record_post_forward(unit)

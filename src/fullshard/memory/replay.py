@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from ..core.features.quantized_collectives import ROWS_PER_PASS, wire_bytes
-from ..core.schedule import GatherPlan, PrefetchOrder, backward_is_done, gather_plan
+from ..core.schedule import (ForwardsFinished, GatherPlan, PrefetchOrder, backward_is_done,
+                              gather_plan)
 from ..offload.files import ALIGN
 from ..whole_matrix.recipe import owners_by_cost, step_cost
 from .activations import StepTrace
@@ -135,8 +136,7 @@ class Replay:
         self.reductions = ReductionReplay(settings, self.ledger, self.pool, self._sample,
                                           self._sample_with)
         self._reduced: set[int] = set()
-        self._forward_done: set[int] = set()
-        self._forward_left: dict[int, int] = {}  # per group index: its units yet to run
+        self._forwards: ForwardsFinished[int, int] = ForwardsFinished()  # group indices
         self.owned_whole = owned_whole_numel(settings, self.groups)  # the same every step
         self.largest_whole = max((p.numel for g in self.groups for p in g.layout.trainable
                                   if p.key in settings.whole_matrix), default=0)
@@ -194,8 +194,7 @@ class Replay:
                 if g.state != "sharded":
                     self._reshard(g)
             self.order.start_iteration()
-            self._forward_done.clear()
-            self._forward_left.clear()
+            self._forwards.start_iteration()
         self.order.record_pre_forward(unit)
         if group is not None:
             self._unshard(group)
@@ -211,11 +210,7 @@ class Replay:
         self.order.record_post_forward(unit)
         if group is None or not group.frees_after_forward:
             return
-        left = self._forward_left.get(group.index, len(group.layout.units))
-        if unit not in self._forward_done:  # as core/state.py's forward_finished counts
-            self._forward_done.add(unit)
-            left = self._forward_left[group.index] = left - 1
-        if left == 0:  # a unit run again after its group's last resharded it too
+        if self._forwards.finished(unit, group.index, len(group.layout.units)):
             self._reshard_after_forward(group)
 
     def _on_forward_end(self, _subject: int) -> None:
