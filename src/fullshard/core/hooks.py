@@ -299,35 +299,12 @@ def _check_input_devices(unit: UnitState, args: Any, kwargs: Any) -> None:
                 f"first (e.g. batch.to('{device_type}')).")
 
 
-class _InputGradsReady(torch.autograd.Function):
-    """Identity on a unit's forward inputs whose backward runs once their gradients are
-    computed, i.e. once the unit's backward no longer needs its parameters. Written in
-    the form torch.func accepts (``setup_context``, ``jvp``), so a unit runs inside
-    ``torch.func.jvp``: forward-mode passes the tangents through, as the identity does."""
-
-    @staticmethod
-    def forward(watch, *tensors):
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.watch = inputs[0]
-
-    @staticmethod
-    @torch._dynamo.disable  # Note [hooks under torch.compile]
-    def backward(ctx, *grads):
-        ctx.watch.fire()
-        return (None, *grads)
-
-    @staticmethod
-    def jvp(ctx, _watch_tangent, *tangents):
-        return tuple(t.view_as(t) for t in tangents)
-
-
 class _InputGradsReadyEager(torch.autograd.Function):
-    """``_InputGradsReady`` in the form that takes its context in forward, which torch
-    applies without binding the arguments' signature first; torch.func refuses it, so it
-    runs only outside torch.func's transforms."""
+    """Identity on a unit's forward inputs whose backward runs once their gradients are
+    computed, i.e. once the unit's backward no longer needs its parameters. It takes its
+    context in forward, which torch applies without binding the arguments' signature
+    first; torch.func refuses that form, so under its transforms ``_InputGradsReady``
+    runs instead."""
 
     @staticmethod
     def forward(ctx, watch, *tensors):
@@ -339,6 +316,24 @@ class _InputGradsReadyEager(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.watch.fire()
         return (None, *grads)
+
+
+class _InputGradsReady(_InputGradsReadyEager):
+    """The same identity in the form torch.func accepts (``setup_context``, ``jvp``), so a
+    unit runs inside ``torch.func.jvp``: forward-mode passes the tangents through, as the
+    identity does. Its backward is the eager form's."""
+
+    @staticmethod
+    def forward(watch, *tensors):
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.watch = inputs[0]
+
+    @staticmethod
+    def jvp(ctx, _watch_tangent, *tangents):
+        return tuple(t.view_as(t) for t in tangents)
 
 
 def watch_input_grads(signals: BackwardSignals, args: Any, kwargs: Any) -> Any:
