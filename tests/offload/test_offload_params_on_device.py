@@ -182,39 +182,49 @@ def test_writes_between_steps_reach_the_next_forward():
     assert all(run_distributed(_writes_between_steps_reach_the_next_forward, 2))
 
 
-def _resume(tmp):
+def _steps(model, opt, steps) -> dict:
+    """Train ``steps`` (each rank its own batches); the full weights after."""
+    for step in steps:
+        x, y = token_batch(10 * step + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _save(model, opt, tmp) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    sd_model, sd_opt = get_state_dict(model, opt)
+    dcp.save({"model": sd_model, "optim": sd_opt}, checkpoint_id=tmp)
+
+
+def _load_after_a_forward(model, opt, tmp) -> None:
+    """A first forward and backward build the kept copies; then the checkpoint is loaded."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    def batches(step):
-        return token_batch(10 * step + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+    x, y = token_batch(990 + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
+    lm_loss(model(x), y).backward()
+    opt.zero_grad(set_to_none=True)
+    sd_model, sd_opt = get_state_dict(model, opt)
+    state = {"model": sd_model, "optim": sd_opt}
+    dcp.load(state, checkpoint_id=tmp)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    def run(model, opt, steps):
-        for step in steps:
-            x, y = batches(step)
-            lm_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
+def _resume(tmp):
     model = _model(True, BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    run(model, opt, range(2))
-    sd_model, sd_opt = get_state_dict(model, opt)
-    dcp.save({"model": sd_model, "optim": sd_opt}, checkpoint_id=tmp)
-    straight = run(model, opt, range(2, 4))
+    _steps(model, opt, range(2))
+    _save(model, opt, tmp)
+    straight = _steps(model, opt, range(2, 4))
 
     resumed = _model(True, BF16)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=3e-3)
-    x, y = batches(99)  # a first forward builds the kept copies before the load
-    lm_loss(resumed(x), y).backward()
-    resumed_opt.zero_grad(set_to_none=True)
-    sd_model, sd_opt = get_state_dict(resumed, resumed_opt)
-    state = {"model": sd_model, "optim": sd_opt}
-    dcp.load(state, checkpoint_id=tmp)
-    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    after = run(resumed, resumed_opt, range(2, 4))
+    _load_after_a_forward(resumed, resumed_opt, tmp)
+    after = _steps(resumed, resumed_opt, range(2, 4))
     assert_same_bits((straight,), (after,))
     return True
 
@@ -225,42 +235,20 @@ def test_a_resume_trains_on_exactly(tmp_path):
 
 
 def _saved_after_two_steps(tmp):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model = _model(True, BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(2):
-        x, y = token_batch(10 * step + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
-        lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    sd_model, sd_opt = get_state_dict(model, opt)
-    dcp.save({"model": sd_model, "optim": sd_opt}, checkpoint_id=tmp)
+    _steps(model, opt, range(2))
+    _save(model, opt, tmp)
     return True
 
 
 def _loaded_and_trained_on(tmp, on_device):
     """The checkpoint loaded into a model whose kept copies a first forward already built
     (at this world size, another than the one that saved), then two steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model = _model(on_device, BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x, y = token_batch(99, 4, CFG.vocab_size, CFG.seq_len)
-    lm_loss(model(x), y).backward()
-    opt.zero_grad(set_to_none=True)
-    sd_model, sd_opt = get_state_dict(model, opt)
-    state = {"model": sd_model, "optim": sd_opt}
-    dcp.load(state, checkpoint_id=tmp)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for step in range(2, 4):
-        x, y = token_batch(10 * step + dist.get_rank(), 4, CFG.vocab_size, CFG.seq_len)
-        lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    _load_after_a_forward(model, opt, tmp)
+    return _steps(model, opt, range(2, 4))
 
 
 @pytest.mark.slow
