@@ -14,6 +14,9 @@ a run, or counts the collectives it issues.
                                     each worker writes DIR/rank<R>.json at exit: its node
                                     (GROUP_RANK) and how many times it called each
                                     torch.distributed collective on each group of ranks
+    FULLSHARD_TEST_PROBE_EXIT=DIR   each worker writes DIR/rank<R>.atexit from an atexit
+                                    handler, and DIR/rank<R>.finalized if the interpreter
+                                    finalizes (an object's __del__ as modules are cleared)
     FULLSHARD_TEST_STACKS_ON_SIGNAL=1
                                     every process (launchers too) prints the Python stack
                                     of each of its threads to stderr on SIGUSR1: what a
@@ -38,6 +41,7 @@ KILL_RANK = "FULLSHARD_TEST_KILL_RANK"
 POISON_AT_STEP = "FULLSHARD_TEST_POISON_AT_STEP"
 COUNT_COLLECTIVES = "FULLSHARD_TEST_COUNT_COLLECTIVES"
 STACKS_ON_SIGNAL = "FULLSHARD_TEST_STACKS_ON_SIGNAL"
+PROBE_EXIT = "FULLSHARD_TEST_PROBE_EXIT"
 # The collectives fullshard and the trainer call as torch.distributed.NAME.
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast",
@@ -170,6 +174,42 @@ def _count_collectives(folder: str) -> None:
     atexit.register(write)
 
 
+class _SaysWhenFinalized:
+    """Kept in this module's namespace until the interpreter clears it while finalizing;
+    its ``__del__`` then writes a file (through a descriptor and ``os.write`` bound now:
+    modules may be half gone by then)."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._write, self._close = os.write, os.close
+        self._write_on_delete = False
+
+    def arm(self) -> None:
+        self._write_on_delete = True
+
+    def __del__(self):
+        if self._write_on_delete:
+            self._write(self._fd, b"finalized")
+        self._close(self._fd)
+
+
+def _probe_exit(folder: str) -> None:
+    """Note [a worker's process ends without the interpreter's finalization]: write what
+    the worker's end went through."""
+    import atexit
+
+    global _FINALIZED
+    rank = os.environ["RANK"]
+    _FINALIZED = _SaysWhenFinalized(os.path.join(folder, f"rank{rank}.finalized"))
+
+    def said_at_exit() -> None:
+        with open(os.path.join(folder, f"rank{rank}.atexit"), "w") as f:
+            f.write("atexit")
+        _FINALIZED.arm()  # from here on, only finalization writes the other file
+
+    atexit.register(said_at_exit)
+
+
 def install() -> None:
     if STACKS_ON_SIGNAL in os.environ:
         import faulthandler
@@ -184,6 +224,8 @@ def install() -> None:
         _poison_at_step()
     if COUNT_COLLECTIVES in os.environ:
         _count_collectives(os.environ[COUNT_COLLECTIVES])
+    if PROBE_EXIT in os.environ:
+        _probe_exit(os.environ[PROBE_EXIT])
 
 
 if __name__ == "sitecustomize":

@@ -17,6 +17,7 @@ import importlib
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from . import ckpt
 from .parsing import OneLineParser
@@ -42,6 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"see `fullshard {name} --help`")
     ckpt.add_parser(commands)
     return parser
+
+
+def entry() -> NoReturn:
+    """The ``fullshard`` program: ``main``, then the process's end (a worker of a job ends
+    as Note [a worker's process ends without the interpreter's finalization] says)."""
+    code = main()
+    # Only a command that joined a job imported the launcher; others never import torch here.
+    launcher = sys.modules.get("fullshard.train.launch.launcher")
+    if launcher is not None and launcher.joined_as_worker():
+        launcher.end_worker_process(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,6 @@
 """``python -m fullshard.cli ARGS``: the same as ``fullshard ARGS``."""
 
-import sys
-
-from . import main
+from . import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -35,14 +35,17 @@ its workers keep across restarts; workers of another launcher use TORCHELASTIC_R
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -314,6 +317,8 @@ def process_group_backend(device_type: str, offload: bool) -> str:
 def start_worker(offload: bool = False) -> Worker:
     """Join the process group: NCCL and one GPU per local rank on CUDA (and gloo for host
     tensors with ``offload``: ``process_group_backend``), gloo on CPU."""
+    global _JOINED
+    _JOINED = True
     local_rank, local_world = local_place(os.environ)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -331,6 +336,44 @@ def stop_worker() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# Note [a worker's process ends without the interpreter's finalization]
+# A worker's process groups outlive destroy_process_group(): torch's device meshes keep the
+# default group alive (runs of torch's own fully_shard too), so gloo's worker threads are
+# still there when the interpreter finalizes. A thread that then lets go of the last
+# reference to a Python tensor must take the GIL, is ended on the spot inside a C++
+# destructor, and the process aborts ("terminate called without an active exception",
+# SIGABRT) after a run that finished: its launcher reports the rank as failed, and the
+# other nodes wait in torch elastic's exit barrier for a node that is gone. Note
+# [collectives settle before exit] (core/comm.py) makes that rare for any program; it
+# still happened at the end of a 2 x 2 run on a loaded machine. A process that joined as a
+# worker of ``fullshard train`` makes it impossible: once its command returns, it does
+# what Python's own exit does while the interpreter is whole (waits for its other
+# non-daemon threads, runs the atexit handlers, flushes its streams) and then ends with
+# os._exit, which finalizes nothing. Its files were closed by the code that wrote them;
+# the operating system closes its sockets. Only the program's entry (``fullshard.cli.entry``)
+# ends this way: ``main()`` called in a process that goes on returns as before.
+_JOINED = False  # whether this process joined a job's process group (start_worker)
+
+
+def joined_as_worker() -> bool:
+    """Whether this process joined a job's process group through ``start_worker``."""
+    return _JOINED
+
+
+def end_worker_process(code: int) -> NoReturn:
+    """Note [a worker's process ends without the interpreter's finalization]."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to say on it
+            pass
+    os._exit(code)
 
 
 class StopRequest:
