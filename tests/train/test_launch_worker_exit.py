@@ -25,21 +25,25 @@ def test_a_worker_runs_its_exit_handlers_and_is_never_finalized(tmp_path):
     assert checkpoints(out) == ("step_000002", ["step_000002"])
 
 
-def test_the_end_waits_for_other_threads_runs_atexit_and_keeps_the_exit_code(tmp_path):
-    done, said = tmp_path / "thread", tmp_path / "atexit"
+def test_the_end_waits_for_threads_and_executors_runs_atexit_and_keeps_the_exit_code(tmp_path):
+    done, pooled, said = tmp_path / "thread", tmp_path / "pooled", tmp_path / "atexit"
     program = textwrap.dedent(f"""
         import atexit, threading, time
+        from concurrent.futures import ThreadPoolExecutor
         from fullshard.train.launch import launcher
-        def slow():
+        def slow(path):
             time.sleep(0.5)
-            open({str(done)!r}, "w").write("done")
-        threading.Thread(target=slow).start()
+            open(path, "w").write("done")
+        threading.Thread(target=slow, args=({str(done)!r},)).start()
+        never_shut_down = ThreadPoolExecutor(max_workers=1)  # its thread waits for work
+        never_shut_down.submit(slow, {str(pooled)!r})
         atexit.register(lambda: open({str(said)!r}, "w").write("said"))
         print("unflushed", end="")
         launcher.end_worker_process(5)
         """)
     ended = subprocess.run([sys.executable, "-c", program], env=ENV, capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=60)
     assert ended.returncode == 5, ended.stderr[-3000:]
     assert ended.stdout == "unflushed"
-    assert done.read_text() == "done" and said.read_text() == "said"
+    assert done.read_text() == pooled.read_text() == "done"
+    assert said.read_text() == "said"

@@ -350,7 +350,7 @@ def stop_worker() -> None:
 # still happened at the end of a 2 x 2 run on a loaded machine. A process that joined as a
 # worker of ``fullshard train`` makes it impossible: once its command returns, it does
 # what Python's own exit does while the interpreter is whole (waits for its other
-# non-daemon threads, runs the atexit handlers, flushes its streams) and then ends with
+# non-daemon threads and executors, runs the atexit handlers, flushes its streams) and then ends with
 # os._exit, which finalizes nothing. Its files were closed by the code that wrote them;
 # the operating system closes its sockets. Only the program's entry (``fullshard.cli.entry``)
 # ends this way: ``main()`` called in a process that goes on returns as before.
@@ -364,9 +364,10 @@ def joined_as_worker() -> bool:
 
 def end_worker_process(code: int) -> NoReturn:
     """Note [a worker's process ends without the interpreter's finalization]."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter itself calls first at exit: it tells idle executors' threads to
+    # end (a ThreadPoolExecutor never shut down, as the background checkpoint writer's),
+    # then joins every non-daemon thread. Joining them alone would wait forever on those.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
