@@ -144,7 +144,7 @@ from .features.grad_dtype import follow as follow_grad_dtypes
 from .param import ShardedParam
 from .features.pending_shard import PendingShard
 from .features.post_forward import PostForwardShard
-from .schedule import BackwardSignals, GatherPlan, gather_plan
+from .schedule import BackwardSignals, GatherPlan, copies_shard_in, gather_plan
 from .features.subclass_params import SubclassGather
 
 if TYPE_CHECKING:
@@ -443,7 +443,9 @@ class ParamGroup:
                 out, pooled = staging.take(self.pool, self.pg, numel, dtype, device)
             else:
                 out, pooled = self.pool.take(numel, dtype, device), True
-            if plan.cast or send is None:  # the one copy-in (Note [in-place all-gather])
+            # the one copy-in (Note [in-place all-gather]); a batch that reads no pending
+            # copy has no shard of its own to send
+            if copies_shard_in(plan, batched=send is None):
                 send = self._own_chunk(out)
                 self._copy_source_into(send)
             if comm is None and self.quantize_weights:  # Note [quantized communication]

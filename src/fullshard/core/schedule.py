@@ -13,7 +13,8 @@ made in one place in core, on plain values, and both call it:
 * which units are gathered together: ``plan_runs`` with ``joins_bucket`` (core/buckets.py);
 * when a group's backward is done: ``backward_is_done`` (the runtime counts its signals
   in ``BackwardSignals``);
-* what an unshard allocates: ``gather_plan``; what a gradient reduction allocates:
+* what an unshard allocates: ``gather_plan``, and whether it copies the shard in first:
+  ``copies_shard_in``; what a gradient reduction allocates:
   ``reduce_plan`` and ``reduce_numel`` (gloo's receive buffer:
   ``comm.receives_into_scratch``);
 * which buffers are pooled and kept, and which groups keep persistent sharded
@@ -306,6 +307,20 @@ def gather_plan(*, shard_size: int, shard_dtype: torch.dtype, shard_device: torc
         return GatherPlan(cast=False, gathered=False, unsharded=not aliased)
     cast = (compute_dtype, compute_device) != (shard_dtype, shard_device)
     return GatherPlan(cast=cast, gathered=True, unsharded=True)
+
+
+def copies_shard_in(plan: GatherPlan, batched: bool) -> bool:
+    """Whether an unshard under ``plan`` copies the shard into a buffer before it computes
+    (what a copy kept on the device serves, Note [parameters kept on the device]): at one
+    rank, into the parameters' own buffer unless they are views of the shard; otherwise a
+    cast or move into this rank's chunk of the gathered buffer, or a ``batched`` group's
+    members' shards copied into theirs (a batch has no flat shard of its own to send:
+    Note [in-place all-gather]). The runtime's all-gathers (core/group.py; at one rank it
+    asks the buffer it built, which this plan built) and the estimate's copy kept on the
+    device (memory/run_settings.py) both ask here."""
+    if not plan.gathered:
+        return plan.unsharded
+    return plan.cast or batched
 
 
 class ReducePlan(NamedTuple):

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.schedule import frees_after_forward, gather_plan, shard_device_for
+from ..core.schedule import (copies_shard_in, frees_after_forward, gather_plan,
+                             shard_device_for)
 from .pinned import pinned_block_bytes
 from .units import GroupLayout
 
@@ -65,9 +66,7 @@ class RunSettings:
                            shard_device=self.shard_device_of(layout),
                            compute_dtype=self.compute_dtype, compute_device=self.device,
                            post_forward=layout.after_forward.post_forward_size is not None)
-        batch = len(layout.units) > 1
-        copies_in = plan.cast or (plan.gathered and batch) or (
-            not plan.gathered and plan.unsharded)
+        copies_in = copies_shard_in(plan, batched=len(layout.units) > 1)
         return layout.shard_numel * self.compute_dtype.itemsize if copies_in else 0
 
     def host_buffer_bytes(self, nbytes: int) -> int:
