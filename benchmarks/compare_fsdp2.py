@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -94,6 +95,9 @@ def build(impl: str, base: GPT, reshard_after_forward: bool,
     return model
 
 
+PAGE_FAULTS = "minor page faults (a count)"
+
+
 class PhaseTimer:
     """Wall time per phase of a step, plus time spent inside ``Work.wait()``."""
 
@@ -112,6 +116,7 @@ class PhaseTimer:
 
     def step(self, model, opt, x, y) -> tuple[torch.Tensor, dict[str, float]]:
         self.wait_s = 0.0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = lm_loss(model(x), y)
         t1 = time.perf_counter()
@@ -121,7 +126,10 @@ class PhaseTimer:
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         phases = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2,
-                  "in Work.wait": self.wait_s}
+                  "in Work.wait": self.wait_s,
+                  # fresh pages the step touched (the allocator handing back freed blocks and
+                  # mapping them again): a cost of the CPU that no timer above names
+                  PAGE_FAULTS: resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
         return loss.detach(), phases
 
 
@@ -181,7 +189,8 @@ def report(wl: Workload, world: int, raf: bool, res: dict, bf16: bool = False) -
               "|---|" + "---:|" * len(res["phases_s"])]
     for phase in next(iter(res["phases_s"].values())):
         lines.append(f"| {phase} | " + " | ".join(
-            f"{p[phase] * 1e3:.1f}" for p in res["phases_s"].values()) + " |")
+            f"{p[phase]:.0f}" if phase == PAGE_FAULTS else f"{p[phase] * 1e3:.1f}"
+            for p in res["phases_s"].values()) + " |")
     if "fullshard-unguarded" in med and "fullshard" in med:
         lines.append(f"\ndivergence guard: fullshard / fullshard-unguarded = "
                      f"{med['fullshard'] / med['fullshard-unguarded']:.4f}")
