@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fullshard import checkpoint
 from fullshard.gpt import lm_loss
@@ -260,7 +261,7 @@ def test_hybrid_shard_under_slurm_shards_in_a_node_and_replicates_across(
 
     whole = _collectives_of_full_shard(full_shard[1])
     for rank in range(4):
-        gathers = calls(rank, "all_gather_single", "in the node")
+        gathers = calls(rank, FLAT_GATHER, "in the node")
         # gloo's reduce-scatter is an all_to_all (Note [reduce-scatter on gloo]).
         scatters = calls(rank, "all_to_all_single", "in the node")
         replicas = calls(rank, "all_reduce", "across the nodes")
@@ -268,8 +269,7 @@ def test_hybrid_shard_under_slurm_shards_in_a_node_and_replicates_across(
         # Each reduce-scattered gradient is then all-reduced with the other node's replica.
         assert replicas == scatters
         # The gathers and reduce-scatters of full_shard, moved into the node.
-        assert gathers + calls(rank, "all_gather_single", "everyone") == \
-            whole[rank]["all_gather_single"]
+        assert gathers + calls(rank, FLAT_GATHER, "everyone") == whole[rank][FLAT_GATHER]
         assert scatters + calls(rank, "all_to_all_single", "everyone") == \
             whole[rank]["all_to_all_single"]
         # The clip's gradient norm sums the shards of one replica (after the all-reduce
@@ -297,6 +297,11 @@ def _training(counts: dict[str, int]) -> dict[str, int]:
     ending ' guard') depend on which collectives carry its digest inline, and a hybrid
     mesh's all-reduce across the nodes carries none."""
     return {key: n for key, n in counts.items() if not key.endswith(" guard")}
+
+
+# The name fullshard's flat all-gather goes by in torch.distributed (core/comm.py):
+# all_gather_single where torch has it (2.13, 2.15), all_gather_into_tensor before (2.11).
+FLAT_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def _collectives_of_full_shard(counts: dict[int, dict]) -> dict[int, dict[str, int]]:

@@ -145,7 +145,7 @@ def settle_before_exit() -> float:
 
 
 # -- collectives ------------------------------------------------------------------------------
-# torch >= 2.10 names the flat collectives *_single; older releases only have
+# torch 2.13 and 2.15 name the flat collectives *_single; older releases (2.11) only have
 # the *_into_tensor / *_tensor spellings (same semantics).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
