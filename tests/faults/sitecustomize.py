@@ -193,6 +193,9 @@ class _SaysWhenFinalized:
         self._close(self._fd)
 
 
+_FINALIZED: _SaysWhenFinalized | None = None  # the probe's object (_probe_exit)
+
+
 def _probe_exit(folder: str) -> None:
     """Note [a worker's process ends without the interpreter's finalization]: write what
     the worker's end went through."""

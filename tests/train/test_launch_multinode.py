@@ -301,7 +301,8 @@ def _training(counts: dict[str, int]) -> dict[str, int]:
 
 # The name fullshard's flat all-gather goes by in torch.distributed (core/comm.py):
 # all_gather_single where torch has it (2.13, 2.15), all_gather_into_tensor before (2.11).
-FLAT_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+FLAT_GATHER = ("all_gather_single" if hasattr(dist, "all_gather_single")
+               else "all_gather_into_tensor")
 
 
 def _collectives_of_full_shard(counts: dict[int, dict]) -> dict[int, dict[str, int]]:

@@ -350,10 +350,11 @@ def stop_worker() -> None:
 # still happened at the end of a 2 x 2 run on a loaded machine. A process that joined as a
 # worker of ``fullshard train`` makes it impossible: once its command returns, it does
 # what Python's own exit does while the interpreter is whole (waits for its other
-# non-daemon threads and executors, runs the atexit handlers, flushes its streams) and then ends with
-# os._exit, which finalizes nothing. Its files were closed by the code that wrote them;
-# the operating system closes its sockets. Only the program's entry (``fullshard.cli.entry``)
-# ends this way: ``main()`` called in a process that goes on returns as before.
+# non-daemon threads and executors, runs the atexit handlers, flushes its streams) and
+# then ends with os._exit, which finalizes nothing. Its files were closed by the code
+# that wrote them; the operating system closes its sockets. Only the program's entry
+# (``fullshard.cli.entry``) ends this way: ``main()`` called in a process that goes on
+# returns as before.
 _JOINED = False  # whether this process joined a job's process group (start_worker)
 
 
