@@ -949,12 +949,11 @@ _TESTED_ELSEWHERE = {
     "E332": "tests/conformance/test_fsdp2_compile.py::"
             "test_compiled_sharded_models_train_as_eager_ones",  # compiling: extended
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",
-    "E355": "tests/projection/test_settings.py::"
-            "test_an_unknown_attention_kernel_is_refused_by_name",
-    "E381": "tests/projection/test_settings.py::"
-            "test_an_unknown_compile_setting_is_refused_by_name",
+    **{code: "tests/projection/test_settings.py::"
+             "test_an_unknown_kernel_setting_is_refused_by_name"
+       for code in ("E355", "E381", "E388")},
     "E380": "tests/projection/test_published.py::"
-            "test_the_compile_column_is_read_and_a_wrong_value_is_refused_by_row_and_column",
+            "test_the_compile_and_kernels_columns_are_read_and_a_wrong_value_is_refused_by_row_and_column",
     "E310": "tests/projection/test_validation.py::"
             "test_a_missing_band_is_one_line_saying_how_to_make_it",
     "E234": "tests/checkpoint/test_hf_load_tied_apart.py::"

@@ -117,7 +117,11 @@ def test_project_takes_the_attention_kernel_and_a_first_generation_one_is_slower
     for kernel in ("flash2", "flash1"):
         assert main(base + ["--attention", kernel]) == 0
         steps.append(float(capsys.readouterr().out.splitlines()[-2].split()[6]))
-    assert steps[1] > 1.2 * steps[0]  # at 32k tokens attention is much of the step
+    # at 32k tokens attention is much of the step (over a third), and only it slows: the
+    # step grows by less than the whole step would at the first generation's rate
+    from fullshard.projection import FITTED
+
+    assert 1.1 * steps[0] < steps[1] < steps[0] / FITTED.flash1
 
 
 def test_project_splits_the_batch_and_reduces_in_bf16_when_asked(capsys):
@@ -263,3 +267,23 @@ def test_project_takes_compile_and_a_compiled_run_is_faster_within_the_terms_bou
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "--compile" in err and "Traceback" not in err, err
+
+
+def test_project_takes_hand_fused_kernels_priced_as_compiled_blocks_and_saved_once(capsys):
+    # Note [what compilation saves]: a run whose blocks call hand-written fused kernels
+    # (TinyLlama's flash-attn RMSNorm and rotary, xformers' SwiGLU) saves what compiling
+    # each block saves; compiled as well, it saves it once, not twice
+    base = ["project", "--model", "llama3-8b", "--gpus", "8", "--strategy", "full_shard",
+            "--batch", "2", "--seq", "8192"]
+    steps = {}
+    for extra in (["--kernels", "eager"], ["--kernels", "fused"], ["--compile", "blocks"],
+                  ["--compile", "blocks", "--kernels", "fused"]):
+        assert main(base + extra) == 0
+        steps[" ".join(extra)] = float(capsys.readouterr().out.splitlines()[-2].split()[6])
+    assert steps["--kernels fused"] == steps["--compile blocks"] \
+        == steps["--compile blocks --kernels fused"] < steps["--kernels eager"]
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(main(base + ["--kernels", "liger"]))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kernels" in err and "Traceback" not in err, err

@@ -17,7 +17,7 @@ from fullshard.projection import ProjectionError, published
 
 from support.catalogue import matches_documented
 
-# src/fullshard/projection/published_runs.csv: 239 published FSDP runs (docs/projection.md
+# src/fullshard/projection/published_runs.csv: 240 published FSDP runs (docs/projection.md
 # names the sources), half of them fitted by projection.fit, half only judging the fit.
 
 RUNS = published.load()
@@ -68,7 +68,8 @@ def test_published_shapes_have_the_published_parameter_counts():
             assert r.shape.num_params == pytest.approx(counts[r.id], rel=2e-3), r.id
 
 
-def test_the_compile_column_is_read_and_a_wrong_value_is_refused_by_row_and_column(tmp_path):
+def test_the_compile_and_kernels_columns_are_read_and_a_wrong_value_is_refused_by_row_and_column(
+        tmp_path):
     # what each run compiled, as its source says (docs/projection.md): torchtitan's blocks,
     # KempnerForge's and fms-fsdp's whole model; every other run eager
     compiled = {r.id: r.settings.compile for r in RUNS if r.settings.compile != "none"}
@@ -77,17 +78,23 @@ def test_the_compile_column_is_read_and_a_wrong_value_is_refused_by_row_and_colu
         "kf-h200-llama3-8b-fsdp2": "model", "kf-h200-llama3-8b-fsdp4": "model",
         **{f"fms-{gpu}-llama2-{size}-compiled": "model"
            for gpu in ("a100", "h100") for size in ("7b", "13b")}}
+    # hand-fused blocks: TinyLlama's (flash-attn's RMSNorm and rotary, xformers' SwiGLU)
+    assert {r.id for r in RUNS if r.settings.kernels == "fused"} == {
+        "tinyllama-1.1b-a100-40gb-g16-s2048-mb8"}
     with open(published.RUNS, newline="") as f:
         rows = list(csv.DictReader(f))
-    for bad in ("yes", "", "Blocks"):
-        rows[5]["compile"] = bad
+    for column, bad in (("compile", "yes"), ("compile", ""), ("compile", "Blocks"),
+                        ("kernels", "liger"), ("kernels", "")):
+        broken = [dict(row) for row in rows]
+        broken[5][column] = bad
         path = tmp_path / "runs.csv"
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows(broken)
         with pytest.raises(ProjectionError) as err:
             published.load(path)
         message = f"ProjectionError: {err.value}"
         assert matches_documented("E380", message) and "\n" not in message, message
-        assert rows[5]["id"] in message and "column compile" in message and repr(bad) in message
+        assert rows[5]["id"] in message and f"column {column}" in message \
+            and repr(bad) in message

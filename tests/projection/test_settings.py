@@ -19,23 +19,26 @@ def test_library_sizes_must_be_positive():
     assert matches_documented("E127", f"ProjectionError: {err.value}")
 
 
-def test_an_unknown_attention_kernel_is_refused_by_name():
+@pytest.mark.parametrize("field, bad, code, names", [
+    ("attention", "flash3", "E355", ("flash2", "flash1")),
+    ("compile", "inductor", "E381", ("none", "blocks", "model")),
+    ("kernels", "liger", "E388", ("eager", "fused")),
+])
+def test_an_unknown_kernel_setting_is_refused_by_name(field, bad, code, names):
     with pytest.raises(ProjectionError) as err:
-        Settings(attention="flash3")
+        Settings(**{field: bad})
     message = f"ProjectionError: {err.value}"
-    assert matches_documented("E355", message) and "'flash3'" in message, message
-    assert Settings(attention="flash1").attention == "flash1"
-
-
-def test_an_unknown_compile_setting_is_refused_by_name():
-    with pytest.raises(ProjectionError) as err:
-        Settings(compile="inductor")
-    message = f"ProjectionError: {err.value}"
-    assert matches_documented("E381", message) and "'inductor'" in message, message
+    assert matches_documented(code, message) and repr(bad) in message, message
     assert "\n" not in message
-    assert [Settings(compile=c).compile for c in ("none", "blocks", "model")] == [
-        "none", "blocks", "model"]
-    assert Settings().compile == "none"  # eager unless a run says otherwise
+    assert [getattr(Settings(**{field: n}), field) for n in names] == list(names)
+    # the first name is the default: flash attention 2, eager, PyTorch's own kernels
+    assert getattr(Settings(), field) == names[0]
+
+
+def test_hand_fused_kernels_fuse_the_blocks_as_compiling_them_does_and_once():
+    assert [Settings(kernels=k, compile=c).fused_blocks
+            for k, c in (("eager", "none"), ("fused", "none"), ("eager", "blocks"),
+                         ("fused", "model"))] == [False, True, True, True]
 
 
 def test_library_errors():

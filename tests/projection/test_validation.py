@@ -48,8 +48,10 @@ def test_a_constant_is_pinned_only_by_runs_whose_steps_its_term_takes_a_share_of
     assert ampere[0].settings.attention == "flash1" and shares[8] == pytest.approx(shares[2])
     assert sum(shares[:8]) < 1.01  # shares of one step
     assert fit.term_shares(llama_only[0])[8] == 0.0
-    # compilation's saving moves compiled runs only
+    # compilation's saving moves compiled and hand-fused runs only
     assert shares[9] == 0.0 and fit.term_shares(compiled[0])[9] > fit.PIN_SHARE
+    fused = [r for r in RUNS if r.settings.kernels == "fused"]
+    assert fused and fit.term_shares(fused[0])[9] > fit.PIN_SHARE
 
 
 def test_a_fit_starts_from_the_prior_and_keeps_it_where_the_runs_cannot_pin_it():

@@ -24,7 +24,7 @@ from ..projection.calibrate import (achieved_flops, calibrated_cpu, fit_link,
                                     memory_bandwidth, sweep_collectives)
 from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
-from ..projection.settings import ATTENTION_KERNELS, COMPILE
+from ..projection.settings import ATTENTION_KERNELS, COMPILE, KERNELS
 from ..projection.shapes import hf_shape_fields
 from ..projection.validation import ErrorBand, error_band
 from ..bounds import Bounds, flag_type
@@ -111,6 +111,11 @@ def _arguments(parser: argparse.ArgumentParser, *, planning: bool) -> None:
                             help="what torch.compile wraps: none (default), blocks (each "
                                  "block, torchtitan's) or model (the whole model): fused "
                                  "elementwise kernels, fewer launches")
+        parser.add_argument("--kernels", choices=KERNELS, default="eager",
+                            help="the blocks' norms, rotary embedding and activation: eager "
+                                 "(PyTorch's kernels; default) or fused (hand-written fused "
+                                 "kernels: flash-attn's, xformers', Liger's), priced as "
+                                 "--compile blocks prices them")
         parser.add_argument("--ep", type=EP, default=1, metavar="N",
                             help="expert parallelism: a mixture of experts' experts split "
                                  "over N ranks of each shard group, tokens sent to them by "
@@ -287,7 +292,7 @@ def project_main(argv: list[str]) -> int:
                     strategy, args.batch // args.grad_accum, args.seq, args.grad_accum,
                     args.ac, width, reduce, checkpoint_every=args.ac_every,
                     fused_loss=args.fused_loss, ep=args.ep, attention=args.attention,
-                    compile=args.compile)))
+                    compile=args.compile, kernels=args.kernels)))
         band = error_band()
     except (ProjectionError, ConfigError) as err:
         print(f"fullshard project: {err}", file=sys.stderr)

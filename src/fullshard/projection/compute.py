@@ -111,6 +111,14 @@ fms-fsdp 19-28%; those figures fold in how much of each step is elementwise, whi
 model prices by itself, and they are runs the constant is fitted to, so not its prior.) Fitted where three or more compiled runs are
 fitted (Note [the prior]); its memory effect (compiled runs hold fewer activations) is not
 modelled.
+
+Hand-written fused kernels do in an eager run what Inductor does in a compiled one: a run
+whose blocks call flash-attn's fused RMSNorm and rotary embedding and xformers' (or Liger's)
+SwiGLU (``Settings.kernels``: "fused"; TinyLlama's lit-gpt code, docs/projection.md) reads
+and writes each tensor once per chain, the count the prior above makes, and launches one
+kernel where eager PyTorch launches several. So its blocks are priced as compiled blocks,
+with the same constant (a run both compiled and hand-fused saves it once); the head and
+embedding stay eager unless the whole model is compiled.
 """
 
 from __future__ import annotations
@@ -212,8 +220,9 @@ def _block_gemms(shape: ModelShape, tokens: int) -> list[tuple[float, int, int]]
 
 
 def eager_share(c: KernelConstants, compiled: bool) -> float:
-    """What is left of the eager elementwise time and launches: all of it, or what
-    torch.compile's fusion does not save (Note [what compilation saves])."""
+    """What is left of the eager elementwise time and launches: all of it, or what fusion
+    (torch.compile's or hand-written kernels') does not save (Note [what compilation
+    saves])."""
     return 1.0 - c.compile_saving if compiled else 1.0
 
 
@@ -221,8 +230,9 @@ def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
                   c: KernelConstants, kernel: str = "flash2",
                   compiled: bool = False) -> tuple[PassSeconds, float, float]:
     """(forward/backward of one block, the recomputation of a fully checkpointed block,
-    that of torchtitan's selective op policy), attention run by ``kernel``, the block
-    compiled or eager."""
+    that of torchtitan's selective op policy), attention run by ``kernel``, the block's
+    elementwise chains fused (``compiled``: by torch.compile or hand-written kernels) or
+    eager."""
     gemms = _block_gemms(shape, tokens)
     mm_fwd = sum(rates.gemm(m, k, n) for m, k, n in gemms)
     mm_bwd = sum(rates.gemm_backward(m, k, n) for m, k, n in gemms)
@@ -274,10 +284,10 @@ PRIOR = KernelConstants(matmul={"ampere": 0.80, "hopper": 0.70},
 # Fitted by ``projection.fit.fit_constants`` on the fit half of published_runs.csv
 # (docs/projection.md); tests/projection/test_fit.py checks that no constant moved alone lowers
 # the fit half's error, i.e. that these are the fit's minimum.
-FITTED = KernelConstants(matmul={"ampere": 0.7783, "hopper": 0.6452},
-                         attention={"ampere": 0.4292, "hopper": 0.2557},
-                         elementwise={"gpt": 4.557, "llama": 24.49}, loss_bytes=34.53,
-                         unit_overhead=0.5e-3, flash1=0.7252, compile_saving=0.5631)
+FITTED = KernelConstants(matmul={"ampere": 0.7818, "hopper": 0.6513},
+                         attention={"ampere": 0.4083, "hopper": 0.2437},
+                         elementwise={"gpt": 4.852, "llama": 24.19}, loss_bytes=31.77,
+                         unit_overhead=0.5e-3, flash1=0.7607, compile_saving=0.6614)
 
 
 def rates_for(peak: float, bandwidth: float, arch: str, c: KernelConstants = FITTED) -> Rates:

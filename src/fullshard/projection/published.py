@@ -5,7 +5,8 @@ Each row is one run as its source reports it: the model's shape, the GPUs (varia
 network), the strategy, micro-batch, accumulation, sequence length, activation
 checkpointing, the attention kernel's generation (``flash1``: FlashAttention 1 or its Triton
 port; ``flash2``: FlashAttention-2, SDPA), what torch.compile wrapped (``compile``: ``none``,
-``blocks`` or ``model``), reduction dtype, and the tokens/s per GPU measured. ``split`` says whether
+``blocks`` or ``model``), the blocks' elementwise kernels (``kernels``: PyTorch's ``eager``
+ones or hand-written ``fused`` ones), reduction dtype, and the tokens/s per GPU measured. ``split`` says whether
 the row fits the compute model's constants or only judges them; the rule, applied before
 any fitting: within each (team, GPU) group, rows ordered by the SHA-256 of their ``id``
 alternate fit, held-out, fit, ... (``split_of``).
@@ -22,7 +23,7 @@ from pathlib import Path
 from .compute import FITTED, KernelConstants
 from .hardware import Cluster, Link, ProjectionError, device_named
 from .project import Projection, project
-from .settings import COMPILE, Settings
+from .settings import COMPILE, KERNELS, Settings
 from .shapes import ModelShape
 
 RUNS = Path(__file__).with_name("published_runs.csv")
@@ -49,15 +50,13 @@ class PublishedRun:
             / self.tokens_per_second - 1
 
 
-def _compile(row: dict) -> str:
-    """The ``compile`` column: what torch.compile wrapped in the run (``settings.COMPILE``),
-    refused by row and column when it is anything else (a typo would silently project a
-    compiled run as an eager one)."""
-    value = (row.get("compile") or "").strip()
-    if value not in COMPILE:
-        raise ProjectionError(f"published run {row['id']}: column compile must be one of "
-                              f"{', '.join(COMPILE)} (what torch.compile wrapped), got "
-                              f"{value!r}; correct that row")
+def _choice(row: dict, column: str, values: tuple[str, ...], what: str) -> str:
+    """``row``'s ``column``, refused by row and column when it is not one of ``values``
+    (a typo would silently project, say, a compiled run as an eager one)."""
+    value = (row.get(column) or "").strip()
+    if value not in values:
+        raise ProjectionError(f"published run {row['id']}: column {column} must be one of "
+                              f"{', '.join(values)} ({what}), got {value!r}; correct that row")
     return value
 
 
@@ -71,7 +70,8 @@ def _settings(row: dict) -> Settings:
                     reduce_bytes=2 if row["reduce_dtype"] == "bf16" else 4,
                     checkpoint_every=every, sync_micro_batches=True,
                     fused_loss=row["loss"] == "fused", attention=row["attention"],
-                    compile=_compile(row))
+                    compile=_choice(row, "compile", COMPILE, "what torch.compile wrapped"),
+                    kernels=_choice(row, "kernels", KERNELS, "the blocks' elementwise kernels"))
 
 
 def _run(row: dict) -> PublishedRun:

@@ -1,5 +1,5 @@
 """``Settings``: what a projected run does per rank (strategy, batch, checkpointing, dtypes,
-quantized communication, attention kernel, compilation)."""
+quantized communication, attention kernel, compilation, fused kernels)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ QUANTIZE = ("none", "weights", "grads", "weights,grads")
 ATTENTION_KERNELS = ("flash2", "flash1")  # flash attention's generation (compute.py)
 # what torch.compile wraps: nothing, each block (torchtitan), the whole model (compute.py)
 COMPILE = ("none", "blocks", "model")
+# the blocks' elementwise kernels: PyTorch's eager ones, or hand-written fused ones (compute.py)
+KERNELS = ("eager", "fused")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class Settings:
     # its fused kernels move fewer bytes and launch fewer times (Note [what compilation
     # saves], compute.py)
     compile: str = "none"
+    # "fused": the blocks' norms, rotary embedding and activation run as hand-written fused
+    # kernels (flash-attn's RMSNorm and rotary, xformers' or Liger's SwiGLU), which fuse what
+    # torch.compile fuses (Note [what compilation saves], compute.py)
+    kernels: str = "eager"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -61,6 +67,9 @@ class Settings:
         if self.compile not in COMPILE:
             raise ProjectionError(f"compile must be one of {', '.join(COMPILE)} (what "
                                   f"torch.compile wraps), got {self.compile!r}")
+        if self.kernels not in KERNELS:
+            raise ProjectionError(f"kernels must be one of {', '.join(KERNELS)} (the blocks' "
+                                  f"elementwise kernels), got {self.kernels!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ProjectionError(f"activation checkpointing must be one of "
                                   f"{', '.join(CHECKPOINTING)}, got {self.checkpointing!r}")
@@ -68,6 +77,11 @@ class Settings:
                      "checkpoint_every", "ep"):
             if getattr(self, name) < 1:
                 raise ProjectionError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def fused_blocks(self) -> bool:
+        """Whether the blocks' elementwise chains run fused: compiled, or hand-fused."""
+        return self.compile != "none" or self.kernels == "fused"
 
     def checkpointed(self, block: int) -> bool:
         """Whether whole-block checkpointing drops block ``block``'s activations."""
