@@ -79,7 +79,7 @@ def test_compilation_saves_its_share_of_a_blocks_elementwise_time_and_launches()
     shape, dev = SHAPES["llama3-8b"], DEVICES["h100"]
     rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch)
     eager, full_eager, sel_eager = block_seconds(shape, 16384, 8192, rates, FITTED)
-    compiled, full, sel = block_seconds(shape, 16384, 8192, rates, FITTED, compiled=True)
+    compiled, full, sel = block_seconds(shape, 16384, 8192, rates, FITTED, fused=True)
     # the same block with no elementwise work and no launches: what compilation cannot touch
     bare = replace(FITTED, elementwise={k: 0.0 for k in FITTED.elementwise})
     kernels, _, _ = block_seconds(shape, 16384, 8192,

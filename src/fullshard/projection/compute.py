@@ -108,9 +108,9 @@ RMSNorm (2d), rotary embedding on q and k (4d), the residual add with the second
 54d + 5f, with f = 3.5d 23.5d against 71.5d, so two thirds saved: 0.67. (The sources
 that publish a run both ways report whole steps 16-28% faster compiled, torchtitan 16% and
 fms-fsdp 19-28%; those figures fold in how much of each step is elementwise, which this
-model prices by itself, and they are runs the constant is fitted to, so not its prior.) Fitted where three or more compiled runs are
-fitted (Note [the prior]); its memory effect (compiled runs hold fewer activations) is not
-modelled.
+model prices by itself, and they are runs the constant is fitted to, so not its prior.)
+Fitted where three or more compiled or hand-fused runs are fitted (Note [the prior]); its
+memory effect (compiled runs hold fewer activations) is not modelled.
 
 Hand-written fused kernels do in an eager run what Inductor does in a compiled one: a run
 whose blocks call flash-attn's fused RMSNorm and rotary embedding and xformers' (or Liger's)
@@ -219,26 +219,25 @@ def _block_gemms(shape: ModelShape, tokens: int) -> list[tuple[float, int, int]]
         (share, k, n) for _ in range(shape.n_experts) for k, n in mlp]
 
 
-def eager_share(c: KernelConstants, compiled: bool) -> float:
+def eager_share(c: KernelConstants, fused: bool) -> float:
     """What is left of the eager elementwise time and launches: all of it, or what fusion
     (torch.compile's or hand-written kernels') does not save (Note [what compilation
     saves])."""
-    return 1.0 - c.compile_saving if compiled else 1.0
+    return 1.0 - c.compile_saving if fused else 1.0
 
 
 def block_seconds(shape: ModelShape, tokens: int, seq: int, rates: Rates,
                   c: KernelConstants, kernel: str = "flash2",
-                  compiled: bool = False) -> tuple[PassSeconds, float, float]:
+                  fused: bool = False) -> tuple[PassSeconds, float, float]:
     """(forward/backward of one block, the recomputation of a fully checkpointed block,
     that of torchtitan's selective op policy), attention run by ``kernel``, the block's
-    elementwise chains fused (``compiled``: by torch.compile or hand-written kernels) or
-    eager."""
+    elementwise chains ``fused`` (by torch.compile or hand-written kernels) or eager."""
     gemms = _block_gemms(shape, tokens)
     mm_fwd = sum(rates.gemm(m, k, n) for m, k, n in gemms)
     mm_bwd = sum(rates.gemm_backward(m, k, n) for m, k, n in gemms)
     attn_fwd = rates.attention_seconds(2 * tokens * seq * shape.q_width) \
         / (c.flash1 if kernel == "flash1" else 1.0)
-    kind, left = block_kind(shape), eager_share(c, compiled)
+    kind, left = block_kind(shape), eager_share(c, fused)
     elem_fwd = tokens * BF16 * c.elementwise[kind] * left \
         * (shape.d_model + shape.mlps_per_token * shape.mlp_width) \
         / rates.bandwidth

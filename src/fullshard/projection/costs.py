@@ -94,7 +94,7 @@ def compute_seconds(shape: ModelShape, cluster: Cluster, s: Settings,
     rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch, constants)
     tokens = s.batch * s.seq
     block, full, selective = block_seconds(shape, tokens, s.seq, rates, constants, s.attention,
-                                           compiled=s.fused_blocks)
+                                           fused=s.fused_blocks)
     blocks = []
     for i in range(shape.n_layers):
         again = full if s.checkpointed(i) else (

@@ -6,10 +6,10 @@ network), the strategy, micro-batch, accumulation, sequence length, activation
 checkpointing, the attention kernel's generation (``flash1``: FlashAttention 1 or its Triton
 port; ``flash2``: FlashAttention-2, SDPA), what torch.compile wrapped (``compile``: ``none``,
 ``blocks`` or ``model``), the blocks' elementwise kernels (``kernels``: PyTorch's ``eager``
-ones or hand-written ``fused`` ones), reduction dtype, and the tokens/s per GPU measured. ``split`` says whether
-the row fits the compute model's constants or only judges them; the rule, applied before
-any fitting: within each (team, GPU) group, rows ordered by the SHA-256 of their ``id``
-alternate fit, held-out, fit, ... (``split_of``).
+ones or hand-written ``fused`` ones), reduction dtype, and the tokens/s per GPU measured.
+``split`` says whether the row fits the compute model's constants or only judges them; the
+rule, applied before any fitting: within each (team, GPU) group, rows ordered by the
+SHA-256 of their ``id`` alternate fit, held-out, fit, ... (``split_of``).
 """
 
 from __future__ import annotations
