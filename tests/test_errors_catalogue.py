@@ -952,6 +952,9 @@ _TESTED_ELSEWHERE = {
     **{code: "tests/projection/test_settings.py::"
              "test_an_unknown_kernel_setting_is_refused_by_name"
        for code in ("E355", "E381", "E388")},
+    **{code: "tests/projection/test_calibrate.py::"
+             "test_what_one_gpu_cannot_calibrate_is_refused_in_one_line"
+       for code in ("E389", "E390", "E391")},
     "E380": "tests/projection/test_published.py::"
             "test_the_compile_and_kernels_columns_are_read_and_a_wrong_value_is_refused_by_row_and_column",
     "E310": "tests/projection/test_validation.py::"

@@ -6,6 +6,7 @@ exposed communication and memory per rank at cluster scale (fullshard.projection
     fullshard project --model path/to/config.json --gpu a100-40gb --batch 8 --grad-accum 4
     fullshard project --layers 32 --dim 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256
     fullshard project --calibrate --preset shakespeare --gpus 1,2,4   # this machine (CPU)
+    fullshard project --calibrate --gpu h100 --model llama3-8b --gpus 8,64   # on an H100
     fullshard plan --gpus 64 --gpu h100 --gpus-per-node 8 --model llama3-8b --batch 4 --seq 4096
 """
 
@@ -20,8 +21,8 @@ from dataclasses import replace
 from ..projection import (SHAPES, Cluster, Device, ModelShape, ProjectionError, Settings,
                           device_named, project, rank_configurations, shape_named, shape_of,
                           train_flags)
-from ..projection.calibrate import (achieved_flops, calibrated_cpu, fit_link,
-                                    memory_bandwidth, sweep_collectives)
+from ..projection.calibrate import (achieved_flops, calibrate_device, calibrated_cpu,
+                                    fit_link, memory_bandwidth, sweep_collectives)
 from ..projection.hardware import DEVICES, Link
 from ..projection.project import CHECKPOINTING, STRATEGIES
 from ..projection.settings import ATTENTION_KERNELS, COMPILE, KERNELS
@@ -249,13 +250,40 @@ def _calibrate(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, De
     return devices, shape_of(cfg.gpt, args.preset)
 
 
+def _calibration_gpu():
+    """The GPU ``--calibrate`` times a block on, or None on a machine without one."""
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def _calibrate_gpu(args: argparse.Namespace, gpu) -> tuple[Device, ModelShape]:
+    """``--gpu``'s datasheet device with the efficiency ``--model`` reaches on this GPU at
+    the micro-batch and sequence asked for (Note [calibrating on one GPU])."""
+    shape, _ = _shape(args)
+    args.seq = _sequence(args.seq, shape)
+    micro = args.batch // args.grad_accum
+    device, measured = calibrate_device(_device(args), shape, micro, args.seq, gpu)
+    import torch
+
+    name = torch.cuda.get_device_name(gpu) if gpu.type == "cuda" else str(gpu)
+    print(f"calibrated on this GPU ({name}): one block of {shape.name} at {micro} x "
+          f"{args.seq}, forward and backward, {measured['block'] * 1e3:,.2f} ms, the "
+          f"embedding, head and loss {measured['rest'] * 1e3:,.2f} ms: "
+          f"{measured['flops'] / 1e12:,.1f} TFLOP/s, {device.efficiency:.1%} of "
+          f"{device.name}'s peak")
+    return device, shape
+
+
 def project_main(argv: list[str]) -> int:
     parser = OneLineParser(prog="fullshard project", description="Step time, "
                                      "tokens/s per GPU, MFU, exposed communication and memory "
                                      "per rank at cluster scale (docs/projection.md).")
     _arguments(parser, planning=False)
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine (CPU, gloo) and project it; with --preset")
+                        help="on a GPU: time --model's blocks on it and project with the "
+                             "efficiency they reach (--gpu names it); on a CPU: measure this "
+                             "machine (gloo) and project it, with --preset")
     parser.add_argument("--preset", default="shakespeare",
                         help="with --calibrate: the fullshard train preset to time")
     args = parser.parse_args(argv)
@@ -269,18 +297,23 @@ def project_main(argv: list[str]) -> int:
             raise ProjectionError(f"--batch {args.batch} does not split into --grad-accum "
                                   f"{args.grad_accum} micro-batches: give a multiple of "
                                   f"{args.grad_accum}")
-        if args.calibrate:
+        gpu = _calibration_gpu() if args.calibrate else None
+        cpu_calibrated = args.calibrate and gpu is None
+        if cpu_calibrated:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             devices, shape = _calibrate(args, sizes)
             clusters = [Cluster(devices[ws], ws, ws) for ws in sizes]  # one machine
+        elif gpu is not None:
+            device, shape = _calibrate_gpu(args, gpu)
+            clusters = [Cluster(device, ws, min(args.nodes_of, ws)) for ws in sizes]
         else:
             device, (shape, _) = _device(args), _shape(args)
             args.seq = _sequence(args.seq, shape)
             clusters = [Cluster(device, ws, min(args.nodes_of, ws)) for ws in sizes]
         strategies = [args.strategy] if args.strategy else list(STRATEGIES)
         # a calibrated CPU trains in fp32: gathers and reductions of 4-byte values
-        width = 4 if args.calibrate else 2
-        reduce = 2 if args.reduce_dtype == "bf16" and not args.calibrate else 4
+        width = 4 if cpu_calibrated else 2
+        reduce = 2 if args.reduce_dtype == "bf16" and not cpu_calibrated else 4
         rows = []
         for cluster in clusters:
             for strategy in strategies:
@@ -308,7 +341,8 @@ def project_main(argv: list[str]) -> int:
     print(_table(rows, band))
     print(_band_note(band) + (
         "; measured on GPUs: this machine's own check is benchmarks/projection_cpu.py"
-        if args.calibrate else ""))
+        if cpu_calibrated else "; the fitted model's: here the compute was timed on this "
+        "GPU" if args.calibrate else ""))
     return 0
 
 

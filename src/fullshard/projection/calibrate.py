@@ -3,6 +3,21 @@ memory bandwidth the optimizer sees, and a link fitted to a measured collective 
 
 ``fullshard project --calibrate`` runs these (cli/project.py) and projects with the
 result; on a CPU-only machine that is the only way to a projection of *this* machine.
+
+Note [calibrating on one GPU]
+On a GPU the fitted compute model is an average over published runs; the user's own model
+on the user's own GPU is the better judge of its compute. ``calibrate_device`` times a
+stand-in of the model's shape (projection/standin.py) on this GPU at the micro-batch and
+sequence asked for, with one block and with two: their difference is one block's forward
+and backward, the rest is the embedding, the head and the loss. Two depths, because a
+model that needs the cluster does not fit one GPU whole, and because one depth cannot
+tell a block's time from the rest's. The model's whole micro-batch then takes ``layers x
+block + rest``, and the executed FLOPs the projection counts for it over that time, as a
+fraction of the named device's datasheet peak, become the device's ``efficiency``: the
+projection at one rank reproduces the measured compute, and only extrapolates
+communication, memory and the optimizer (from the datasheet's links and bandwidth) to
+the cluster. Parameters are cast to the compute dtype, as FSDP's mixed precision does;
+the optimizer is left out (the projection prices it apart).
 """
 
 from __future__ import annotations
@@ -16,7 +31,8 @@ import torch.distributed as dist
 from ..core.comm import all_gather, reduce_scatter_sum
 from ..gpt import GPT, GPTConfig, lm_loss
 from .hardware import Device, Link, ProjectionError
-from .shapes import shape_of
+from .shapes import ModelShape, shape_of
+from .standin import StandIn
 
 SWEEP_NUMELS = (2**14, 2**16, 2**18, 2**20, 2**22)
 
@@ -119,3 +135,58 @@ def calibrated_cpu(flops: float, link: Link, bandwidth: float,
     return Device("cpu (calibrated)", flops, mem, bandwidth, efficiency=1.0, overlaps_comm=False,
                   cores=cores, intra=link, inter=link,
                   source="measured on this machine by fullshard project --calibrate")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stand_in_seconds(shape: ModelShape, layers: int, batch: int, seq: int,
+                     device: torch.device, dtype: torch.dtype, steps: int = 5,
+                     warmup: int = 2) -> float:
+    """Seconds of one forward and backward of ``StandIn(shape, layers)`` over ``batch``
+    sequences of ``seq`` tokens on ``device``, its parameters in ``dtype``: the fastest of
+    ``steps`` after ``warmup`` (other work on the machine only ever slows a step, and the
+    difference of two depths magnifies what slows one of them)."""
+    torch.manual_seed(0)
+    model = StandIn(shape, layers).to(device=device, dtype=dtype)
+    x = torch.randint(0, shape.vocab_size, (batch, seq + 1), device=device)
+    times = []
+    for i in range(warmup + steps):
+        _synchronize(device)
+        begin = time.perf_counter()
+        model(x).backward()
+        _synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - begin)
+        model.zero_grad(set_to_none=True)
+    return min(times)
+
+
+def calibrate_device(spec: Device, shape: ModelShape, batch: int, seq: int,
+                     device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                     steps: int = 5) -> tuple[Device, dict[str, float]]:
+    """``spec`` (the datasheet's device) with the efficiency ``shape`` reaches on
+    ``device`` at ``batch`` x ``seq`` (Note [calibrating on one GPU]), and what was measured:
+    seconds of one block (``block``) and of the rest (``rest``), FLOP/s (``flops``)."""
+    one = stand_in_seconds(shape, 1, batch, seq, device, dtype, steps)
+    two = stand_in_seconds(shape, 2, batch, seq, device, dtype, steps)
+    if two <= one:
+        raise ProjectionError(f"calibrating {shape.name}: two blocks took no longer than one "
+                              f"({two * 1e3:.2f} ms against {one * 1e3:.2f} ms), too little "
+                              "work to time; raise --batch or --seq, or calibrate on a quieter "
+                              "machine")
+    block, rest = two - one, max(2 * one - two, 0.0)
+    seconds = shape.n_layers * block + rest
+    # the FLOPs the projection executes for this micro-batch (costs._flat), forward and
+    # backward: at the efficiency below it takes ``seconds`` again
+    flops = 3 * batch * seq * (shape.n_layers * shape.block_forward_flops(seq)
+                               + shape.head_forward_flops) / seconds
+    efficiency = flops / spec.peak_flops
+    if efficiency > 1:
+        raise ProjectionError(f"calibrating {shape.name}: this device ran {flops / 1e12:,.1f} "
+                              f"TFLOP/s, above {spec.name}'s datasheet peak of "
+                              f"{spec.peak_flops / 1e12:,.0f}: name the GPU this is with --gpu")
+    return spec.with_overrides(efficiency=efficiency), {"block": block, "rest": rest,
+                                                         "flops": flops}
