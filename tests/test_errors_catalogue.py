@@ -954,7 +954,7 @@ _TESTED_ELSEWHERE = {
        for code in ("E355", "E381", "E388")},
     **{code: "tests/projection/test_calibrate.py::"
              "test_what_one_gpu_cannot_calibrate_is_refused_in_one_line"
-       for code in ("E389", "E390", "E391")},
+       for code in ("E389", "E390", "E391", "E392")},
     "E380": "tests/projection/test_published.py::"
             "test_the_compile_and_kernels_columns_are_read_and_a_wrong_value_is_refused_by_row_and_column",
     "E310": "tests/projection/test_validation.py::"

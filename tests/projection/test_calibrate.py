@@ -124,6 +124,16 @@ def test_what_one_gpu_cannot_calibrate_is_refused_in_one_line(monkeypatch):
     message = f"ProjectionError: {err.value}"
     assert matches_documented("E391", message) and "\n" not in message, message
 
+    # the GPU's memory runs out while timing: a smaller micro-batch, said in one line
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(calibrate, "stand_in_seconds", out_of_memory)
+    with pytest.raises(ProjectionError) as err:
+        calibrate_device(SPEC, LLAMA, 16, 8192, CPU, torch.float32)
+    message = f"ProjectionError: {err.value}"
+    assert matches_documented("E392", message) and "16 x 8192" in message, message
+
 
 def test_project_calibrate_on_a_gpu_times_the_model_and_projects_it(monkeypatch, capsys):
     # the GPU's part played by this CPU (fullshard.cli.project asks _calibration_gpu), its

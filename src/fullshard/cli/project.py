@@ -18,6 +18,8 @@ import os
 import sys
 from dataclasses import replace
 
+import torch
+
 from ..projection import (SHAPES, Cluster, Device, ModelShape, ProjectionError, Settings,
                           device_named, project, rank_configurations, shape_named, shape_of,
                           train_flags)
@@ -252,8 +254,6 @@ def _calibrate(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, De
 
 def _calibration_gpu():
     """The GPU ``--calibrate`` times a block on, or None on a machine without one."""
-    import torch
-
     return torch.device("cuda") if torch.cuda.is_available() else None
 
 
@@ -264,8 +264,6 @@ def _calibrate_gpu(args: argparse.Namespace, gpu) -> tuple[Device, ModelShape]:
     args.seq = _sequence(args.seq, shape)
     micro = args.batch // args.grad_accum
     device, measured = calibrate_device(_device(args), shape, micro, args.seq, gpu)
-    import torch
-
     name = torch.cuda.get_device_name(gpu) if gpu.type == "cuda" else str(gpu)
     print(f"calibrated on this GPU ({name}): one block of {shape.name} at {micro} x "
           f"{args.seq}, forward and backward, {measured['block'] * 1e3:,.2f} ms, the "

@@ -170,8 +170,14 @@ def calibrate_device(spec: Device, shape: ModelShape, batch: int, seq: int,
     """``spec`` (the datasheet's device) with the efficiency ``shape`` reaches on
     ``device`` at ``batch`` x ``seq`` (Note [calibrating on one GPU]), and what was measured:
     seconds of one block (``block``) and of the rest (``rest``), FLOP/s (``flops``)."""
-    one = stand_in_seconds(shape, 1, batch, seq, device, dtype, steps)
-    two = stand_in_seconds(shape, 2, batch, seq, device, dtype, steps)
+    try:
+        one = stand_in_seconds(shape, 1, batch, seq, device, dtype, steps)
+        two = stand_in_seconds(shape, 2, batch, seq, device, dtype, steps)
+    except torch.OutOfMemoryError:
+        raise ProjectionError(f"calibrating {shape.name}: two of its blocks with the embedding "
+                              f"and head at {batch} x {seq} tokens do not fit this device's "
+                              "memory; calibrate a smaller micro-batch (--batch over "
+                              "--grad-accum) and give the rest as --grad-accum") from None
     if two <= one:
         raise ProjectionError(f"calibrating {shape.name}: two blocks took no longer than one "
                               f"({two * 1e3:.2f} ms against {one * 1e3:.2f} ms), too little "
