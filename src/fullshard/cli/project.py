@@ -268,7 +268,7 @@ def _calibrate_gpu(args: argparse.Namespace, gpu) -> tuple[Device, ModelShape]:
     print(f"calibrated on this GPU ({name}): one block of {shape.name} at {micro} x "
           f"{args.seq}, forward and backward, {measured['block'] * 1e3:,.2f} ms, the "
           f"embedding, head and loss {measured['rest'] * 1e3:,.2f} ms: "
-          f"{measured['flops'] / 1e12:,.1f} TFLOP/s, {device.efficiency:.1%} of "
+          f"{measured['rate'] / 1e12:,.1f} TFLOP/s, {device.efficiency:.1%} of "
           f"{device.name}'s peak")
     return device, shape
 

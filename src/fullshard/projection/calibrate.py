@@ -169,7 +169,7 @@ def calibrate_device(spec: Device, shape: ModelShape, batch: int, seq: int,
                      steps: int = 5) -> tuple[Device, dict[str, float]]:
     """``spec`` (the datasheet's device) with the efficiency ``shape`` reaches on
     ``device`` at ``batch`` x ``seq`` (Note [calibrating on one GPU]), and what was measured:
-    seconds of one block (``block``) and of the rest (``rest``), FLOP/s (``flops``)."""
+    seconds of one block (``block``) and of the rest (``rest``), FLOP/s (``rate``)."""
     try:
         one = stand_in_seconds(shape, 1, batch, seq, device, dtype, steps)
         two = stand_in_seconds(shape, 2, batch, seq, device, dtype, steps)
@@ -187,12 +187,12 @@ def calibrate_device(spec: Device, shape: ModelShape, batch: int, seq: int,
     seconds = shape.n_layers * block + rest
     # the FLOPs the projection executes for this micro-batch (costs._flat), forward and
     # backward: at the efficiency below it takes ``seconds`` again
-    flops = 3 * batch * seq * (shape.n_layers * shape.block_forward_flops(seq)
-                               + shape.head_forward_flops) / seconds
-    efficiency = flops / spec.peak_flops
+    rate = 3 * batch * seq * (shape.n_layers * shape.block_forward_flops(seq)
+                              + shape.head_forward_flops) / seconds
+    efficiency = rate / spec.peak_flops
     if efficiency > 1:
-        raise ProjectionError(f"calibrating {shape.name}: this device ran {flops / 1e12:,.1f} "
+        raise ProjectionError(f"calibrating {shape.name}: this device ran {rate / 1e12:,.1f} "
                               f"TFLOP/s, above {spec.name}'s datasheet peak of "
                               f"{spec.peak_flops / 1e12:,.0f}: name the GPU this is with --gpu")
     return spec.with_overrides(efficiency=efficiency), {"block": block, "rest": rest,
-                                                         "flops": flops}
+                                                         "rate": rate}
