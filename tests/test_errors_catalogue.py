@@ -945,7 +945,7 @@ _TESTED_ELSEWHERE = {
     "E69": "tests/cli/test_launch_flags.py::test_an_incomplete_worker_environment_is_named",
     **{code: "tests/cli/test_project.py::test_bad_input_is_one_line_naming_it"
        for code in ("E125", "E126", "E128", "E129", "E185", "E186", "E187", "E188", "E189",
-                    "E213", "E226", "E227", "E242")},
+                    "E213", "E226", "E227", "E242", "E393")},
     "E332": "tests/conformance/test_fsdp2_compile.py::"
             "test_compiled_sharded_models_train_as_eager_ones",  # compiling: extended
     "E127": "tests/projection/test_settings.py::test_library_sizes_must_be_positive",

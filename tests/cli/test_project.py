@@ -171,6 +171,8 @@ def test_plan_never_recommends_what_the_trainer_cannot_run(tmp_path, capsys):
      "E227"),
     (["project", "--ac-every", "2"], "E242"),
     (["project", "--ac", "selective", "--ac-every", "3"], "E242"),
+    (["project", "--gpu", "b200"], "E393"),
+    (["plan", "--gpus", "64", "--gpu", "mi300x", "--plot", ""], "E393"),
 ])
 def test_bad_input_is_one_line_naming_it(argv, code, capsys, tmp_path):
     paths = {"gpt2_no_layers": _config(tmp_path, "gpt2", {k: v for k, v in GPT2.items()

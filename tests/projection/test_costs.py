@@ -11,6 +11,8 @@ from fullshard.projection import (DEVICES, SHAPES, Cluster, Link, ModelShape, Pr
 from fullshard.projection.comm import collective_seconds
 from fullshard.projection.timeline import UnitCost, step_time
 
+from support.catalogue import matches_documented
+
 
 MIXTRAL = ModelShape("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, False, True,
                      n_experts=8, top_k=2)
@@ -89,3 +91,21 @@ def test_expert_parallelism_that_does_not_fit_is_refused():
                     Settings(strategy, 1, 4096, ep=ep))
     with pytest.raises(ProjectionError, match="ep must be positive"):
         Settings("full_shard", 1, 4096, ep=0)
+
+
+@pytest.mark.parametrize("name", ["b200", "mi300x"])
+def test_a_device_no_published_run_fitted_needs_an_efficiency_or_a_calibration(name):
+    # its datasheet (memory, bandwidth, links) is there; its kernels' rates are not: no
+    # silent 100% of peak, and no Hopper or Ampere constants borrowed
+    dev = DEVICES[name]
+    with pytest.raises(ProjectionError) as err:
+        project(SHAPES["llama3-70b"], Cluster(dev, 64, 8), Settings("full_shard", 1, 4096))
+    message = f"ProjectionError: {err.value}"
+    assert matches_documented("E393", message) and f"--gpu {name}" in message, message
+    given = project(SHAPES["llama3-70b"], Cluster(dev.with_overrides(efficiency=0.4), 64, 8),
+                    Settings("full_shard", 1, 4096))
+    h100 = project(SHAPES["llama3-70b"], Cluster(DEVICES["h100"].with_overrides(
+        efficiency=0.4), 64, 8), Settings("full_shard", 1, 4096))
+    # at one efficiency, the faster peak computes faster; the larger memory holds more
+    assert given.time.compute < h100.time.compute
+    assert given.memory_bytes / dev.memory_bytes < h100.memory_bytes / DEVICES["h100"].memory_bytes

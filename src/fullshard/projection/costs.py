@@ -89,6 +89,12 @@ def compute_seconds(shape: ModelShape, cluster: Cluster, s: Settings,
                     constants: KernelConstants = FITTED) -> list[PassSeconds]:
     """Each unit's compute in one micro-batch (Note [the compute model])."""
     dev = cluster.device
+    if dev.efficiency is None and dev.arch != "cpu" and dev.arch not in constants.matmul:
+        raise ProjectionError(
+            f"{dev.name}: no published run in the data has fitted the compute rates of its "
+            f"architecture ({dev.arch}); give --efficiency E (the fraction of its peak a run "
+            f"of yours reached) or time your model on one: fullshard project --calibrate "
+            f"--gpu {dev.name}")
     if dev.efficiency is not None or dev.arch not in constants.matmul:
         return _flat(shape, cluster, s)
     rates = rates_for(dev.peak_flops, dev.memory_bandwidth, dev.arch, constants)

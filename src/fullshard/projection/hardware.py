@@ -9,15 +9,22 @@ Every figure is a parameter a user can override (``fullshard project --efficienc
   SXM (HBM3, 3.35 TB/s, 700 W), PCIe (756 TFLOP/s, 2.0 TB/s, 350 W, no NVLink switch) and
   the 96 GB HBM2e part run at 500 W in Meta's Grand Teton hosts (2.4 TB/s; a lower
   sustained clock under that cap was fitted, to no effect beyond its slower memory, on the
-  one published run of that part); the H200 (HBM3e, 4.8 TB/s).
+  one published run of that part); the H200 (HBM3e, 4.8 TB/s); the B200 (HGX, 1,000 W:
+  2.25 PFLOP/s, 180 GB of HBM3e at 8 TB/s, NVLink 5) and AMD's MI300X (1,307 TFLOP/s, 192
+  GB of HBM3 at 5.3 TB/s, Infinity Fabric), whose architectures no published run in the
+  data has fitted: projecting them needs ``--efficiency`` or ``--calibrate`` on one
+  (``compute_seconds`` refuses them otherwise, E393).
 - how much of those a training step reaches is the compute model's business
   (compute.py, Note [the compute model]), fitted per architecture (``arch``) to published
   runs; ``efficiency``, when set, replaces it by one achieved fraction of peak on every
   executed FLOP (what ``--efficiency`` sets, and what a calibrated CPU uses).
 - links: what NCCL achieves, not the nominal rate: NVLink 4 (H100/H200 SXM) ~360 GB/s of
   all-gather bus bandwidth per GPU, NVLink 3 (A100) ~230 GB/s, an H100 PCIe's PCIe 5 ~40
-  GB/s; between nodes one 400 Gb/s NIC per GPU (H100/H200) or 200 Gb/s (A100) at ~90%
-  (``inter`` is one GPU's NIC; ``Cluster.link_for`` says how rings spanning nodes use them).
+  GB/s; between nodes one 400 Gb/s NIC per GPU (H100/H200/B200/MI300X) or 200 Gb/s (A100)
+  at ~90% (``inter`` is one GPU's NIC; ``Cluster.link_for`` says how rings spanning nodes
+  use them). NVLink 5 (B200: 900 GB/s each way) and the MI300X's seven Infinity Fabric
+  links (64 GB/s each way each) are taken at NVLink 4's measured share of its nominal rate
+  (360 of 450 GB/s): 720 and 358 GB/s, assumed, not measured (``--intra-gbps`` sets them).
 """
 
 from __future__ import annotations
@@ -77,6 +84,13 @@ DEVICES: dict[str, Device] = {
                    inter=_NIC200, source="A100 SXM 80 GB (HBM2e, 400 W)"),
     "a100-40gb": Device("a100-40gb", 312e12, 40960 * MiB, 1.555e12, "ampere",
                         intra=_NVLINK3, inter=_NIC200, source="A100 SXM 40 GB (HBM2, 400 W)"),
+    # architectures without fitted constants: --efficiency or --calibrate (module docstring)
+    "b200": Device("b200", 2250e12, 180 * GB, 8.0e12, "blackwell",
+                   intra=Link(720 * GB, 10e-6), inter=_NIC400,
+                   source="B200 HGX 180 GB (HBM3e, 1,000 W); no published run fits its rates"),
+    "mi300x": Device("mi300x", 1307.4e12, 192 * GB, 5.3e12, "cdna3",
+                     intra=Link(358 * GB, 10e-6), inter=_NIC400,
+                     source="MI300X 192 GB (HBM3, 750 W); no published run fits its rates"),
 }
 ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h100-96gb": "h100-hbm2e"}
 
