@@ -48,10 +48,9 @@ class _Block(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head).transpose(1, 2)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
-        if self.kv_heads != self.heads:  # grouped-query attention: each group's keys shared
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query attention: SDPA shares each group's keys without copying them
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.kv_heads != self.heads)
         x = x + self.out(y.transpose(1, 2).reshape(b, s, -1))
         h = self.up(self.norm2(x))
         if self.gated:
