@@ -75,7 +75,6 @@ def _timed(one: float, two: float):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [LLAMA, GPT_STYLE], ids=["llama", "gpt"])
 def test_a_gpu_calibration_times_two_depths_and_the_projection_replays_the_whole_model(shape):
-    torch.set_num_threads(1)
     device, measured = calibrate_device(SPEC, shape, 4, 128, CPU, torch.float32, steps=7)
     assert 0 < device.efficiency < 1 and device.peak_flops == SPEC.peak_flops
     predicted = shape.n_layers * measured["block"] + measured["rest"]
