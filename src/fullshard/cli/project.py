@@ -301,12 +301,12 @@ def project_main(argv: list[str]) -> int:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             devices, shape = _calibrate(args, sizes)
             clusters = [Cluster(devices[ws], ws, ws) for ws in sizes]  # one machine
-        elif gpu is not None:
-            device, shape = _calibrate_gpu(args, gpu)
-            clusters = [Cluster(device, ws, min(args.nodes_of, ws)) for ws in sizes]
         else:
-            device, (shape, _) = _device(args), _shape(args)
-            args.seq = _sequence(args.seq, shape)
+            if gpu is not None:
+                device, shape = _calibrate_gpu(args, gpu)
+            else:
+                device, (shape, _) = _device(args), _shape(args)
+                args.seq = _sequence(args.seq, shape)
             clusters = [Cluster(device, ws, min(args.nodes_of, ws)) for ws in sizes]
         strategies = [args.strategy] if args.strategy else list(STRATEGIES)
         # a calibrated CPU trains in fp32: gathers and reductions of 4-byte values

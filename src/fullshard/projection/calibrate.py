@@ -42,23 +42,33 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+def _step_times(step, steps: int, warmup: int, before_each=None) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step()`` after ``warmup`` untimed ones;
+    ``before_each`` runs untimed before every call."""
+    times = []
+    for i in range(warmup + steps):
+        if before_each is not None:
+            before_each()
+        begin = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - begin)
+    return times
+
+
 def median_step_seconds(model: torch.nn.Module, x: torch.Tensor, steps: int, warmup: int,
                         before_each=None) -> float:
     """Median seconds of an AdamW language-model training step on tokens ``x`` (inputs
     and shifted targets), after ``warmup`` steps; ``before_each`` runs untimed first (a
     barrier, when ranks step together)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for i in range(warmup + steps):
-        if before_each is not None:
-            before_each()
-        begin = time.perf_counter()
+
+    def step() -> None:
         lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - begin)
-    return _median(times)
+
+    return _median(_step_times(step, steps, warmup, before_each))
 
 
 def achieved_flops(cfg: GPTConfig, batch: int, seq: int, steps: int = 5,
@@ -152,16 +162,16 @@ def stand_in_seconds(shape: ModelShape, layers: int, batch: int, seq: int,
     torch.manual_seed(0)
     model = StandIn(shape, layers).to(device=device, dtype=dtype)
     x = torch.randint(0, shape.vocab_size, (batch, seq + 1), device=device)
-    times = []
-    for i in range(warmup + steps):
-        _synchronize(device)
-        begin = time.perf_counter()
+
+    def step() -> None:  # the device's work inside the time: synchronized after
         model(x).backward()
         _synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - begin)
+
+    def before_each() -> None:  # untimed: the last step's gradients and pending work
         model.zero_grad(set_to_none=True)
-    return min(times)
+        _synchronize(device)
+
+    return min(_step_times(step, steps, warmup, before_each))
 
 
 def calibrate_device(spec: Device, shape: ModelShape, batch: int, seq: int,

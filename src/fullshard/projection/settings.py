@@ -61,15 +61,12 @@ class Settings:
         if self.quantize != "none" and self.strategy == "no_shard":
             raise ProjectionError("quantize applies to all-gathers and reduce-scatters, "
                                   "which no_shard does not issue")
-        if self.attention not in ATTENTION_KERNELS:
-            raise ProjectionError(f"attention must be one of {', '.join(ATTENTION_KERNELS)} "
-                                  f"(flash attention's generation), got {self.attention!r}")
-        if self.compile not in COMPILE:
-            raise ProjectionError(f"compile must be one of {', '.join(COMPILE)} (what "
-                                  f"torch.compile wraps), got {self.compile!r}")
-        if self.kernels not in KERNELS:
-            raise ProjectionError(f"kernels must be one of {', '.join(KERNELS)} (the blocks' "
-                                  f"elementwise kernels), got {self.kernels!r}")
+        for name, names, what in (("attention", ATTENTION_KERNELS, "flash attention's generation"),
+                                  ("compile", COMPILE, "what torch.compile wraps"),
+                                  ("kernels", KERNELS, "the blocks' elementwise kernels")):
+            if getattr(self, name) not in names:
+                raise ProjectionError(f"{name} must be one of {', '.join(names)} ({what}), "
+                                      f"got {getattr(self, name)!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ProjectionError(f"activation checkpointing must be one of "
                                   f"{', '.join(CHECKPOINTING)}, got {self.checkpointing!r}")

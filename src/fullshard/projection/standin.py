@@ -19,6 +19,11 @@ from .hardware import ProjectionError
 from .shapes import ModelShape
 
 
+def _norm(shape: ModelShape) -> type[nn.Module]:
+    """RMSNorm in a Llama-style (gated MLP) model, LayerNorm in a GPT-style one."""
+    return nn.RMSNorm if shape.gated_mlp else nn.LayerNorm
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -28,9 +33,10 @@ class _Block(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         d, q, kv = shape.d_model, shape.q_width, shape.kv_width
-        norm = nn.RMSNorm if shape.gated_mlp else nn.LayerNorm
-        self.heads, self.kv_heads, self.head = shape.n_heads, shape.n_kv_heads, shape.head_width
-        self.norm1, self.norm2 = norm(d), norm(d)
+        self.heads, self.kv_heads, self.head_width = (shape.n_heads, shape.n_kv_heads,
+                                                      shape.head_width)
+        self.widths = [q, kv, kv]
+        self.norm1, self.norm2 = _norm(shape)(d), _norm(shape)(d)
         self.qkv = nn.Linear(d, q + 2 * kv, bias=False)
         self.out = nn.Linear(q, d, bias=False)
         f = shape.mlp_width
@@ -41,11 +47,10 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
                 ) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(
-            [self.heads * self.head, self.kv_heads * self.head, self.kv_heads * self.head], -1)
-        q = q.view(b, s, self.heads, self.head).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head).transpose(1, 2)
+        q, k, v = self.qkv(self.norm1(x)).split(self.widths, -1)
+        q = q.view(b, s, self.heads, self.head_width).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_width).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_width).transpose(1, 2)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         # grouped-query attention: SDPA shares each group's keys without copying them
@@ -77,7 +82,7 @@ class StandIn(nn.Module):
         self.positions = nn.Embedding(shape.learned_positions, d) \
             if shape.learned_positions else None
         self.blocks = nn.ModuleList(_Block(shape) for _ in range(layers))
-        self.norm = (nn.RMSNorm if shape.gated_mlp else nn.LayerNorm)(d)
+        self.norm = _norm(shape)(d)
         self.head = nn.Linear(d, shape.vocab_size, bias=False)
         if shape.tied:
             self.head.weight = self.embed.weight
